@@ -1,0 +1,18 @@
+"""amod: Mixture-of-Depths routing for timm Vision Transformers, with A-MoD attention routing.
+
+    import timm, amod
+    model = timm.create_model("deit_small_patch16_224", pretrained=True)
+    amod.convert(model, router="attention", capacity=0.125, layers="alternate")
+    amod.set_capacity(model, 0.5)
+    print(amod.flops(model))
+"""
+from .checkpoint import load, save
+from .config import MoDConfig
+from .convert import convert, get_config, mod_blocks, set_capacity, set_recording
+from .cost import CostReport, count_flops, flops, isoflop_baseline
+
+__all__ = [
+    "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
+    "flops", "count_flops", "isoflop_baseline", "save", "load",
+]
+__version__ = "0.1.0"

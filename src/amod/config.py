@@ -1,0 +1,97 @@
+"""The Mixture-of-Depths configuration that travels with a converted model and its checkpoints."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .routers import ROUTER_CLASSES
+
+ROUTERS = tuple(ROUTER_CLASSES)
+LAYER_PRESETS = ("alternate", "later")
+
+
+@dataclass
+class MoDConfig:
+    """How a ViT was converted to Mixture-of-Depths.
+
+    Stored on the converted model (``model.amod_config``) and inside every checkpoint.
+    """
+
+    router: str = "attention"  # which router ranks tokens: one of ROUTERS
+    capacity: float = 0.5  # share C of patch tokens each MoD block processes: k = ceil(C * N_patches)
+    layers: list[int] = field(default_factory=list)  # resolved indices of the MoD blocks
+    scale_output: bool = False  # multiply a processed token's block output by its router gate
+    seed: int = 0  # seed of the random router (ignored by the others)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "MoDConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown MoD config keys {sorted(unknown)}; known keys: {sorted(known)}")
+        return cls(**data)
+
+
+def validate_capacity(capacity: Any) -> float:
+    """Return ``capacity`` as a float, or raise a ValueError that says what is allowed."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)):
+        raise ValueError(f"capacity must be a number in (0, 1], got {capacity!r}")
+    capacity = float(capacity)
+    if math.isnan(capacity) or not 0.0 < capacity <= 1.0:
+        raise ValueError(f"capacity must be in (0, 1] (the share of patch tokens processed), got {capacity}")
+    return capacity
+
+
+def validate_router(router: Any) -> str:
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; supported routers: {', '.join(ROUTERS)}")
+    return router
+
+
+def resolve_layers(layers: Any, depth: int, router: str) -> list[int]:
+    """Turn a layer spec into a sorted list of block indices.
+
+    Args:
+        layers: ``"alternate"`` (blocks 1, 3, 5, ...), ``"later"`` (the alternate blocks in the second
+            half of the network) or an explicit sequence of block indices.
+        depth: number of blocks in the model.
+        router: the router; an attention router cannot sit on block 0, which has no previous attention.
+    """
+    if isinstance(layers, str):
+        if layers == "alternate":
+            indices = list(range(1, depth, 2))
+        elif layers == "later":
+            indices = [i for i in range(1, depth, 2) if i >= depth // 2]
+        else:
+            raise ValueError(
+                f"unknown layers preset {layers!r}; use one of {', '.join(LAYER_PRESETS)} or a list of block indices"
+            )
+    else:
+        try:
+            indices = list(layers)
+        except TypeError:
+            raise ValueError(
+                f"layers must be one of {', '.join(LAYER_PRESETS)} or a list of block indices, got {layers!r}"
+            ) from None
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise ValueError(f"layer indices must be integers, got {i!r}")
+            if not 0 <= i < depth:
+                raise ValueError(f"layer index {i} is out of range: the model has blocks 0..{depth - 1}")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"layer indices must be unique, got {indices}")
+        indices = sorted(indices)
+    if not indices:
+        raise ValueError(f"layers {layers!r} selects no block in a model of depth {depth}")
+    if router == "attention" and indices[0] == 0:
+        raise ValueError(
+            "the attention router cannot route block 0: it reads the attention of the previous block, "
+            "and block 0 has none; start at block 1 or later"
+        )
+    return indices

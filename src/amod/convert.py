@@ -1,0 +1,160 @@
+"""Turn a timm Vision Transformer into a Mixture-of-Depths model, in place.
+
+A policy registry maps supported model classes to a converter, so a new family is one function.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+from timm.layers import Attention
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+
+from .block import MoDBlock, ScoreHandoff, ScoringAttention
+from .config import MoDConfig, resolve_layers, validate_capacity, validate_router
+from .routers import ROUTER_CLASSES, build_router
+
+LayersSpec = Union[str, Sequence[int]]
+
+# model class -> function(model, config) that converts it in place
+POLICIES: dict[type, Callable[[nn.Module, MoDConfig], None]] = {}
+
+
+def register_policy(cls: type) -> Callable:
+    """Decorator: register a converter for ``cls`` (and its subclasses)."""
+
+    def wrap(fn: Callable[[nn.Module, MoDConfig], None]) -> Callable[[nn.Module, MoDConfig], None]:
+        POLICIES[cls] = fn
+        return fn
+
+    return wrap
+
+
+def _find_policy(model: nn.Module) -> Callable[[nn.Module, MoDConfig], None]:
+    for cls in type(model).__mro__:
+        if cls in POLICIES:
+            return POLICIES[cls]
+    supported = ", ".join(sorted(c.__name__ for c in POLICIES))
+    raise TypeError(
+        f"amod cannot convert {type(model).__name__}: supported model classes are {supported} "
+        "(timm's vit_*, deit_*, deit3_*, *_reg*, *_dinov2 models)"
+    )
+
+
+def default_scale_output(router: str) -> bool:
+    """The standard router scales block outputs by its gate (that is how it learns); the others do not."""
+    return router == "standard"
+
+
+def convert(
+    model: nn.Module,
+    router: str = "attention",
+    capacity: float = 0.5,
+    layers: LayersSpec = "alternate",
+    scale_output: Optional[bool] = None,
+    seed: int = 0,
+) -> nn.Module:
+    """Convert a timm ViT into a Mixture-of-Depths model, in place; returns the same model.
+
+    Weights and state_dict keys stay as they were (the standard router adds ``blocks.i.router.*``).
+
+    Args:
+        model: a timm ``VisionTransformer`` (vit_*, deit_* incl. distilled, deit3_*, *_reg*, *_dinov2).
+        router: ``"attention"`` (A-MoD, parameter-free), ``"standard"`` (learned linear) or ``"random"``.
+        capacity: share C in (0, 1] of patch tokens each MoD block processes; k = ceil(C * N_patches).
+        layers: ``"alternate"`` (blocks 1, 3, 5, ...), ``"later"`` (alternate blocks in the second
+            half) or a list of block indices.
+        scale_output: multiply processed tokens' block updates by their router gate; default True for
+            the standard router, False for the others.
+        seed: seed of the random router.
+    """
+    router = validate_router(router)
+    capacity = validate_capacity(capacity)
+    if scale_output is None:
+        scale_output = default_scale_output(router)
+    if not isinstance(scale_output, bool):
+        raise ValueError(f"scale_output must be True, False or None, got {scale_output!r}")
+    if getattr(model, "amod_config", None) is not None:
+        raise ValueError("model is already converted; use amod.set_capacity to change its capacity")
+    policy = _find_policy(model)
+    depth = len(getattr(model, "blocks", ()))
+    config = MoDConfig(router=router, capacity=capacity, layers=resolve_layers(layers, depth, router),
+                       scale_output=scale_output, seed=int(seed))
+    policy(model, config)
+    model.amod_config = config
+    return model
+
+
+@register_policy(VisionTransformer)
+def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
+    blocks = model.blocks
+    for i in config.layers:
+        _check_block(blocks[i], i)
+    router_needs_attention = ROUTER_CLASSES[config.router].needs_attention
+    for i in config.layers:
+        blk = blocks[i]
+        blk.__class__ = MoDBlock
+        dim = blk.norm1.normalized_shape[0] if hasattr(blk.norm1, "normalized_shape") else blk.attn.qkv.in_features
+        blk.router = build_router(config.router, dim, seed=config.seed + i)
+        blk.router.to(device=blk.attn.qkv.weight.device, dtype=blk.attn.qkv.weight.dtype)
+        blk.amod_capacity = config.capacity
+        blk.amod_num_prefix = model.num_prefix_tokens
+        blk.amod_scale_output = config.scale_output
+        blk.amod_in_handoff = None
+        blk.amod_out_handoff = None
+        blk.amod_record = False
+    if router_needs_attention:
+        for i in config.layers:
+            _check_block(blocks[i - 1], i - 1)
+            handoff = ScoreHandoff()
+            prev = blocks[i - 1]
+            prev.attn.__class__ = ScoringAttention
+            prev.attn.amod_handoff = handoff
+            # Gradients through the scores are only needed when they scale the output.
+            prev.attn.amod_scores_need_grad = config.scale_output
+            if isinstance(prev, MoDBlock):
+                prev.amod_out_handoff = handoff
+            blocks[i].amod_in_handoff = handoff
+
+
+def _check_block(blk: nn.Module, index: int) -> None:
+    if type(blk) not in (Block, MoDBlock):
+        raise TypeError(
+            f"block {index} is a {type(blk).__name__}; amod converts timm's pre-norm "
+            "timm.models.vision_transformer.Block only"
+        )
+    if type(blk.attn) not in (Attention, ScoringAttention):
+        raise TypeError(
+            f"block {index} uses {type(blk.attn).__name__}; amod supports timm.layers.Attention only"
+        )
+
+
+def get_config(model: nn.Module) -> MoDConfig:
+    """The ``MoDConfig`` of a converted model; raises if the model was not converted."""
+    config = getattr(model, "amod_config", None)
+    if config is None:
+        raise ValueError("model is not an amod MoD model; convert it with amod.convert first")
+    return config
+
+
+def mod_blocks(model: nn.Module) -> list[tuple[int, MoDBlock]]:
+    """(index, block) for every MoD block of a converted model."""
+    return [(i, b) for i, b in enumerate(model.blocks) if isinstance(b, MoDBlock)]
+
+
+def set_capacity(model: nn.Module, capacity: float) -> nn.Module:
+    """Change the capacity of every MoD block of a converted model, in place (inference or training)."""
+    capacity = validate_capacity(capacity)
+    config = get_config(model)
+    for _, blk in mod_blocks(model):
+        blk.amod_capacity = capacity
+    config.capacity = capacity
+    return model
+
+
+def set_recording(model: nn.Module, enabled: bool = True) -> None:
+    """Keep each MoD block's kept patch indices of the last forward in ``block.amod_last_index``."""
+    for _, blk in mod_blocks(model):
+        blk.amod_record = enabled
+        if not enabled:
+            blk.__dict__.pop("amod_last_index", None)

@@ -1,0 +1,107 @@
+"""Routers: how an MoD block ranks its patch tokens, and the gate applied when outputs are scaled.
+
+Each router maps the block input's patch tokens (and, for A-MoD, the previous block's attention
+scores) to one score per patch token. Top-k on those scores picks the tokens the block processes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .routing import mean_normalized_gate
+
+
+class Router(nn.Module):
+    """Base class. ``needs_attention`` routers read the previous block's received-attention scores."""
+
+    needs_attention: bool = False
+    learnable: bool = False
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        """(B, n, D) patch tokens -> (B, n) scores."""
+        raise NotImplementedError
+
+    def gate(self, kept_scores: torch.Tensor) -> torch.Tensor:
+        """(B, k) scores of the kept tokens -> (B, k) multipliers of their block output."""
+        return mean_normalized_gate(kept_scores)
+
+
+class AttentionRouter(Router):
+    """A-MoD (paper Eqs. 4-5): rank by the mean attention each token received in the previous block.
+
+    No parameters. The scores arrive from the previous block (see ``amod.block``).
+    """
+
+    needs_attention = True
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        if attention_scores is None:
+            raise RuntimeError(
+                "the attention router found no scores from the previous block; blocks must run in order "
+                "(model.blocks as a sequence), as timm's forward does"
+            )
+        return attention_scores
+
+
+class StandardRouter(Router):
+    """Learned linear router (Raposo et al. 2024; paper Eqs. 1-2): r_i = w . x_i + b.
+
+    The gate is g_i = 2 sigmoid(r_i) rather than the raw r_i of Eq. 2: with the weights initialised
+    small (truncated normal, std 0.02; bias 0), r_i is near 0, so g_i starts near 1 and a pretrained
+    block keeps its function when converted, while d g / d r = 0.5 at 0 lets the gradient reach w.
+    (A raw r_i near 0 would multiply every processed token's update by about 0.) The ranking is the
+    same as by r_i, since the sigmoid is monotonic.
+    """
+
+    learnable = True
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 1)
+        nn.init.trunc_normal_(self.proj.weight, std=0.02)
+        nn.init.zeros_(self.proj.bias)
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.proj(x_patch).squeeze(-1)  # (B, n)
+
+    def gate(self, kept_scores: torch.Tensor) -> torch.Tensor:
+        return 2.0 * torch.sigmoid(kept_scores)
+
+
+class RandomRouter(Router):
+    """Control: a uniformly random subset of patch tokens, reproducible from ``seed``.
+
+    Each forward draws fresh scores from a generator seeded with (seed, call number), so two models
+    converted with the same seed route identically, call for call.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.seed = int(seed)
+        self.calls = 0
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        gen = torch.Generator(device=x_patch.device)
+        gen.manual_seed(self.seed * 1_000_003 + self.calls)
+        self.calls += 1
+        return torch.rand(x_patch.shape[:2], generator=gen, device=x_patch.device, dtype=torch.float32)
+
+
+ROUTER_CLASSES: dict[str, type[Router]] = {
+    "attention": AttentionRouter,
+    "standard": StandardRouter,
+    "random": RandomRouter,
+}
+
+
+def build_router(name: str, dim: int, seed: int = 0) -> Router:
+    """Make the router ``name`` for blocks of width ``dim``."""
+    if name not in ROUTER_CLASSES:
+        raise ValueError(f"unknown router {name!r}; supported routers: {', '.join(ROUTER_CLASSES)}")
+    if name == "standard":
+        return StandardRouter(dim)
+    if name == "random":
+        return RandomRouter(seed)
+    return ROUTER_CLASSES[name]()

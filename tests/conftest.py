@@ -1,0 +1,34 @@
+"""Small registered timm models, one per supported family, cheap enough for the CPU."""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+# (timm name, overrides): every family amod supports, shrunk to a few ms per forward.
+FAMILIES = {
+    "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=4)),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=32, patch_size=8, depth=4)),
+    "deit3_layerscale": ("deit3_small_patch16_224", dict(img_size=32, patch_size=8, depth=4, embed_dim=96, num_heads=3)),
+    "registers": ("vit_base_patch16_reg4_gap_256", dict(img_size=32, patch_size=8, depth=4, embed_dim=96, num_heads=3)),
+    "dinov2_reg": ("vit_small_patch14_reg4_dinov2", dict(img_size=28, patch_size=7, depth=4, embed_dim=96, num_heads=3)),
+    "qk_norm": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=4, qk_norm=True)),
+}
+
+
+def make_model(family: str = "vit", seed: int = 0, **extra) -> torch.nn.Module:
+    name, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False, num_classes=10, **{**kwargs, **extra})
+    return model.eval()
+
+
+def images(model: torch.nn.Module, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    h, w = model.patch_embed.img_size
+    return torch.randn(batch, 3, h, w, generator=g)
+
+
+@pytest.fixture
+def tiny_vit():
+    return make_model("vit")

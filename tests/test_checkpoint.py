@@ -1,0 +1,59 @@
+"""Save -> load round trips, and refusals for files that do not fit."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import images, make_model
+
+import amod
+
+
+@pytest.mark.parametrize("family", ["vit", "deit_distilled", "dinov2_reg", "qk_norm"])
+@pytest.mark.parametrize("router", [None, "attention", "standard"])
+def test_save_load_round_trip_gives_identical_logits(tmp_path, family, router):
+    model = make_model(family)
+    if router:
+        amod.convert(model, router=router, capacity=0.4, layers=[1, 2])
+        if router == "standard":  # make the router weights matter
+            torch.nn.init.normal_(model.blocks[1].router.proj.weight)
+    path = amod.save(model, tmp_path / "m.safetensors")
+    loaded = amod.load(path).eval()
+    x = images(model, 3)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    if router:
+        assert amod.get_config(loaded) == amod.get_config(model)
+    else:
+        assert getattr(loaded, "amod_config", None) is None
+
+
+def test_pretrained_dense_weights_load_into_a_converted_model():
+    dense = make_model("deit3_layerscale")
+    mod = amod.convert(make_model("deit3_layerscale", seed=5), router="attention", capacity=1.0)
+    mod.load_state_dict(dense.state_dict())  # strict: the keys are unchanged
+    x = images(dense)
+    with torch.no_grad():
+        assert (mod(x) - dense(x)).abs().max() < 1e-5
+
+
+def test_corrupt_and_foreign_files_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        amod.load(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="is not a readable safetensors checkpoint"):
+        amod.load(junk)
+    from safetensors.torch import save_file
+
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.zeros(2)}, str(foreign))
+    with pytest.raises(ValueError, match="was not written by amod.save"):
+        amod.load(foreign)
+    good = amod.save(make_model("vit"), tmp_path / "good.safetensors")
+    data = bytearray(good.read_bytes())
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(ValueError, match="truncated.safetensors"):
+        amod.load(truncated)

@@ -1,0 +1,44 @@
+"""attention_with_scores against the naive formula, on every path and dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from amod.ops import attention_scores_explicit, attention_with_scores
+
+
+def naive(q, k, v, scale):
+    attn = ((q.double() @ k.double().transpose(-2, -1)) * scale).softmax(-1)  # (B, H, N, N)
+    return attn @ v.double(), attn.sum(dim=(1, 2)) / (q.shape[1] * q.shape[2])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 2), h=st.integers(1, 4), n=st.integers(1, 300), d=st.sampled_from([8, 32, 64]),
+    tile=st.sampled_from([1, 7, 64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_scores_match_naive(b, h, n, d, tile, dtype):
+    g = torch.Generator().manual_seed(n * 7 + d)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).mul(2).to(dtype) for _ in range(3))
+    scale = d ** -0.5
+    ref_out, ref_scores = naive(q, k, v, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for out, scores in (attention_with_scores(q, k, v, tile=tile), attention_scores_explicit(q, k, v)):
+        assert scores.shape == (b, n) and scores.dtype == torch.float32
+        torch.testing.assert_close(scores.double(), ref_scores, rtol=tol, atol=tol / n)
+        torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol * 4)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=tol, atol=tol * 4)
+
+
+def test_bad_inputs_are_refused():
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"q must have shape \(B, H, N, D\)"):
+        attention_with_scores(q[0], q, q)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        attention_with_scores(q, q.double(), q)
+    with pytest.raises(ValueError, match="do not match"):
+        attention_with_scores(q, torch.randn(1, 2, 5, 4), q)
+    with pytest.raises(ValueError, match="floating-point"):
+        attention_with_scores(q.long(), q.long(), q.long())
