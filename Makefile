@@ -35,7 +35,7 @@ data:
 	fi
 
 demo: venv data
-	$(BIN)/amod flops deit_tiny_patch16_224 deit_small_patch16_224 vit_base_patch16_224 vit_large_patch16_224
+	$(BIN)/amod demo --out runs/demo
 
 test: dev data
 	$(BIN)/python -m pytest -q

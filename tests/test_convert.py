@@ -197,3 +197,30 @@ def test_unsupported_models_and_misuse_are_refused():
     assert [i for i, _ in amod.mod_blocks(model)] == [1, 3]
     assert isinstance(model.blocks[1], MoDBlock)
     assert amod.get_config(amod.convert(make_model("vit"), layers="later")).layers == [3]
+
+
+def test_control_routers_shuffle_and_invert_the_attention_scores():
+    from amod.routers import InverseAttentionRouter, ShuffledAttentionRouter
+
+    scores = torch.rand(3, 20)
+    x = torch.zeros(3, 20, 8)
+    shuffled = ShuffledAttentionRouter(seed=1)
+    a, b = shuffled.score(x, scores), shuffled.score(x, scores)
+    assert torch.equal(a.sort(dim=1).values, scores.sort(dim=1).values)  # exactly the same multiset per image
+    assert not torch.equal(a, scores) and not torch.equal(a, b)  # permuted, afresh each call
+    assert torch.equal(ShuffledAttentionRouter(seed=1).score(x, scores), a)  # seeded
+    inverse = InverseAttentionRouter().score(x, scores)
+    assert torch.equal(inverse.topk(5, dim=1).indices.sort(1).values, (-scores).topk(5, dim=1).indices.sort(1).values)
+    # in a model: the inverse router keeps exactly the tokens A-MoD skips, at capacity 0.5
+    model = make_model("vit")
+    att = amod.convert(copy.deepcopy(model), router="attention", capacity=0.5, layers=[1])
+    inv = amod.convert(copy.deepcopy(model), router="inverse-attention", capacity=0.5, layers=[1])
+    amod.set_recording(att), amod.set_recording(inv)
+    x = images(model, 2)
+    with torch.no_grad():
+        att(x), inv(x)
+    kept_a, kept_i = att.blocks[1].amod_last_index, inv.blocks[1].amod_last_index
+    for row_a, row_i in zip(kept_a.tolist(), kept_i.tolist()):
+        assert sorted(row_a + row_i) == list(range(16))
+    with pytest.raises(ValueError, match="the shuffled-attention router cannot route block 0"):
+        amod.convert(make_model("vit"), router="shuffled-attention", layers=[0, 1])

@@ -74,7 +74,7 @@ def test_isoflop_baseline_matches_cost_and_keeps_pretrained_blocks(capacity):
 def test_cli_flops_prints_the_table_and_fails_cleanly():
     run = subprocess.run([sys.executable, "-m", "amod", "flops", "deit_tiny_patch16_224", "--capacity", "1", "0.125"],
                          capture_output=True, text=True, check=True)
-    assert "deit_tiny_patch16_224" in run.stdout and "1.254" in run.stdout and "0.604" in run.stdout
+    assert "deit_tiny_patch16_224" in run.stdout and "1.254" in run.stdout and "0.568" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "amod", "flops", "no_such_model"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "amod flops: error: unknown timm model 'no_such_model'"
     bad = subprocess.run([sys.executable, "-m", "amod", "flops", "deit_tiny_patch16_224", "--capacity", "2"],

@@ -17,15 +17,16 @@ def naive(q, k, v, scale):
 @settings(max_examples=30, deadline=None)
 @given(
     b=st.integers(1, 2), h=st.integers(1, 4), n=st.integers(1, 300), d=st.sampled_from([8, 32, 64]),
-    tile=st.sampled_from([1, 7, 64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    tile=st.sampled_from([None, 1, 7, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    method=st.sampled_from(["lse", "onepass"]),
 )
-def test_scores_match_naive(b, h, n, d, tile, dtype):
+def test_scores_match_naive(b, h, n, d, tile, dtype, method):
     g = torch.Generator().manual_seed(n * 7 + d)
     q, k, v = (torch.randn(b, h, n, d, generator=g).mul(2).to(dtype) for _ in range(3))
     scale = d ** -0.5
     ref_out, ref_scores = naive(q, k, v, scale)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for out, scores in (attention_with_scores(q, k, v, tile=tile), attention_scores_explicit(q, k, v)):
+    for out, scores in (attention_with_scores(q, k, v, tile=tile, method=method), attention_scores_explicit(q, k, v)):
         assert scores.shape == (b, n) and scores.dtype == torch.float32
         torch.testing.assert_close(scores.double(), ref_scores, rtol=tol, atol=tol / n)
         torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol * 4)
@@ -42,3 +43,30 @@ def test_bad_inputs_are_refused():
         attention_with_scores(q, torch.randn(1, 2, 5, 4), q)
     with pytest.raises(ValueError, match="floating-point"):
         attention_with_scores(q.long(), q.long(), q.long())
+
+
+def test_triton_kernel_under_the_interpreter():
+    """The CUDA score kernel, run on the CPU by Triton's interpreter, against the naive formula."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from amod.kernels.triton_scores import received_attention_triton
+worst = 0.0
+for b, h, n, d, dtype in [(1, 2, 5, 32, torch.float32), (2, 3, 70, 64, torch.float32), (1, 2, 33, 128, torch.bfloat16),
+                          (1, 1, 130, 48, torch.float32), (1, 2, 17, 96, torch.bfloat16)]:
+    g = torch.Generator().manual_seed(n)
+    q, k = (torch.randn(b, h, n, d, generator=g).mul(2).to(dtype) for _ in range(2))
+    got = received_attention_triton(q, k, d ** -0.5, block_m=16, block_n=16).double()
+    ref = ((q.double() @ k.double().transpose(-1, -2)) * d ** -0.5).softmax(-1).sum((1, 2)) / (h * n)
+    assert got.shape == (b, n)
+    worst = max(worst, ((got - ref).abs() / ref).max().item())
+print(worst)
+"""
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert float(res.stdout.strip()) < 1e-5

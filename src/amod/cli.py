@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import os
 from typing import Callable, Optional, Sequence
 
+from .config import ROUTERS
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+ROUTER_NAMES = list(ROUTERS)
+RUN_META = {"command", "config", "resume", "debug"}
 
 
 def parse_layers(text: str):
@@ -17,6 +22,14 @@ def parse_layers(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--layers must be 'alternate', 'later' or comma-separated block indices, got {text!r}") from None
+
+
+def parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "yes", "1", "on"):
+        return True
+    if text.lower() in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _cmd_flops(args: argparse.Namespace) -> int:
@@ -51,16 +64,286 @@ def _cmd_flops(args: argparse.Namespace) -> int:
 COMMANDS["flops"] = _cmd_flops
 
 
+def _setup_logging(out: Optional[str] = None) -> None:
+    """Plain lines on stderr (rank 0 only under torchrun), and a copy in the run directory."""
+    import logging
+    from pathlib import Path
+
+    log = logging.getLogger("amod")
+    log.handlers.clear()
+    log.propagate = False
+    rank0 = os.environ.get("RANK", "0") == "0"
+    log.setLevel(logging.INFO if rank0 else logging.WARNING)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    if out and rank0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(Path(out) / "train.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(fh)
+
+
+def resolve_run_config(args: argparse.Namespace, finetune: bool):
+    """RunConfig from: defaults (or the checkpoint's config when resuming) <- --config YAML <- flags."""
+    from pathlib import Path
+
+    from .engine import load_training_checkpoint
+    from .run import RunConfig, load_yaml_config
+
+    flags = {k: v for k, v in vars(args).items() if k not in RUN_META}
+    base = RunConfig(eval_before_training=finetune).to_dict()
+    yaml_values = load_yaml_config(args.config) if args.config else {}
+    if args.resume:  # the run's own settings; anything given again must agree (checked in train)
+        out = flags.get("out", yaml_values.get("out", base["out"]))
+        base = load_training_checkpoint(Path(out) / "checkpoint.pt")["config"]
+    base.update(yaml_values)
+    base.update(flags)
+    cfg = RunConfig.from_dict(base, args.config or "options")
+    if finetune and not args.resume and not (cfg.pretrained or cfg.checkpoint):
+        raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
+    return cfg
+
+
+def _cmd_train(args: argparse.Namespace, finetune: bool = False) -> int:
+    import json
+
+    from .run import train
+
+    cfg = resolve_run_config(args, finetune)
+    _setup_logging(cfg.out)
+    summary = train(cfg, resume=args.resume)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(summary))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .checkpoint import load
+    from .convert import set_capacity
+    from .cost import flops
+    from .data import build_datasets
+    from .engine import Dist, evaluate, make_loader
+
+    _setup_logging()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load(args.checkpoint, device)
+    if args.capacity is not None:
+        set_capacity(model, args.capacity)
+    img_size = args.img_size or model.patch_embed.img_size[0]
+    _, val, info = build_datasets(args.data, img_size, None, args.val_limit)
+    if info.num_classes != model.num_classes or info.in_chans != model.patch_embed.proj.in_channels:
+        raise ValueError(f"the model ({model.num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
+                         f"does not fit {info.name} ({info.num_classes} classes, {info.in_chans} channels)")
+    dist_info = Dist(device=device)
+    loader = make_loader(val, args.batch_size, False, 0, 0, dist_info)
+    metrics = evaluate(model, loader, device, args.amp, dist_info, progress=not args.json)
+    metrics["macs"] = flops(model, img_size).macs
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        print(f"top1 {metrics['top1']:.4f}  top5 {metrics['top5']:.4f}  loss {metrics['loss']:.4f}  "
+              f"{metrics['macs'] / 1e6:.2f} MMACs/image  {metrics['images_per_s']:.0f} images/s  "
+              f"({metrics['images']} images)")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    _setup_logging(args.out)
+    run_demo(args.out, quick=args.quick)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import run_bench
+    from .config import validate_capacity
+
+    result = run_bench(args.model, args.router, validate_capacity(args.capacity), args.layers, args.batch_size,
+                       args.img_size, args.repeats, args.warmup, args.amp, args.device, memory=not args.no_memory)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    d, m = result["dense"], result["mod"]
+    mem = lambda v: "n/a" if v is None else f"{v:.0f} MiB"  # noqa: E731
+    print(f"{args.model} {result['img_size'][0]}x{result['img_size'][1]} batch {args.batch_size} on {result['device']}"
+          f" ({result['threads']} threads), median of {args.repeats} interleaved runs after {args.warmup} warm-ups")
+    print(f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}")
+    print(f"  dense (timm)        {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs  peak {mem(d['peak_mem_mb'])}")
+    print(f"  {args.router}@{args.capacity:<10g}   {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs  "
+          f"peak {mem(m['peak_mem_mb'])}")
+    print(f"  speed-up {result['speedup']:.3f}x  FLOP bound {result['flop_speedup']:.3f}x  "
+          f"efficiency {result['efficiency']:.3f}")
+    return 0
+
+
+COMMANDS["bench"] = _cmd_bench
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from .analysis import attention_stats, kept_positions, leave_one_out, routing_figure
+    from .checkpoint import load
+    from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets
+
+    _setup_logging()
+    model = load(args.checkpoint).eval()
+    _, val, info = build_datasets(args.data, model.patch_embed.img_size[0], None, None)
+    n = min(args.images, len(val))
+    xs = torch.stack([val[i][0] for i in range(n)])
+    ys = torch.tensor([val[i][1] for i in range(n)])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.analysis == "loo":
+        result = leave_one_out(model, xs, ys, tokens=args.tokens)
+        summary = {str(k): {"router": v["router"], "random": v["random"]} for k, v in result["layers"].items()}
+        print(json.dumps(summary))
+    elif args.analysis == "routing":
+        gray = info.in_chans == 1
+        png = routing_figure(model, xs[: min(n, 8)], out / "routing.png",
+                             mean=(FASHION_MNIST_MEAN,) if gray else (0.485, 0.456, 0.406),
+                             std=(FASHION_MNIST_STD,) if gray else (0.229, 0.224, 0.225))
+        masks = kept_positions(model, xs)
+        result = {str(k): m.float().mean(dim=0).tolist() for k, m in masks.items()}  # how often each position is kept
+        print(f"routing pictures: {png}")
+    else:
+        result = {str(k): v for k, v in attention_stats(model, xs).items()}
+        print(json.dumps(result))
+    (out / f"{args.analysis}.json").write_text(json.dumps(result, indent=1, default=float))
+    return 0
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from .study import StudyConfig, run_study
+
+    _setup_logging(args.out)
+    if args.quick:
+        cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=(0.5,), seeds=2,
+                          epochs=1, train_limit=256, val_limit=128, loo_images=2, loo_tokens=4, quick=True)
+    else:
+        cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=tuple(args.capacity),
+                          seeds=args.seeds, epochs=args.epochs, train_limit=args.train_limit)
+    print(run_study(cfg))
+    return 0
+
+
+COMMANDS["analyze"] = _cmd_analyze
+COMMANDS["study"] = _cmd_study
+COMMANDS["train"] = _cmd_train
+COMMANDS["finetune"] = lambda args: _cmd_train(args, finetune=True)
+COMMANDS["eval"] = _cmd_eval
+COMMANDS["demo"] = _cmd_demo
+
+
+def _add_run_options(p: argparse.ArgumentParser, finetune: bool) -> None:
+    """Options shared by train and finetune. Defaults live in RunConfig; SUPPRESS tells given flags apart."""
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=S, help="timm model name (default vit_tiny_patch16_224)")
+    if finetune:
+        g.add_argument("--pretrained", action="store_true", default=S, help="timm's pretrained weights (model hub)")
+        g.add_argument("--checkpoint", default=S, help="start from a file: amod .safetensors or timm/DeiT .pth")
+    for name in ("img-size", "patch-size", "depth", "embed-dim", "num-heads", "num-classes"):
+        g.add_argument(f"--{name}", type=int, default=S)
+    g.add_argument("--drop-path", type=float, default=S)
+    g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
+    g.add_argument("--router", choices=ROUTER_NAMES, default=S)
+    g.add_argument("--capacity", type=float, default=S)
+    g.add_argument("--layers", type=parse_layers, default=S, help="alternate | later | 1,3,5")
+    g.add_argument("--scale-output", type=parse_bool, default=S, help="true | false (default: per router)")
+    g.add_argument("--isoflop", action="store_true", default=S,
+                   help="train the dense isoFLOP baseline of --router/--capacity/--layers instead")
+    g = p.add_argument_group("data and optimisation")
+    g.add_argument("--data", default=S, help="fashion-mnist | imagefolder:PATH | flowers102 | oxford-pets | "
+                                             "stanford-cars | imagenet")
+    g.add_argument("--train-limit", type=int, default=S, help="train on a fixed random subset of N images")
+    g.add_argument("--val-limit", type=int, default=S)
+    g.add_argument("--workers", type=int, default=S)
+    g.add_argument("--epochs", type=int, default=S)
+    g.add_argument("--batch-size", type=int, default=S)
+    g.add_argument("--lr", type=float, default=S)
+    g.add_argument("--warmup-epochs", type=float, default=S)
+    g.add_argument("--weight-decay", type=float, default=S)
+    g.add_argument("--label-smoothing", type=float, default=S)
+    g.add_argument("--clip-grad", type=float, default=S)
+    g.add_argument("--seed", type=int, default=S)
+    g.add_argument("--amp", choices=["off", "bf16"], default=S)
+    g.add_argument("--out", default=S, help="run directory (default runs/run)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--config", help="YAML file of options; flags override it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amod", description="Mixture-of-Depths routing for timm ViTs")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("flops", help="analytic cost table for timm ViTs and MoD capacities")
     p.add_argument("models", nargs="+", help="timm model names")
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
-    p.add_argument("--router", default="attention", choices=["attention", "standard", "random"])
+    p.add_argument("--router", default="attention", choices=ROUTER_NAMES)
     p.add_argument("--layers", type=parse_layers, default="alternate")
     p.add_argument("--img-size", type=int, default=None)
+
+    _add_run_options(sub.add_parser("train", help="train a model from scratch (dense or MoD)"), finetune=False)
+    _add_run_options(sub.add_parser("finetune", help="convert a pretrained model to MoD and train it"), finetune=True)
+
+    p = sub.add_parser("eval", help="accuracy, loss, cost and speed of a saved model")
+    p.add_argument("--checkpoint", required=True, help="model.safetensors of a run (or any amod.save file)")
+    p.add_argument("--data", default="fashion-mnist")
+    p.add_argument("--img-size", type=int, default=None)
+    p.add_argument("--val-limit", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--capacity", type=float, default=None, help="evaluate an MoD model at another capacity")
+    p.add_argument("--amp", choices=["off", "bf16"], default="off")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("bench", help="images/s and peak memory: timm model vs its MoD conversion, interleaved")
+    p.add_argument("--model", default="deit_small_patch16_224")
+    p.add_argument("--router", default="attention", choices=ROUTER_NAMES)
+    p.add_argument("--capacity", type=float, default=0.125)
+    p.add_argument("--layers", type=parse_layers, default="alternate")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--img-size", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--amp", choices=["off", "bf16"], default="off")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("analyze", help="leave-one-out importance, routing pictures or attention statistics")
+    p.add_argument("analysis", choices=["loo", "routing", "attention"])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", default="fashion-mnist")
+    p.add_argument("--images", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=None, help="patch tokens sampled per image (loo; default all)")
+    p.add_argument("--out", default="runs/analysis")
+
+    p = sub.add_parser("study", help="routers x capacities x seeds, with CIs, controls, leave-one-out and pictures")
+    p.add_argument("--out", default="runs/study")
+    p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: the demo's, trained if missing)")
+    p.add_argument("--data", default="fashion-mnist")
+    p.add_argument("--capacity", type=float, nargs="+", default=[0.5, 0.125])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--train-limit", type=int, default=10000)
+    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
+
+    p = sub.add_parser("demo", help="the main job: pretrain, convert, finetune and compare on Fashion-MNIST")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
     return parser
 
 
@@ -73,6 +356,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("amod: interrupted", file=sys.stderr)
         return 130
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, NotImplementedError) as e:
+        if args.debug:
+            raise
         print(f"amod {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -89,9 +89,9 @@ def resolve_layers(layers: Any, depth: int, router: str) -> list[int]:
         indices = sorted(indices)
     if not indices:
         raise ValueError(f"layers {layers!r} selects no block in a model of depth {depth}")
-    if router == "attention" and indices[0] == 0:
+    if ROUTER_CLASSES[router].needs_attention and indices[0] == 0:
         raise ValueError(
-            "the attention router cannot route block 0: it reads the attention of the previous block, "
+            f"the {router} router cannot route block 0: it reads the attention of the previous block, "
             "and block 0 has none; start at block 1 or later"
         )
     return indices

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from .block import MoDBlock, ScoringAttention
+from .block import MoDBlock
 from .config import MoDConfig
 from .routers import StandardRouter
 from .routing import num_kept
@@ -80,10 +80,9 @@ def _attention_macs(tokens: int, attn: nn.Module) -> int:
 
 
 def _block_macs(blk: nn.Module, tokens: int, num_patches: int) -> int:
+    # A-MoD's scores come from the attention's own softmax tiles at inference (amod.ops): no extra
+    # products. (In training, and in the CUDA kernel, QK^T is recomputed: not counted here.)
     macs = tokens * _linear_macs_per_token(blk) + _attention_macs(tokens, blk.attn)
-    if isinstance(blk.attn, ScoringAttention) and blk.attn.fused_attn:
-        # the fused scoring path recomputes QK^T once, tile by tile, to sum the attention columns
-        macs += tokens * tokens * blk.attn.num_heads * blk.attn.head_dim
     if isinstance(blk, MoDBlock) and isinstance(blk.router, StandardRouter):
         macs += num_patches * blk.router.proj.in_features  # every patch token is scored
     return macs

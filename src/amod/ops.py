@@ -4,6 +4,13 @@
 received over heads and queries (paper Eq. 4). The fused path never holds the (B, H, N, N) matrix:
 PyTorch's fused kernel returns the output and each query row's logsumexp, and the column sums are
 accumulated over query tiles as sum_j exp(q_j . k_i * scale - lse_j) (paper Algorithm 1).
+
+Paths: CPU, inference - output and scores from the same memory-bounded tiles of the softmax (on
+this CPU as fast as PyTorch's fused kernel, and no second pass). CPU, training - PyTorch's fused CPU
+kernel for output and logsumexp (it has a backward), then the tiled score pass.
+CUDA - ``F.scaled_dot_product_attention`` for the output and the Triton kernels of
+``amod.kernels.triton_scores`` for the scores (explicit attention where Triton is missing). When the
+scores must carry gradients (A-MoD with scaled outputs) the explicit path is used everywhere.
 """
 from __future__ import annotations
 
@@ -13,10 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from .routing import received_attention
-
-# Query rows per tile in the fused path: memory is O(B * H * tile * N) on top of the attention itself.
-DEFAULT_TILE = 128
-
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -51,19 +54,80 @@ def attention_scores_explicit(
     return attn.to(v.dtype) @ v, scores
 
 
+def _tile_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: Optional[int]) -> tuple[int, int]:
+    """(heads per group, query rows per tile) for the CPU path.
+
+    The fp32 working set (one tile of logits, plus the fp32 copy of the group's keys for other
+    dtypes) stays within a fifth of the attention output's size (at least 1 MiB): that keeps the
+    op's peak memory within 1.25x of ``scaled_dot_product_attention``'s, O(N) rather than O(N^2). Whole heads
+    are grouped while a head's N x N tile fits (large, efficient matrix products); beyond that, one
+    head at a time in blocks of query rows.
+    """
+    BH, N, D = q.shape[0] * q.shape[1], q.shape[2], k.shape[-1]
+    budget = max(2**20, BH * N * v.shape[-1] * v.element_size() // 5)
+    key_bytes = 0 if k.dtype == torch.float32 else N * D * 4  # per head
+    if tile is not None:
+        return 1, min(N, tile)
+    per_head = N * N * 4 + key_bytes
+    if per_head <= budget:
+        return min(BH, budget // per_head), N
+    return 1, max(1, min(N, (budget - key_bytes) // (N * 4)))
+
+
+def _tiles(BH: int, N: int, group: int, rows: int):
+    for h in range(0, BH, group):
+        for start in range(0, N, rows):
+            yield slice(h, min(h + group, BH)), slice(start, min(start + rows, N))
+
+
 @torch.no_grad()
-def _received_attention_tiled(
-    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, tile: int
-) -> torch.Tensor:
-    """Column sums of softmax(q k^T * scale) from the rows' logsumexp, one query tile at a time."""
-    B, H, N, _ = q.shape
-    acc = torch.zeros(B, H, k.shape[2], dtype=torch.float32, device=q.device)
-    kt = k.float().transpose(-2, -1)
-    for start in range(0, N, tile):
-        logits = torch.matmul(q[:, :, start:start + tile].float(), kt)  # (B, H, t, N), fp32 as the lse is
-        logits.mul_(scale).sub_(lse[:, :, start:start + tile, None])
-        acc += logits.exp_().sum(dim=2)
-    return acc.sum(dim=1) / (H * N)  # (B, N)
+def _received_attention_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float,
+                            tile: Optional[int]) -> torch.Tensor:
+    """Column sums of softmax(q k^T * scale) from the rows' logsumexp, tile by tile (Algorithm 1)."""
+    B, H, N, D = q.shape
+    group, rows = _tile_plan(q, k, q, tile)
+    qf, kf, lf = q.reshape(B * H, N, D), k.reshape(B * H, N, D), lse.reshape(B * H, N)
+    acc = torch.zeros(B * H, N, dtype=torch.float32, device=q.device)
+    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)  # reused: no allocation per tile
+    for hs, rs in _tiles(B * H, N, group, rows):
+        logits = buf[: (hs.stop - hs.start) * (rs.stop - rs.start) * N].view(hs.stop - hs.start, -1, N)
+        torch.matmul(qf[hs, rs].float(), kf[hs].float().transpose(-2, -1), out=logits)  # (G, t, N)
+        logits.mul_(scale).sub_(lf[hs, rs, None]).exp_()
+        acc[hs] += logits.sum(dim=1)
+    return acc.view(B, H, N).sum(dim=1) / (H * N)  # (B, N)
+
+
+@torch.no_grad()
+def _attention_scores_onepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              tile: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and column sums from the same tiles of softmax(q k^T): no second pass over QK^T."""
+    B, H, N, D = q.shape
+    group, rows = _tile_plan(q, k, v, tile)
+    qf, kf, vf = q.reshape(B * H, N, D), k.reshape(B * H, N, D), v.reshape(B * H, N, v.shape[-1])
+    out = torch.empty(B * H, N, v.shape[-1], dtype=v.dtype, device=q.device)
+    acc = torch.zeros(B * H, N, dtype=torch.float32, device=q.device)
+    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)  # reused: no allocation per tile
+    for hs, rs in _tiles(B * H, N, group, rows):
+        g, t = hs.stop - hs.start, rs.stop - rs.start
+        p = buf[: g * t * N].view(g, t, N)
+        torch.bmm(qf[hs, rs].float() * scale, kf[hs].float().transpose(-2, -1), out=p)  # (G, t, N) logits
+        p.sub_(p.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
+        inv_rowsum = p.sum(dim=-1).reciprocal_().unsqueeze(1)  # (G, 1, t)
+        # normalise the small results, not the tile: column sums as inv_rowsum . p, output as (p . v) / rowsum
+        acc[hs] += torch.bmm(inv_rowsum, p).squeeze(1)
+        out_tile = out[hs, rs]  # contiguous: whole heads, or a block of rows of one head
+        torch.bmm(p.to(v.dtype), vf[hs], out=out_tile)
+        out_tile.mul_(inv_rowsum.transpose(-2, -1).to(v.dtype))
+    return out.view(B, H, N, -1), acc.view(B, H, N).sum(dim=1) / (H * N)
+
+
+def _triton_scores():
+    """The Triton score kernel, or None where Triton is not installed."""
+    try:
+        from .kernels.triton_scores import received_attention_triton
+    except ImportError:
+        return None
+    return received_attention_triton
 
 
 def attention_with_scores(
@@ -74,7 +138,8 @@ def attention_with_scores(
     *,
     dropout_p: float = 0.0,
     scores_need_grad: bool = False,
-    tile: int = DEFAULT_TILE,
+    tile: Optional[int] = None,
+    method: str = "onepass",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention plus the mean attention each key received.
 
@@ -85,17 +150,33 @@ def attention_with_scores(
         scale: logit scale; defaults to D ** -0.5 as in ``F.scaled_dot_product_attention``.
         dropout_p: attention dropout on the output (the scores are taken before dropout).
         scores_need_grad: the caller backpropagates through the scores; uses the explicit path.
-        tile: query rows per tile in the fused path.
+        tile: query rows per tile in the CPU path; default: what a memory budget of a fifth of the
+            output's size (at least 1 MiB) allows, whole heads at a time where they fit.
+        method: CPU path: ``"onepass"`` (output and scores from the same tiles of the softmax; used
+            when no gradient is needed) or ``"lse"`` (PyTorch's fused kernel, differentiable, then
+            a second pass over QK^T from its logsumexp: paper Algorithm 1).
 
     Returns:
         ``out`` (B, H, N, Dv) like ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` and
         ``scores`` (B, N) float32, r_i = 1/(H N) sum_h sum_j A[h, j, i]; each row sums to 1.
     """
     _check_qkv(q, k, v)
-    if tile < 1:
+    if tile is not None and tile < 1:
         raise ValueError(f"tile must be a positive number of query rows, got {tile}")
-    if scores_need_grad or dropout_p > 0.0 or q.device.type != "cpu":
+    if method not in ("lse", "onepass"):
+        raise ValueError(f"method must be 'lse' or 'onepass', got {method!r}")
+    if scores_need_grad or (dropout_p > 0.0 and q.device.type == "cpu"):
         return attention_scores_explicit(q, k, v, scale, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.device.type == "cuda":
+        kernel = _triton_scores()
+        if kernel is None:  # no Triton: correct, but forms the matrix
+            return attention_scores_explicit(q, k, v, scale, dropout_p)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+        return out, kernel(q, k, scale)
+    if q.device.type != "cpu":
+        return attention_scores_explicit(q, k, v, scale, dropout_p)
+    if method == "onepass" and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return _attention_scores_onepass(q, k, v, scale, tile)  # (its output carries no gradient)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-    return out, _received_attention_tiled(q.detach(), k.detach(), lse, scale, tile)
+    return out, _received_attention_lse(q.detach(), k.detach(), lse, scale, tile)

@@ -89,10 +89,42 @@ class RandomRouter(Router):
         return torch.rand(x_patch.shape[:2], generator=gen, device=x_patch.device, dtype=torch.float32)
 
 
+class ShuffledAttentionRouter(AttentionRouter):
+    """Control: A-MoD's scores permuted across the patch tokens of each image (a fresh seeded
+    permutation per forward). Same capacity and the same multiset of scores, but the link between a
+    token and its attention is cut: if this routes as well as A-MoD, the attention signal is not
+    doing the work."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.seed = int(seed)
+        self.calls = 0
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        scores = super().score(x_patch, attention_scores)
+        gen = torch.Generator(device=scores.device)
+        gen.manual_seed(self.seed * 1_000_003 + self.calls)
+        self.calls += 1
+        perm = torch.rand(scores.shape, generator=gen, device=scores.device).argsort(dim=1)  # (B, n)
+        return scores.gather(1, perm)
+
+
+class InverseAttentionRouter(AttentionRouter):
+    """Control: keeps the tokens A-MoD would skip (the lowest mean received attention)."""
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        return -super().score(x_patch, attention_scores)
+
+    def gate(self, kept_scores: torch.Tensor) -> torch.Tensor:
+        return mean_normalized_gate(-kept_scores)
+
+
 ROUTER_CLASSES: dict[str, type[Router]] = {
     "attention": AttentionRouter,
     "standard": StandardRouter,
     "random": RandomRouter,
+    "shuffled-attention": ShuffledAttentionRouter,
+    "inverse-attention": InverseAttentionRouter,
 }
 
 
@@ -102,6 +134,6 @@ def build_router(name: str, dim: int, seed: int = 0) -> Router:
         raise ValueError(f"unknown router {name!r}; supported routers: {', '.join(ROUTER_CLASSES)}")
     if name == "standard":
         return StandardRouter(dim)
-    if name == "random":
-        return RandomRouter(seed)
+    if name in ("random", "shuffled-attention"):
+        return ROUTER_CLASSES[name](seed)
     return ROUTER_CLASSES[name]()

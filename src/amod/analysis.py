@@ -1,0 +1,181 @@
+"""Analyses of a (converted) model: leave-one-out token importance inside the MoD model, which
+patches each MoD layer keeps, and attention entropy / attention sinks per layer."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .convert import mod_blocks, set_recording
+from .routing import received_attention
+from .stats import spearman
+
+
+def _embed(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Tokens entering block 0, as timm's forward_features makes them."""
+    x = model.patch_embed(x)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    return model.norm_pre(x)
+
+
+def _head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model.forward_head(model.norm(x))
+
+
+def run_until(model: nn.Module, images: torch.Tensor, layer: int) -> torch.Tensor:
+    """Tokens entering block ``layer``; the scores block ``layer`` reads are left in its handoff."""
+    x = _embed(model, images)
+    for blk in model.blocks[:layer]:
+        x = blk(x)
+    return x
+
+
+def run_from(model: nn.Module, x: torch.Tensor, layer: int, scores: Optional[torch.Tensor]) -> torch.Tensor:
+    """Logits from tokens entering block ``layer`` (with the scores that block reads, if any)."""
+    handoff = getattr(model.blocks[layer], "amod_in_handoff", None)
+    if handoff is not None:
+        handoff.scores = scores
+    for blk in model.blocks[layer:]:
+        x = blk(x)
+    return _head(model, x)
+
+
+def _drop_token(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(1, N, ...) -> (T, N - 1, ...): row r without token index[r]."""
+    N = t.shape[1]
+    keep = torch.ones(len(index), N, dtype=torch.bool, device=t.device)
+    keep[torch.arange(len(index)), index] = False
+    expanded = t.expand(len(index), *t.shape[1:])
+    return expanded[keep].view(len(index), N - 1, *t.shape[2:])
+
+
+@torch.no_grad()
+def leave_one_out(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, tokens: Optional[int] = None,
+                  batch: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Leave-one-out token importance inside the given MoD model, against its router's scores.
+
+    For each image and each MoD layer l, each sampled patch token is removed from the sequence at
+    the input of block l (and from the scores block l reads); the rest of the model runs on the
+    shorter sequence, and the token's importance is the increase of the image's loss. The Spearman
+    correlation of the router's scores at l with those importances is reported per layer, and, as
+    the baseline, that of random scores.
+
+    Args:
+        model: a converted model (any router).
+        images: (B, C, H, W) images; labels: (B,) classes.
+        tokens: patch tokens sampled per image (all when None).
+        batch: removals evaluated per forward.
+
+    Returns:
+        ``{"layers": {l: {"router": mean corr, "random": mean corr, "per_image": [...]}},
+        "importance": {l: [[...] per image]}, "scores": ..., "tokens": ...}``
+    """
+    model.eval()
+    gen = np.random.default_rng(seed)
+    p = model.num_prefix_tokens
+    result: dict[str, Any] = {"layers": {}, "importance": {}, "scores": {}, "tokens": {}}
+    for layer, blk in mod_blocks(model):
+        per_image, per_image_random, imps, scs, toks = [], [], [], [], []
+        for img, label in zip(images, labels):
+            x = run_until(model, img[None], layer)  # (1, N, D)
+            handoff = getattr(blk, "amod_in_handoff", None)
+            full_scores = handoff.take() if handoff is not None else None  # (1, N) or None
+            n = x.shape[1] - p
+            sample = np.arange(n) if tokens is None or tokens >= n else np.sort(gen.choice(n, tokens, replace=False))
+            router_scores = blk.router.score(x[:, p:], None if full_scores is None else full_scores[:, p:])[0]
+            base = F.cross_entropy(run_from(model, x, layer, full_scores), label[None]).item()
+            deltas = []
+            for start in range(0, len(sample), batch):
+                idx = torch.as_tensor(sample[start:start + batch] + p, device=x.device)
+                xs = _drop_token(x, idx)
+                ss = None if full_scores is None else _drop_token(full_scores, idx)
+                logits = run_from(model, xs, layer, ss)
+                deltas.append(F.cross_entropy(logits, label.expand(len(idx)), reduction="none") - base)
+            delta = torch.cat(deltas).cpu().numpy()
+            chosen = router_scores[torch.as_tensor(sample, device=x.device)].float().cpu().numpy()
+            per_image.append(spearman(chosen, delta))
+            per_image_random.append(spearman(gen.random(len(sample)), delta))
+            imps.append(delta.tolist()), scs.append(chosen.tolist()), toks.append(sample.tolist())
+        result["layers"][layer] = {"router": float(np.nanmean(per_image)), "random": float(np.nanmean(per_image_random)),
+                                   "per_image": per_image, "per_image_random": per_image_random}
+        result["importance"][layer], result["scores"][layer], result["tokens"][layer] = imps, scs, toks
+    return result
+
+
+@torch.no_grad()
+def attention_stats(model: nn.Module, images: torch.Tensor) -> dict[int, dict[str, float]]:
+    """Per block: mean attention entropy (nats, per query row), its maximum log N, and the share of
+    all attention held by the single most-attended token (attention sinks push it towards 1)."""
+    model.eval()
+    stats: dict[int, dict[str, float]] = {}
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [blk.attn.register_forward_pre_hook(lambda m, a, i=i: captured.__setitem__(i, a[0]))
+             for i, blk in enumerate(model.blocks)]
+    try:
+        model(images)
+    finally:
+        for h in hooks:
+            h.remove()
+    for i, blk in enumerate(model.blocks):
+        attn_mod, h = blk.attn, captured[i]
+        B, N, _ = h.shape
+        q, k, _ = attn_mod.qkv(h).reshape(B, N, 3, attn_mod.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = attn_mod.q_norm(q), attn_mod.k_norm(k)
+        attn = ((q * attn_mod.scale) @ k.transpose(-2, -1)).softmax(-1)  # (B, H, N, N)
+        entropy = -(attn * attn.clamp_min(1e-12).log()).sum(-1).mean().item()
+        received = received_attention(attn)  # (B, N)
+        stats[i] = {"entropy": entropy, "max_entropy": float(np.log(N)),
+                    "top_token_share": received.max(dim=1).values.mean().item(),
+                    "tokens": N}
+    return stats
+
+
+@torch.no_grad()
+def kept_positions(model: nn.Module, images: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Per MoD layer: a (B, n_patches) bool mask of the patches that layer processed."""
+    set_recording(model, True)
+    try:
+        model.eval()(images)
+        n = model.patch_embed.num_patches
+        return {i: torch.zeros(blk.amod_last_index.shape[0], n, dtype=torch.bool).scatter_(1, blk.amod_last_index.cpu(), True)
+                for i, blk in mod_blocks(model)}
+    finally:
+        set_recording(model, False)
+
+
+def routing_figure(model: nn.Module, images: torch.Tensor, path, mean: Sequence[float] = (0.0,),
+                   std: Sequence[float] = (1.0,)) -> Any:
+    """Overlay of the kept patches of each MoD layer on each image (paper Fig. 16); PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    masks = kept_positions(model, images)
+    gh, gw = model.patch_embed.grid_size
+    B = images.shape[0]
+    layers = sorted(masks)
+    fig, axes = plt.subplots(B, len(layers) + 1, figsize=(1.6 * (len(layers) + 1), 1.6 * B), squeeze=False)
+    shown = images.cpu() * torch.tensor(std).view(-1, 1, 1) + torch.tensor(mean).view(-1, 1, 1)
+    for b in range(B):
+        img = shown[b].permute(1, 2, 0).squeeze(-1).clamp(0, 1).numpy()
+        axes[b][0].imshow(img, cmap="gray")
+        for j, layer in enumerate(layers):
+            ax = axes[b][j + 1]
+            ax.imshow(img, cmap="gray")
+            mask = masks[layer][b].view(gh, gw).float().numpy()
+            ax.imshow(mask, cmap="autumn", alpha=0.45, extent=(-0.5, img.shape[1] - 0.5, img.shape[0] - 0.5, -0.5),
+                      interpolation="nearest")
+            if b == 0:
+                ax.set_title(f"block {layer}", fontsize=8)
+    for ax in axes.flat:
+        ax.axis("off")
+    axes[0][0].set_title("input", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,190 @@
+"""Wall-clock measurement that can be trusted on a noisy machine: the models compared run
+alternately in one process, warm-up runs are thrown away, and medians are reported."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup: int = 2,
+                   device: torch.device = torch.device("cpu")) -> dict[str, dict[str, float]]:
+    """Median seconds per call of each callable, measured interleaved.
+
+    Round r calls every function once (in a rotating order, so none always goes first); the first
+    ``warmup`` rounds are discarded. ``spread`` is (max - min) / median of the kept rounds.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            _sync(device)
+            start = time.perf_counter()
+            fns[name]()
+            _sync(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {n: {"seconds": statistics.median(t), "spread": (max(t) - min(t)) / statistics.median(t)}
+            for n, t in times.items()}
+
+
+def time_models(models: dict[str, nn.Module], x: torch.Tensor, repeats: int = 10, warmup: int = 2,
+                amp: str = "off") -> dict[str, dict[str, float]]:
+    """``time_callables`` for models on one batch ``x``; adds ``images_per_s``."""
+    for m in models.values():
+        m.eval()
+
+    def call(m: nn.Module) -> Callable[[], Any]:
+        if amp == "bf16":
+            return lambda: _autocast_call(m, x)
+        return lambda: m(x)
+
+    timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, x.device)
+    for t in timed.values():
+        t["images_per_s"] = x.shape[0] / t["seconds"]
+    return timed
+
+
+def _autocast_call(m: nn.Module, x: torch.Tensor) -> Any:
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        return m(x)
+
+
+# ---------------------------------------------------------------- peak memory
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _build_probe_target(spec: dict[str, Any], small: bool = False) -> Callable[[], Any]:
+    """A zero-argument callable running the thing to measure, with its inputs already allocated.
+
+    ``small``: the same computation on a tiny input, run first so that one-time library set-up
+    (BLAS and oneDNN workspaces, thread pools) is not counted as the op's memory.
+    """
+    if spec["kind"] == "model":
+        model = make_bench_model(spec["model"], spec.get("img_size"), spec.get("convert"))
+        x = torch.randn(1 if small else spec["batch_size"], 3, *model.patch_embed.img_size)
+        return lambda: model(x)
+    from .ops import attention_scores_explicit, attention_with_scores
+
+    g = torch.Generator().manual_seed(0)
+    shape = list(spec["shape"])
+    if small:
+        shape[0], shape[2] = 1, 8
+    q, k, v = (torch.randn(*shape, generator=g, dtype=getattr(torch, spec.get("dtype", "float32")))
+               for _ in range(3))
+    method = spec.get("method", "onepass")
+    fn = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+          "scores": lambda: attention_with_scores(q, k, v, method=method),
+          "explicit": lambda: attention_scores_explicit(q, k, v)}[spec["op"]]
+    return fn
+
+
+def _probe_main() -> None:
+    """Child process: build the target, reset the peak-RSS mark, run once, report the extra peak."""
+    spec = json.loads(sys.stdin.read())
+    torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
+    with torch.no_grad():
+        _build_probe_target(spec, small=True)()
+        fn = _build_probe_target(spec)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (peak resident set) to the current size
+        before = _rss_kib("VmRSS")
+        fn()
+        peak = _rss_kib("VmHWM")
+    print(json.dumps({"peak_mb": (peak - before) / 1024}))
+
+
+def peak_memory_mb(spec: dict[str, Any]) -> float:
+    """Extra peak memory (MiB) of one forward described by ``spec``, measured in a fresh process.
+
+    CPU only: a child process with glibc's default allocator, so that freed memory does not hide the
+    peak; the figure is the rise of the resident-set high-water mark during the call.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    res = subprocess.run([sys.executable, "-c", "from amod.bench import _probe_main; _probe_main()"],
+                         input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"memory probe failed: {res.stderr.strip().splitlines()[-1:]}")
+    return json.loads(res.stdout)["peak_mb"]
+
+
+# ---------------------------------------------------------------- dense vs MoD, side by side
+
+def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optional[dict[str, Any]]) -> nn.Module:
+    """A timm model with random weights (timing does not depend on them), optionally converted."""
+    import timm
+
+    from .convert import convert
+
+    torch.manual_seed(0)
+    kwargs = {"img_size": img_size} if img_size else {}
+    try:
+        model = timm.create_model(name, pretrained=False, **kwargs)
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+    if convert_kwargs:
+        convert(model, **convert_kwargs)
+    return model.eval()
+
+
+def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate", batch_size: int = 32,
+              img_size: Optional[int] = None, repeats: int = 10, warmup: int = 3, amp: str = "off",
+              device: str = "auto", memory: bool = True) -> dict[str, Any]:
+    """Measure the unconverted timm model and its MoD conversion alternately in this process.
+
+    Returns a dict with ``dense`` and ``mod`` (``images_per_s``, ``peak_mem_mb``, ``macs``),
+    ``speedup`` (measured), ``flop_speedup`` (ideal: dense MACs / MoD MACs) and ``efficiency``
+    (their quotient), plus the settings.
+    """
+    from .cost import flops
+
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    convert_kwargs = {"router": router, "capacity": capacity, "layers": layers}
+    dense = make_bench_model(model, img_size, None).to(dev)
+    mod = make_bench_model(model, img_size, convert_kwargs).to(dev)
+    x = torch.randn(batch_size, 3, *dense.patch_embed.img_size, device=dev)
+    timed = time_models({"dense": dense, "mod": mod}, x, repeats=repeats, warmup=warmup, amp=amp)
+    result: dict[str, Any] = {
+        "model": model, "router": router, "capacity": capacity, "layers": layers, "batch_size": batch_size,
+        "img_size": list(dense.patch_embed.img_size), "device": str(dev), "amp": amp, "repeats": repeats,
+        "warmup": warmup, "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+    }
+    for name, m in (("dense", dense), ("mod", mod)):
+        result[name] = {"images_per_s": timed[name]["images_per_s"], "seconds_per_batch": timed[name]["seconds"],
+                        "spread": timed[name]["spread"], "macs": flops(m).macs, "peak_mem_mb": None}
+    if memory:
+        for name, m, conv in (("dense", dense, None), ("mod", mod, convert_kwargs)):
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)
+                with torch.no_grad():
+                    m(x)
+                result[name]["peak_mem_mb"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+            else:
+                result[name]["peak_mem_mb"] = peak_memory_mb({"kind": "model", "model": model, "img_size": img_size,
+                                                              "convert": conv, "batch_size": batch_size})
+    result["speedup"] = result["mod"]["images_per_s"] / result["dense"]["images_per_s"]
+    result["flop_speedup"] = result["dense"]["macs"] / result["mod"]["macs"]
+    result["efficiency"] = result["speedup"] / result["flop_speedup"]
+    return result

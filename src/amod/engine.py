@@ -1,0 +1,279 @@
+"""Training engine: AdamW, warm-up + cosine schedule, label smoothing, clipping, bf16 autocast,
+DDP, per-epoch metrics and atomic, resumable checkpoints.
+
+One process or many (``torchrun``): everything rank-dependent goes through ``Dist``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+
+log = logging.getLogger("amod")
+
+
+# ---------------------------------------------------------------- processes
+
+@dataclass
+class Dist:
+    """This process's place among ``world`` processes (1 when not under torchrun)."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Sum numbers across processes."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+
+def setup_distributed() -> Dist:
+    """Join the process group that torchrun describes (gloo on the CPU, NCCL on GPUs)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world == 1:
+        return Dist(0, 1, device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), world, device)
+
+
+# ---------------------------------------------------------------- schedule and RNG
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.01) -> Callable[[int], float]:
+    """Learning-rate multiplier: linear from ~0 to 1 over warm-up, then cosine down to ``min_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def router_state(model: nn.Module) -> dict[str, int]:
+    """Call counters of random routers: part of the run state, not of the weights."""
+    return {name: m.calls for name, m in model.named_modules() if hasattr(m, "calls") and hasattr(m, "seed")}
+
+
+def set_router_state(model: nn.Module, state: dict[str, int]) -> None:
+    modules = dict(model.named_modules())
+    for name, calls in state.items():
+        modules[name].calls = calls
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_training_checkpoint(path: Path) -> dict[str, Any]:
+    """Read ``checkpoint.pt``; refuse a corrupt or foreign file with one clear message."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint to resume from at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); "
+                         "start a new run in another --out directory, the files there were left as they are") from None
+    needed = {"model", "optimizer", "scheduler", "epoch", "rng", "config", "format"}
+    if not isinstance(ckpt, dict) or not needed <= set(ckpt):
+        raise ValueError(f"checkpoint {path} is not an amod training checkpoint")
+    return ckpt
+
+
+# ---------------------------------------------------------------- loops
+
+def autocast(amp: str, device: torch.device):
+    if amp == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _progress(iterable: Iterable, total: int, desc: str, enabled: bool):
+    if enabled and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+    return iterable
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str = "off",
+             dist_info: Optional[Dist] = None, progress: bool = True) -> dict[str, float]:
+    """Top-1/top-5 accuracy, mean cross-entropy and model images/s over ``loader``."""
+    dist_info = dist_info or Dist()
+    model.eval()
+    loss_sum = top1 = top5 = n = 0.0
+    model_time = 0.0
+    batches = _progress(loader, len(loader), "eval", progress and dist_info.main)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with autocast(amp, device):
+            logits = model(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        model_time += time.perf_counter() - start
+        logits = logits.float()
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        top1 += (topk[:, 0] == y).sum().item()
+        top5 += (topk == y[:, None]).any(dim=1).sum().item()
+        n += len(y)
+    loss_sum, top1, top5, n, model_time = dist_info.sum([loss_sum, top1, top5, n, model_time])
+    if n == 0:
+        raise ValueError("the evaluation set is empty")
+    return {"loss": loss_sum / n, "top1": top1 / n, "top5": top5 / n, "images": int(n),
+            "images_per_s": n / max(model_time, 1e-9)}
+
+
+def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Any, dist_info: Dist,
+                    epoch: int) -> dict[str, float]:
+    model.train()
+    device = dist_info.device
+    loss_sum = correct = n = 0.0
+    start = time.perf_counter()
+    batches = _progress(loader, len(loader), f"epoch {epoch}/{cfg.epochs}", dist_info.main)
+    log_every = max(1, len(loader) // 4)
+    for step, (x, y) in enumerate(batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(cfg.amp, device):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"loss is {loss.item()} at epoch {epoch}, step {step}; lower --lr or check the data")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.clip_grad:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+        optimizer.step()
+        scheduler.step()
+        loss_sum += loss.item() * len(y)
+        correct += (logits.argmax(1) == y).sum().item()
+        n += len(y)
+        if hasattr(batches, "set_postfix"):
+            elapsed = time.perf_counter() - start
+            batches.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{correct / n:.3f}", img_s=f"{n * dist_info.world / elapsed:.0f}")
+        elif dist_info.main and (step + 1) % log_every == 0 and step + 1 < len(loader):
+            elapsed = time.perf_counter() - start
+            left = elapsed / (step + 1) * (len(loader) - step - 1)
+            log.info("epoch %d step %d/%d loss %.4f acc %.4f %.0f img/s, %.0fs left in epoch", epoch, step + 1,
+                     len(loader), loss_sum / n, correct / n, n * dist_info.world / elapsed, left)
+    elapsed = time.perf_counter() - start
+    loss_sum, correct, n = dist_info.sum([loss_sum, correct, n])
+    return {"train_loss": loss_sum / n, "train_acc": correct / n, "train_images_per_s": n / elapsed,
+            "epoch_time_s": elapsed, "lr": scheduler.get_last_lr()[0]}
+
+
+def make_loader(ds: Dataset, batch_size: int, train: bool, seed: int, epoch: int, dist_info: Dist,
+                workers: int = 0) -> DataLoader:
+    """Loader whose order depends only on (seed, epoch): a resumed run sees the same batches."""
+    if dist_info.world > 1:
+        sampler = DistributedSampler(ds, dist_info.world, dist_info.rank, shuffle=train, seed=seed, drop_last=train)
+        sampler.set_epoch(epoch)
+    elif train:
+        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(seed * 10_007 + epoch))
+    else:
+        sampler = None
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=train and len(ds) >= batch_size,
+                      num_workers=workers, pin_memory=dist_info.device.type == "cuda", persistent_workers=False)
+
+
+class MetricsWriter:
+    """metrics.jsonl (one object per epoch), metrics.csv beside it, TensorBoard when installed."""
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.out, self.enabled, self.tb = out, enabled, None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tb"))
+            except Exception:  # tensorboard is optional
+                self.tb = None
+
+    def truncate_after(self, epoch: int) -> None:
+        """On resume, forget rows from epochs the checkpoint does not cover (a run killed mid-write)."""
+        path = self.out / "metrics.jsonl"
+        if not self.enabled or not path.exists():
+            return
+        rows = [r for r in read_metrics(path) if r["epoch"] <= epoch]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        self._write_csv(rows)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self._write_csv(read_metrics(self.out / "metrics.jsonl"))
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "epoch":
+                    self.tb.add_scalar(k, v, row["epoch"])
+
+    def _write_csv(self, rows: list[dict[str, Any]]) -> None:
+        keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "epoch", k))
+        lines = [",".join(keys)] + [",".join(str(r.get(k, "")) for k in keys) for r in rows]
+        (self.out / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

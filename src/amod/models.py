@@ -1,0 +1,122 @@
+"""Build the model a run trains: a timm name with overrides, a pretrained hub model or a checkpoint
+file, then converted to MoD (or cut to an isoFLOP dense baseline) as the run config says."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import timm
+import torch
+from torch import nn
+
+from .checkpoint import load as load_amod, read_metadata
+from .convert import convert
+from .cost import isoflop_baseline
+
+log = logging.getLogger("amod")
+
+ARCH_OVERRIDES = ("img_size", "patch_size", "depth", "embed_dim", "num_heads")
+
+
+def model_overrides(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> dict[str, Any]:
+    """timm ``create_model`` kwargs from a run config and the data."""
+    kwargs = {k: getattr(cfg, k) for k in ARCH_OVERRIDES if getattr(cfg, k, None) is not None}
+    kwargs.setdefault("img_size", img_size)
+    kwargs["num_classes"] = num_classes
+    kwargs["in_chans"] = in_chans
+    if getattr(cfg, "drop_path", 0.0):
+        kwargs["drop_path_rate"] = cfg.drop_path
+    return kwargs
+
+
+def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
+    """A plain state dict from a timm/DeiT ``.pth``/``.pt``/``.bin`` or a safetensors file."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from None
+    if isinstance(ckpt, dict):
+        for key in ("model_ema", "state_dict_ema", "state_dict", "model"):
+            if isinstance(ckpt.get(key), dict):
+                ckpt = ckpt[key]
+                break
+    if not isinstance(ckpt, dict) or not all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        raise ValueError(f"{path} does not hold a state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in ckpt.items()}
+
+
+def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Load a foreign (timm/DeiT) state dict: resample pos_embed, adapt input channels, drop a head of
+    another size. Anything else that does not fit is an error."""
+    from timm.models._manipulate import adapt_input_conv
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    state = checkpoint_filter_fn(state, model)
+    own = model.state_dict()
+    w = state.get("patch_embed.proj.weight")
+    if w is not None and w.shape[1] != own["patch_embed.proj.weight"].shape[1]:
+        state["patch_embed.proj.weight"] = adapt_input_conv(own["patch_embed.proj.weight"].shape[1], w)
+    dropped = [k for k in list(state) if k.startswith(("head.", "head_dist.")) and k in own
+               and state[k].shape != own[k].shape]
+    for k in dropped:
+        del state[k]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in dropped]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if dropped:
+        log.info("checkpoint head has another number of classes: new head initialised")
+
+
+def _is_amod_file(path: Path) -> bool:
+    if path.suffix != ".safetensors":
+        return False
+    try:
+        read_metadata(path)
+    except ValueError as e:
+        if "was not written by amod.save" in str(e):
+            return False
+        raise
+    return True
+
+
+def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
+    """The model of a run, before any training.
+
+    ``cfg`` fields used: model, pretrained, checkpoint, the ARCH_OVERRIDES, drop_path, router,
+    capacity, layers, scale_output, isoflop, seed.
+    """
+    if cfg.checkpoint:
+        path = Path(cfg.checkpoint)
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {path} does not exist")
+        if _is_amod_file(path):
+            model = load_amod(path)  # an amod file knows its architecture (and MoD setup)
+        else:
+            model = timm.create_model(cfg.model, pretrained=False,
+                                      **model_overrides(cfg, num_classes, in_chans, img_size))
+            _load_into(model, load_state_dict_file(path), path)
+        if model.num_classes != num_classes:
+            model.reset_classifier(num_classes)
+            log.info("classifier reset to %d classes", num_classes)
+    else:
+        try:
+            model = timm.create_model(cfg.model, pretrained=cfg.pretrained,
+                                      **model_overrides(cfg, num_classes, in_chans, img_size))
+        except RuntimeError as e:  # e.g. unknown model name
+            raise ValueError(str(e)) from None
+    if getattr(cfg, "isoflop", False):
+        if cfg.router is None:
+            raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
+        return isoflop_baseline(model, cfg.capacity, layers=cfg.layers, router=cfg.router)
+    if cfg.router is not None:
+        if getattr(model, "amod_config", None) is not None:
+            raise ValueError("the checkpoint is already an MoD model; drop --router to keep its routing")
+        convert(model, router=cfg.router, capacity=cfg.capacity, layers=cfg.layers,
+                scale_output=cfg.scale_output, seed=cfg.seed)
+    return model

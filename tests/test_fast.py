@@ -1,0 +1,46 @@
+"""The fast path: fused attention stays on, and `amod bench` reports what it promises."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FAMILIES, images, make_model
+from timm.layers import Attention
+
+import amod
+
+
+@pytest.mark.parametrize("family", ["vit", "deit_distilled", "dinov2_reg", "qk_norm"])
+@pytest.mark.parametrize("layers", ["alternate", [1, 2, 3]])
+def test_fused_and_explicit_attention_give_the_same_model(family, layers):
+    model = amod.convert(make_model(family), router="attention", capacity=0.3, layers=layers)
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    assert attns and all(a.fused_attn for a in attns), "converting must not switch fused attention off"
+    x = images(model, 3)
+    amod.set_recording(model)
+    with torch.no_grad():
+        fused = model(x)
+        kept_fused = [b.amod_last_index.clone() for _, b in amod.mod_blocks(model)]
+        for a in attns:
+            a.fused_attn = False
+        explicit = model(x)
+        kept_explicit = [b.amod_last_index for _, b in amod.mod_blocks(model)]
+    assert (fused - explicit).abs().max() < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(kept_fused, kept_explicit))
+
+
+def test_bench_json_has_the_promised_keys():
+    res = subprocess.run([sys.executable, "-m", "amod", "bench", "--model", "vit_tiny_patch16_224", "--img-size", "64",
+                          "--batch-size", "4", "--repeats", "2", "--warmup", "1", "--capacity", "0.5", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    for part in ("dense", "mod"):
+        assert out[part]["images_per_s"] > 0 and out[part]["peak_mem_mb"] > 0 and out[part]["macs"] > 0
+    assert out["flop_speedup"] == pytest.approx(out["dense"]["macs"] / out["mod"]["macs"])
+    assert out["speedup"] == pytest.approx(out["mod"]["images_per_s"] / out["dense"]["images_per_s"])
+    assert out["efficiency"] == pytest.approx(out["speedup"] / out["flop_speedup"])
+    assert out["flop_speedup"] > 1.1

@@ -1,0 +1,182 @@
+"""The command-line pipeline on real Fashion-MNIST subsets: train, eval, resume, DDP, errors, demo."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import amod
+from amod.cli import main as amod_main
+from amod.engine import read_metrics
+from amod.run import RunConfig, train
+
+TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
+        "--num-heads", "2", "--val-limit", "256", "--batch-size", "64"]
+TINY_CFG = dict(model="vit_tiny_patch16_224", patch_size=7, depth=2, embed_dim=32, num_heads=2, val_limit=256,
+                batch_size=64)
+TIMING_KEYS = {"epoch_time_s", "train_images_per_s", "val_images_per_s"}
+
+
+def amod_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "amod", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def without_timings(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def test_training_lowers_the_loss_and_eval_agrees(tmp_path):
+    cfg = RunConfig(**TINY_CFG, train_limit=1024, epochs=3, lr=2e-3, warmup_epochs=0.5, router="attention",
+                    capacity=0.5, eval_before_training=True, out=str(tmp_path / "run"))
+    summary = train(cfg)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.1
+    assert rows[-1]["train_loss"] < rows[1]["train_loss"]
+    assert rows[-1]["val_top1"] > 0.18  # 10 classes: chance is 0.1
+    csv = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert csv[0].startswith("epoch,") and len(csv) == 5
+    res = amod_cli("eval", "--checkpoint", str(tmp_path / "run" / "model.safetensors"), "--val-limit", "256", "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert {"top1", "top5", "loss", "macs", "images_per_s"} <= set(got)
+    assert got["top1"] == rows[-1]["val_top1"] and abs(got["loss"] - rows[-1]["val_loss"]) < 1e-5
+    assert got["macs"] == summary["macs"] < amod.flops(timm.create_model(
+        "vit_tiny_patch16_224", patch_size=7, depth=2, embed_dim=32, num_heads=2, img_size=28, in_chans=1,
+        num_classes=10)).macs
+
+
+def test_kill_and_resume_ends_with_the_same_metrics(tmp_path):
+    args = [*TINY, "--train-limit", "3000", "--epochs", "3", "--router", "random", "--capacity", "0.5",
+            "--drop-path", "0.1", "--seed", "7"]
+    full = amod_cli("train", *args, "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "amod", "train", *args, "--out", str(killed)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (killed / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = read_metrics(killed / "metrics.jsonl")
+    assert 1 <= len(done) < 3, "the run should have been killed after epoch 1 and before the end"
+    res = amod_cli("train", "--resume", "--out", str(killed))
+    assert res.returncode == 0, res.stderr
+    assert without_timings(read_metrics(killed / "metrics.jsonl")) == without_timings(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    a = amod.load(killed / "model.safetensors").state_dict()
+    b = amod.load(tmp_path / "full" / "model.safetensors").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a finished run is not silently restarted
+    again = amod_cli("train", *args, "--out", str(killed))
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "amod", "train", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
+           "--capacity", "0.5", "--out", str(tmp_path / "ddp")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert len(summary["rank_weight_checksums"]) == 2 and len(set(summary["rank_weight_checksums"])) == 1
+    rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
+    assert len(rows) == 2 and rows[-1]["val_images"] == 256  # validation split across both ranks, summed
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--data", "imagefolder:/no/such/dir"], "imagefolder:/no/such/dir needs /no/such/dir/train"),
+        (["train", "--data", "mnist-digits"], "unknown data 'mnist-digits'; use one of: fashion-mnist"),
+        (["train", "--capacity", "2", "--router", "attention"], "capacity must be in (0, 1]"),
+        (["train", "--epochs", "0"], "--epochs must be at least 1"),
+        (["finetune", "--router", "attention"], "give --pretrained or --checkpoint FILE"),
+        (["eval", "--checkpoint", "/no/such/model.safetensors"], "checkpoint /no/such/model.safetensors does not exist"),
+        (["train", "--config", "/no/such.yaml"], "config file /no/such.yaml does not exist"),
+    ],
+)
+def test_user_errors_give_one_line_and_nonzero_exit(argv, message, capsys, tmp_path):
+    assert amod_main([*argv, *(["--out", str(tmp_path / "o")] if argv[0] == "train" else [])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err and err.startswith(f"amod {argv[0]}: error:")
+
+
+def test_corrupt_checkpoints_are_refused_and_left_alone(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"\x00garbage")
+    assert amod_main(["train", "--resume", "--out", str(run)]) == 2
+    assert "is corrupt or unreadable" in capsys.readouterr().err
+    assert (run / "checkpoint.pt").read_bytes() == b"\x00garbage"
+    (tmp_path / "m.safetensors").write_bytes(b"junk")
+    assert amod_main(["eval", "--checkpoint", str(tmp_path / "m.safetensors")]) == 2
+    assert "is not a readable safetensors checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad_flag:
+        amod_main(["train", "--amp", "fp8"])
+    assert bad_flag.value.code == 2
+    res = amod_cli("eval", "--checkpoint", str(tmp_path / "m.safetensors"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("layout", ["plain", "deit"])
+def test_finetune_loads_a_checkpoint_saved_from_plain_timm(tmp_path, layout):
+    torch.manual_seed(3)
+    dense = timm.create_model("vit_tiny_patch16_224", pretrained=False, patch_size=7, depth=2, embed_dim=32,
+                              num_heads=2, img_size=28, in_chans=1, num_classes=10).eval()
+    sd = dense.state_dict()
+    path = tmp_path / "timm.pth"
+    torch.save(sd if layout == "plain" else {"model": sd, "epoch": 3}, path)
+    # capacity 1.0 with an unscaled router is the dense function: epoch 0 must match the dense model
+    cfg = RunConfig(**TINY_CFG, checkpoint=str(path), router="attention", capacity=1.0, epochs=1, train_limit=128,
+                    eval_before_training=True, out=str(tmp_path / "ft"))
+    train(cfg)
+    zero = read_metrics(tmp_path / "ft" / "metrics.jsonl")[0]
+    from amod.data import build_datasets
+    from amod.engine import evaluate, make_loader, Dist
+
+    _, val, _ = build_datasets("fashion-mnist", 28, None, 256)
+    ref = evaluate(dense, make_loader(val, 64, False, 0, 0, Dist()), torch.device("cpu"), progress=False)
+    assert zero["val_top1"] == ref["top1"] and abs(zero["val_loss"] - ref["loss"]) < 1e-5
+
+
+def test_demo_quick_writes_a_report_with_every_variant(tmp_path):
+    from amod.demo import _variants, run_demo
+
+    report = run_demo(str(tmp_path / "demo"), quick=True)
+    text = report.read_text()
+    for name, _ in _variants():
+        assert f"| {name} |" in text
+    assert "| dense |" in text
+    for png in ("accuracy_vs_epoch.png", "accuracy_vs_cost.png"):
+        assert (tmp_path / "demo" / png).stat().st_size > 1000
+    data = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert len(data["variants"]) == 6 and all(v["images_per_s"] > 0 for v in data["variants"])
+    # rerunning reuses every finished run instead of training again
+    mtime = (tmp_path / "demo" / "amod_0.5" / "model.safetensors").stat().st_mtime
+    run_demo(str(tmp_path / "demo"), quick=True)
+    assert (tmp_path / "demo" / "amod_0.5" / "model.safetensors").stat().st_mtime == mtime
+
+
+def test_yaml_config_is_overridden_by_flags(tmp_path):
+    from amod.cli import build_parser, resolve_run_config
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("epochs: 3\nlr: 0.01\nrouter: attention\nlayers: [1, 3]\nwarmup-epochs: 0.5\n")
+    args = build_parser().parse_args(["train", "--config", str(cfg_file), "--lr", "0.002"])
+    cfg = resolve_run_config(args, finetune=False)
+    assert (cfg.epochs, cfg.lr, cfg.router, cfg.layers, cfg.warmup_epochs) == (3, 0.002, "attention", [1, 3], 0.5)
+    cfg_file.write_text("epochs: 3\nlearning_rate: 0.01\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['learning_rate'\]"):
+        resolve_run_config(build_parser().parse_args(["train", "--config", str(cfg_file)]), finetune=False)
