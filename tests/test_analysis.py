@@ -90,3 +90,26 @@ def test_study_quick_writes_every_section(tmp_path):
         assert needle in text, needle
     assert (tmp_path / "study" / "convergence_c0.5.png").exists()
     assert (tmp_path / "study" / "routing_a_mod_c0.5.png").exists()
+
+
+@pytest.mark.parametrize("analysis", ["loo", "routing", "attention"])
+def test_cli_analyze_writes_json_and_pictures(tmp_path, analysis):
+    import json
+
+    import timm
+
+    from amod.cli import main
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=28, patch_size=7, in_chans=1,
+                              num_classes=10, depth=3, embed_dim=32, num_heads=2)
+    path = amod.save(amod.convert(model, router="attention", capacity=0.5), tmp_path / "m.safetensors")
+    out = tmp_path / "analysis"
+    assert main(["analyze", analysis, "--checkpoint", str(path), "--images", "4", "--tokens", "5", "--out", str(out)]) == 0
+    data = json.loads((out / f"{analysis}.json").read_text())
+    if analysis == "routing":
+        assert (out / "routing.png").exists() and (out / "keep_frequency.png").exists()
+        assert len(data["1"]) == 16 and abs(sum(data["1"]) - 8) < 1e-6  # 8 of 16 patches kept per image
+    elif analysis == "loo":
+        assert set(data["layers"]) == {"1"} and len(data["importance"]["1"][0]) == 5
+    else:
+        assert set(data) == {"0", "1", "2"}

@@ -179,3 +179,22 @@ def routing_figure(model: nn.Module, images: torch.Tensor, path, mean: Sequence[
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def keep_frequency_figure(frequency: dict[int, torch.Tensor], grid: tuple[int, int], path) -> Any:
+    """Heatmap per MoD layer of how often each patch position is kept (a (n_patches,) rate each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(frequency)
+    fig, axes = plt.subplots(1, len(layers), figsize=(2.2 * len(layers), 2.4), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        im = ax.imshow(frequency[layer].view(*grid).numpy(), vmin=0, vmax=1, cmap="viridis")
+        ax.set_title(f"block {layer}", fontsize=8)
+        ax.axis("off")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="share of images kept")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -193,7 +193,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .analysis import attention_stats, kept_positions, leave_one_out, routing_figure
+    from .analysis import attention_stats, keep_frequency_figure, kept_positions, leave_one_out, routing_figure
     from .checkpoint import load
     from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets
 
@@ -214,9 +214,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         png = routing_figure(model, xs[: min(n, 8)], out / "routing.png",
                              mean=(FASHION_MNIST_MEAN,) if gray else (0.485, 0.456, 0.406),
                              std=(FASHION_MNIST_STD,) if gray else (0.229, 0.224, 0.225))
-        masks = kept_positions(model, xs)
-        result = {str(k): m.float().mean(dim=0).tolist() for k, m in masks.items()}  # how often each position is kept
-        print(f"routing pictures: {png}")
+        frequency = {k: m.float().mean(dim=0) for k, m in kept_positions(model, xs).items()}
+        freq_png = keep_frequency_figure(frequency, tuple(model.patch_embed.grid_size), out / "keep_frequency.png")
+        result = {str(k): f.tolist() for k, f in frequency.items()}  # how often each position is kept
+        print(f"routing pictures: {png}, {freq_png}")
     else:
         result = {str(k): v for k, v in attention_stats(model, xs).items()}
         print(json.dumps(result))

@@ -101,8 +101,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def router_state(model: nn.Module) -> dict[str, int]:
-    """Call counters of random routers: part of the run state, not of the weights."""
-    return {name: m.calls for name, m in model.named_modules() if hasattr(m, "calls") and hasattr(m, "seed")}
+    """Call counters of routers that draw random numbers: part of the run state, not of the weights."""
+    from .routers import SeededDraws
+
+    return {name: m.calls for name, m in model.named_modules() if isinstance(m, SeededDraws)}
 
 
 def set_router_state(model: nn.Module, state: dict[str, int]) -> None:

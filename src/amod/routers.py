@@ -70,26 +70,38 @@ class StandardRouter(Router):
         return 2.0 * torch.sigmoid(kept_scores)
 
 
-class RandomRouter(Router):
-    """Control: a uniformly random subset of patch tokens, reproducible from ``seed``.
+class SeededDraws:
+    """Mixin for routers that draw random numbers: a fresh generator per forward, seeded with
+    (seed, call number), so two models converted with the same seed route identically, call for
+    call. ``calls`` is run state (saved in training checkpoints), not a weight."""
 
-    Each forward draws fresh scores from a generator seeded with (seed, call number), so two models
-    converted with the same seed route identically, call for call.
-    """
+    seed: int
+    calls: int
 
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
+    def _init_draws(self, seed: int) -> None:
         self.seed = int(seed)
         self.calls = 0
 
-    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
-        gen = torch.Generator(device=x_patch.device)
+    def _next_generator(self, device: torch.device) -> torch.Generator:
+        gen = torch.Generator(device=device)
         gen.manual_seed(self.seed * 1_000_003 + self.calls)
         self.calls += 1
+        return gen
+
+
+class RandomRouter(SeededDraws, Router):
+    """Control: a uniformly random subset of patch tokens, reproducible from ``seed``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self._init_draws(seed)
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        gen = self._next_generator(x_patch.device)
         return torch.rand(x_patch.shape[:2], generator=gen, device=x_patch.device, dtype=torch.float32)
 
 
-class ShuffledAttentionRouter(AttentionRouter):
+class ShuffledAttentionRouter(SeededDraws, AttentionRouter):
     """Control: A-MoD's scores permuted across the patch tokens of each image (a fresh seeded
     permutation per forward). Same capacity and the same multiset of scores, but the link between a
     token and its attention is cut: if this routes as well as A-MoD, the attention signal is not
@@ -97,14 +109,11 @@ class ShuffledAttentionRouter(AttentionRouter):
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        self.seed = int(seed)
-        self.calls = 0
+        self._init_draws(seed)
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
         scores = super().score(x_patch, attention_scores)
-        gen = torch.Generator(device=scores.device)
-        gen.manual_seed(self.seed * 1_000_003 + self.calls)
-        self.calls += 1
+        gen = self._next_generator(scores.device)
         perm = torch.rand(scores.shape, generator=gen, device=scores.device).argsort(dim=1)  # (B, n)
         return scores.gather(1, perm)
 
