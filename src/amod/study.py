@@ -146,8 +146,10 @@ def write_study_report(root: Path, cfg: StudyConfig, runs: dict[tuple[str, float
         target = ref_final - 0.01
         lines += [f"## Capacity {capacity:g}", "",
                   "| variant | zero-training top-1 | final top-1 (mean ± std) | A-MoD − variant [95 % CI] | "
-                  f"epochs to {100 * target:.1f} % |", "|---|---|---|---|---|"]
+                  f"epochs to {100 * target:.1f} % | ÷ A-MoD's |", "|---|---|---|---|---|---|"]
         cap_summary = {}
+        ref_epochs = [_target_epoch(engine.read_metrics(p / "metrics.jsonl"), target) for p in runs[(REFERENCE, capacity)]]
+        ref_reached = [e for e in ref_epochs if e is not None]
         for n in names:
             m, s = mean_std(finals[n])
             z = mean_std(zeros[n])[0]
@@ -155,8 +157,11 @@ def write_study_report(root: Path, cfg: StudyConfig, runs: dict[tuple[str, float
             epochs = [_target_epoch(engine.read_metrics(p / "metrics.jsonl"), target) for p in runs[(n, capacity)]]
             reached = [e for e in epochs if e is not None]
             ep = f"{np.mean(reached):.1f} ({len(reached)}/{len(epochs)} seeds)" if reached else "not reached"
+            # epochs are counted on seeds that reached the target; 0 epochs (already there) has no ratio
+            ratio = (f"{np.mean(reached) / np.mean(ref_reached):.2f}x"
+                     if reached and ref_reached and np.mean(ref_reached) > 0 else "–")
             ci_text = "—" if ci is None else f"{100 * ci.mean:+.2f} [{100 * ci.low:+.2f}, {100 * ci.high:+.2f}]"
-            lines.append(f"| {n} | {100 * z:.2f} | {100 * m:.2f} ± {100 * s:.2f} | {ci_text} | {ep} |")
+            lines.append(f"| {n} | {100 * z:.2f} | {100 * m:.2f} ± {100 * s:.2f} | {ci_text} | {ep} | {ratio} |")
             cap_summary[n] = {"final_mean": m, "final_std": s, "zero_mean": z, "finals": finals[n].tolist(),
                               "diff_vs_reference": None if ci is None else ci.__dict__, "epochs_to_target": epochs}
         lines += ["", "The confound (review objection 1): routing source x output scaling, final top-1 %:", "",
