@@ -49,20 +49,18 @@ def time_models(models: dict[str, nn.Module], x: torch.Tensor, repeats: int = 10
     for m in models.values():
         m.eval()
 
+    from .engine import autocast
+
     def call(m: nn.Module) -> Callable[[], Any]:
-        if amp == "bf16":
-            return lambda: _autocast_call(m, x)
-        return lambda: m(x)
+        def run() -> Any:
+            with autocast(amp, x.device):
+                return m(x)
+        return run
 
     timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, x.device)
     for t in timed.values():
         t["images_per_s"] = x.shape[0] / t["seconds"]
     return timed
-
-
-def _autocast_call(m: nn.Module, x: torch.Tensor) -> Any:
-    with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        return m(x)
 
 
 # ---------------------------------------------------------------- peak memory

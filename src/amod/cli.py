@@ -191,18 +191,15 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    import torch
-
     from .analysis import attention_stats, keep_frequency_figure, kept_positions, leave_one_out, routing_figure
     from .checkpoint import load
-    from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets
+    from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
 
     _setup_logging()
     model = load(args.checkpoint).eval()
     _, val, info = build_datasets(args.data, model.patch_embed.img_size[0], None, None)
-    n = min(args.images, len(val))
-    xs = torch.stack([val[i][0] for i in range(n)])
-    ys = torch.tensor([val[i][1] for i in range(n)])
+    xs, ys = first_images(val, args.images)
+    n = len(ys)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.analysis == "loo":

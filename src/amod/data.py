@@ -195,6 +195,12 @@ def _subset(ds: Dataset, limit: Optional[int]) -> Dataset:
     return Subset(ds, idx.tolist())
 
 
+def first_images(ds: Dataset, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` (image, label) pairs of ``ds`` as a batch: a fixed sample for analyses."""
+    n = min(n, len(ds))
+    return torch.stack([ds[i][0] for i in range(n)]), torch.tensor([ds[i][1] for i in range(n)])
+
+
 def build_datasets(spec: str, img_size: Optional[int] = None, train_limit: Optional[int] = None,
                    val_limit: Optional[int] = None) -> tuple[Dataset, Dataset, DataInfo]:
     """Train and validation datasets for ``spec``.

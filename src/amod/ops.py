@@ -1,13 +1,12 @@
 """Attention that also returns A-MoD's token-importance scores.
 
 ``attention_with_scores(q, k, v)`` gives softmax attention and, per key token, the mean attention it
-received over heads and queries (paper Eq. 4). The fused path never holds the (B, H, N, N) matrix:
-PyTorch's fused kernel returns the output and each query row's logsumexp, and the column sums are
-accumulated over query tiles as sum_j exp(q_j . k_i * scale - lse_j) (paper Algorithm 1).
+received over heads and queries (paper Eq. 4), without holding the (B, H, N, N) matrix.
 
 Paths: CPU, inference - output and scores from the same memory-bounded tiles of the softmax (on
 this CPU as fast as PyTorch's fused kernel, and no second pass). CPU, training - PyTorch's fused CPU
-kernel for output and logsumexp (it has a backward), then the tiled score pass.
+kernel for output and logsumexp (it has a backward), then a tiled pass that sums
+exp(q_j . k_i * scale - lse_j) over queries j (paper Algorithm 1).
 CUDA - ``F.scaled_dot_product_attention`` for the output and the Triton kernels of
 ``amod.kernels.triton_scores`` for the scores (explicit attention where Triton is missing). When the
 scores must carry gradients (A-MoD with scaled outputs) the explicit path is used everywhere.
@@ -74,10 +73,13 @@ def _tile_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: Optional
     return 1, max(1, min(N, (budget - key_bytes) // (N * 4)))
 
 
-def _tiles(BH: int, N: int, group: int, rows: int):
+def _tiles(BH: int, N: int, group: int, rows: int, buf: torch.Tensor):
+    """(head slice, row slice, (G, t, N) view of ``buf``) for each tile: one buffer serves every tile."""
     for h in range(0, BH, group):
         for start in range(0, N, rows):
-            yield slice(h, min(h + group, BH)), slice(start, min(start + rows, N))
+            hs, rs = slice(h, min(h + group, BH)), slice(start, min(start + rows, N))
+            g, t = hs.stop - hs.start, rs.stop - rs.start
+            yield hs, rs, buf[: g * t * N].view(g, t, N)
 
 
 @torch.no_grad()
@@ -88,9 +90,8 @@ def _received_attention_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
     group, rows = _tile_plan(q, k, q, tile)
     qf, kf, lf = q.reshape(B * H, N, D), k.reshape(B * H, N, D), lse.reshape(B * H, N)
     acc = torch.zeros(B * H, N, dtype=torch.float32, device=q.device)
-    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)  # reused: no allocation per tile
-    for hs, rs in _tiles(B * H, N, group, rows):
-        logits = buf[: (hs.stop - hs.start) * (rs.stop - rs.start) * N].view(hs.stop - hs.start, -1, N)
+    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)
+    for hs, rs, logits in _tiles(B * H, N, group, rows, buf):
         torch.matmul(qf[hs, rs].float(), kf[hs].float().transpose(-2, -1), out=logits)  # (G, t, N)
         logits.mul_(scale).sub_(lf[hs, rs, None]).exp_()
         acc[hs] += logits.sum(dim=1)
@@ -106,10 +107,8 @@ def _attention_scores_onepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qf, kf, vf = q.reshape(B * H, N, D), k.reshape(B * H, N, D), v.reshape(B * H, N, v.shape[-1])
     out = torch.empty(B * H, N, v.shape[-1], dtype=v.dtype, device=q.device)
     acc = torch.zeros(B * H, N, dtype=torch.float32, device=q.device)
-    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)  # reused: no allocation per tile
-    for hs, rs in _tiles(B * H, N, group, rows):
-        g, t = hs.stop - hs.start, rs.stop - rs.start
-        p = buf[: g * t * N].view(g, t, N)
+    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)
+    for hs, rs, p in _tiles(B * H, N, group, rows, buf):
         torch.bmm(qf[hs, rs].float() * scale, kf[hs].float().transpose(-2, -1), out=p)  # (G, t, N) logits
         p.sub_(p.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
         inv_rowsum = p.sum(dim=-1).reciprocal_().unsqueeze(1)  # (G, 1, t)

@@ -141,8 +141,7 @@ def build_router(name: str, dim: int, seed: int = 0) -> Router:
     """Make the router ``name`` for blocks of width ``dim``."""
     if name not in ROUTER_CLASSES:
         raise ValueError(f"unknown router {name!r}; supported routers: {', '.join(ROUTER_CLASSES)}")
-    if name == "standard":
+    cls = ROUTER_CLASSES[name]
+    if cls is StandardRouter:
         return StandardRouter(dim)
-    if name in ("random", "shuffled-attention"):
-        return ROUTER_CLASSES[name](seed)
-    return ROUTER_CLASSES[name]()
+    return cls(seed) if issubclass(cls, SeededDraws) else cls()

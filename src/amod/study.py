@@ -25,7 +25,7 @@ import torch
 from . import engine
 from .analysis import attention_stats, leave_one_out, routing_figure
 from .checkpoint import load
-from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets
+from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
 from .demo import BASE, PRETRAIN, run_once
 from .plots import accuracy_vs_epoch
 from .run import RunConfig
@@ -137,10 +137,9 @@ def write_study_report(root: Path, cfg: StudyConfig, runs: dict[tuple[str, float
     summary: dict[str, Any] = {"config": cfg.__dict__ | {"capacities": list(cfg.capacities)}, "capacities": {}}
     for capacity in cfg.capacities:
         names = [v.name for v in VARIANTS if (v.name, capacity) in runs]
-        finals = {n: np.array([engine.read_metrics(p / "metrics.jsonl")[-1]["val_top1"] for p in runs[(n, capacity)]])
-                  for n in names}
-        zeros = {n: np.array([engine.read_metrics(p / "metrics.jsonl")[0]["val_top1"] for p in runs[(n, capacity)]])
-                 for n in names}
+        metrics = {n: [engine.read_metrics(p / "metrics.jsonl") for p in runs[(n, capacity)]] for n in names}
+        finals = {n: np.array([m[-1]["val_top1"] for m in metrics[n]]) for n in names}
+        zeros = {n: np.array([m[0]["val_top1"] for m in metrics[n]]) for n in names}
         correct = {n: np.stack([_save_correctness(p, val) for p in runs[(n, capacity)]]) for n in names}
         ref_final = mean_std(finals[REFERENCE])[0]
         target = ref_final - 0.01
@@ -148,13 +147,12 @@ def write_study_report(root: Path, cfg: StudyConfig, runs: dict[tuple[str, float
                   "| variant | zero-training top-1 | final top-1 (mean ± std) | A-MoD − variant [95 % CI] | "
                   f"epochs to {100 * target:.1f} % | ÷ A-MoD's |", "|---|---|---|---|---|---|"]
         cap_summary = {}
-        ref_epochs = [_target_epoch(engine.read_metrics(p / "metrics.jsonl"), target) for p in runs[(REFERENCE, capacity)]]
-        ref_reached = [e for e in ref_epochs if e is not None]
+        ref_reached = [e for e in (_target_epoch(m, target) for m in metrics[REFERENCE]) if e is not None]
         for n in names:
             m, s = mean_std(finals[n])
             z = mean_std(zeros[n])[0]
             ci = None if n == REFERENCE else paired_bootstrap_ci(correct[REFERENCE], correct[n], n_boot=1000 if cfg.quick else 4000)
-            epochs = [_target_epoch(engine.read_metrics(p / "metrics.jsonl"), target) for p in runs[(n, capacity)]]
+            epochs = [_target_epoch(m, target) for m in metrics[n]]
             reached = [e for e in epochs if e is not None]
             ep = f"{np.mean(reached):.1f} ({len(reached)}/{len(epochs)} seeds)" if reached else "not reached"
             # epochs are counted on seeds that reached the target; 0 epochs (already there) has no ratio
@@ -171,7 +169,7 @@ def write_study_report(root: Path, cfg: StudyConfig, runs: dict[tuple[str, float
             cells = [f"{100 * mean_std(finals[x])[0]:.2f} ± {100 * mean_std(finals[x])[1]:.2f}" if x in finals else "–"
                      for x in (unscaled, scaled)]
             lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
-        curves = {n: _mean_curve([engine.read_metrics(p / "metrics.jsonl") for p in runs[(n, capacity)]]) for n in names}
+        curves = {n: _mean_curve(metrics[n]) for n in names}
         png = accuracy_vs_epoch(curves, root / f"convergence_c{capacity:g}.png",
                                 f"Finetuning at capacity {capacity:g} (mean over seeds)")
         lines += ["", f"![convergence]({png.name})", ""]
@@ -191,9 +189,8 @@ def _mean_curve(metrics: list[list[dict[str, Any]]]) -> tuple[list[int], list[fl
 
 def _analyses(root: Path, capacity: float, runs, val, cfg: StudyConfig, lines: list[str]) -> dict[str, Any]:
     """Leave-one-out, attention sinks and routing pictures for seed 0 of A-MoD and MoD."""
-    n = min(cfg.loo_images, len(val))
-    xs = torch.stack([val[i][0] for i in range(n)])
-    ys = torch.tensor([val[i][1] for i in range(n)])
+    xs, ys = first_images(val, cfg.loo_images)
+    n = len(ys)
     out: dict[str, Any] = {}
     lines += ["Leave-one-out importance inside the trained MoD model (review objection 3): Spearman correlation "
               f"between the router's scores and the loss increase when a patch token is removed at that layer "

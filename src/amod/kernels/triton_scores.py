@@ -28,20 +28,25 @@ def _scaled_logits(q, k, scale, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptr, offs_rows, offs_d, N, D: tl.constexpr):
+    """A (rows, BLOCK_D) tile of an (N, D) matrix; rows past N and columns past D read as 0."""
+    return tl.load(ptr + offs_rows[:, None] * D + offs_d[None, :],
+                   mask=(offs_rows[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _row_lse_kernel(Q, K, LSE, scale, N, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
     bh = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     base = bh * N * D
-    q = tl.load(Q + base + offs_m[:, None] * D + offs_d[None, :],
-                mask=(offs_m[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+    q = _load_rows(Q + base, offs_m, offs_d, N, D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, N, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        k = tl.load(K + base + offs_n[:, None] * D + offs_d[None, :],
-                    mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+        k = _load_rows(K + base, offs_n, offs_d, N, D)
         s = _scaled_logits(q, k, scale, EXACT)  # (BLOCK_M, BLOCK_N)
         s = tl.where(offs_n[None, :] < N, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -57,13 +62,11 @@ def _column_sum_kernel(Q, K, LSE, OUT, scale, N, D: tl.constexpr, BLOCK_M: tl.co
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     base = bh * N * D
-    k = tl.load(K + base + offs_n[:, None] * D + offs_d[None, :],
-                mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+    k = _load_rows(K + base, offs_n, offs_d, N, D)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, N, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
-        q = tl.load(Q + base + offs_m[:, None] * D + offs_d[None, :],
-                    mask=(offs_m[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+        q = _load_rows(Q + base, offs_m, offs_d, N, D)
         lse = tl.load(LSE + bh * N + offs_m, mask=offs_m < N, other=float("inf"))  # padded rows add exp(-inf) = 0
         s = _scaled_logits(q, k, scale, EXACT) - lse[:, None]
         p = tl.where(offs_n[None, :] < N, tl.exp(s), 0.0)
