@@ -9,10 +9,11 @@
 from .checkpoint import load, save
 from .config import MoDConfig
 from .convert import convert, get_config, mod_blocks, set_capacity, set_recording
-from .cost import CostReport, count_flops, flops, isoflop_baseline
+from .cost import CostReport, capacity_for_cost, count_flops, flops, isoflop_baseline
+from . import merge  # amod.merge.apply: token merging (ToMe), the baseline amod compares against
 
 __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
-    "flops", "count_flops", "isoflop_baseline", "save", "load",
+    "flops", "count_flops", "capacity_for_cost", "merge", "isoflop_baseline", "save", "load",
 ]
 __version__ = "0.1.0"

@@ -25,7 +25,8 @@ def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup:
     """Median seconds per call of each callable, measured interleaved.
 
     Round r calls every function once (in a rotating order, so none always goes first); the first
-    ``warmup`` rounds are discarded. ``spread`` is (max - min) / median of the kept rounds.
+    ``warmup`` rounds are discarded. ``spread`` is (max - min) / median of the kept rounds; ``times``
+    the kept rounds' seconds, in round order (for ratios taken round by round).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
@@ -39,7 +40,7 @@ def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup:
             _sync(device)
             if r >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {n: {"seconds": statistics.median(t), "spread": (max(t) - min(t)) / statistics.median(t)}
+    return {n: {"seconds": statistics.median(t), "spread": (max(t) - min(t)) / statistics.median(t), "times": t}
             for n, t in times.items()}
 
 

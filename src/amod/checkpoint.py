@@ -1,7 +1,8 @@
 """Save and load (converted) timm ViTs: safetensors weights with the architecture and MoD config inside.
 
 The file's metadata holds ``amod.model`` (timm architecture name and creation kwargs) and, for a
-converted model, ``amod.mod`` (its ``MoDConfig``), so ``amod.load(path)`` needs nothing else.
+converted model, ``amod.mod`` (its ``MoDConfig``) or, for a token-merging model, ``amod.merge`` (its
+schedule), so ``amod.load(path)`` needs nothing else.
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def save(
     config = getattr(model, "amod_config", None)
     if config is not None:
         meta["amod.mod"] = config.to_json()
+    merging = getattr(model, "amod_merge", None)
+    if merging is not None:
+        meta["amod.merge"] = json.dumps({"schedule": merging.schedule})
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +110,7 @@ def read_metadata(path: PathLike) -> dict[str, str]:
 def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
     """Rebuild a model saved with ``amod.save``: architecture, MoD conversion and weights."""
     from .convert import convert
+    from .merge import apply as apply_merging
 
     meta = read_metadata(path)
     info = json.loads(meta["amod.model"])
@@ -113,7 +118,9 @@ def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
     if "amod.mod" in meta:
         config = MoDConfig.from_dict(json.loads(meta["amod.mod"]))
         convert(model, router=config.router, capacity=config.capacity, layers=config.layers,
-                scale_output=config.scale_output, seed=config.seed)
+                scale_output=config.scale_output, seed=config.seed, skipped=config.skipped)
+    if "amod.merge" in meta:
+        apply_merging(model, r=json.loads(meta["amod.merge"])["schedule"])
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:

@@ -6,7 +6,7 @@ import sys
 import os
 from typing import Callable, Optional, Sequence
 
-from .config import ROUTERS
+from .config import ROUTERS, SKIPPED_MODES
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 ROUTER_NAMES = list(ROUTERS)
@@ -22,6 +22,15 @@ def parse_layers(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--layers must be 'alternate', 'later' or comma-separated block indices, got {text!r}") from None
+
+
+def parse_schedule(text: str):
+    """One int (every block) or a comma-separated list (one per block)."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, got {text!r}") from None
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def parse_bool(text: str) -> bool:
@@ -236,6 +245,22 @@ def _cmd_study(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import CompareConfig, run_compare
+
+    _setup_logging(args.out)
+    if args.quick:
+        cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
+                            epochs=1, speed_batch=32, speed_repeats=2, quick=True)
+    else:
+        cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
+                            epochs=args.epochs, train_limit=args.train_limit, val_limit=args.val_limit, lr=args.lr,
+                            speed_batch=args.speed_batch)
+    print(run_compare(cfg))
+    return 0
+
+
+COMMANDS["compare"] = _cmd_compare
 COMMANDS["analyze"] = _cmd_analyze
 COMMANDS["study"] = _cmd_study
 COMMANDS["train"] = _cmd_train
@@ -262,6 +287,11 @@ def _add_run_options(p: argparse.ArgumentParser, finetune: bool) -> None:
     g.add_argument("--scale-output", type=parse_bool, default=S, help="true | false (default: per router)")
     g.add_argument("--isoflop", action="store_true", default=S,
                    help="train the dense isoFLOP baseline of --router/--capacity/--layers instead")
+    g.add_argument("--skipped", choices=list(SKIPPED_MODES), default=S,
+                   help="what MoD blocks do with skipped tokens (default bypass)")
+    g = p.add_argument_group("token merging (ToMe) instead of MoD")
+    g.add_argument("--merge-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
+    g.add_argument("--merge-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
     g = p.add_argument_group("data and optimisation")
     g.add_argument("--data", default=S, help="fashion-mnist | imagefolder:PATH | flowers102 | oxford-pets | "
                                              "stanford-cars | imagenet")
@@ -337,6 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--train-limit", type=int, default=10000)
+    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
+
+    p = sub.add_parser("compare", help="MoD vs token merging (ToMe) at matched cost: zero-training, finetuned, images/s")
+    p.add_argument("--out", default="runs/compare")
+    p.add_argument("--checkpoint", default=None, help="dense model (default: the demo's, trained if missing)")
+    p.add_argument("--data", default="fashion-mnist")
+    p.add_argument("--cost", type=float, nargs="+", default=[0.56, 0.75], help="cost points, shares of dense MACs")
+    p.add_argument("--epochs", type=int, default=1, help="the short finetune, equal for every method")
+    p.add_argument("--train-limit", type=int, default=10000)
+    p.add_argument("--val-limit", type=int, default=None)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--speed-batch", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
     p = sub.add_parser("demo", help="the main job: pretrain, convert, finetune and compare on Fashion-MNIST")

@@ -11,6 +11,7 @@ from .routers import ROUTER_CLASSES
 
 ROUTERS = tuple(ROUTER_CLASSES)
 LAYER_PRESETS = ("alternate", "later")
+SKIPPED_MODES = ("bypass", "merge", "kv")  # what an MoD block does with the tokens it skips
 
 
 @dataclass
@@ -25,6 +26,7 @@ class MoDConfig:
     layers: list[int] = field(default_factory=list)  # resolved indices of the MoD blocks
     scale_output: bool = False  # multiply a processed token's block output by its router gate
     seed: int = 0  # seed of the random router (ignored by the others)
+    skipped: str = "bypass"  # what skipped tokens do: one of SKIPPED_MODES
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -52,6 +54,12 @@ def validate_router(router: Any) -> str:
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; supported routers: {', '.join(ROUTERS)}")
     return router
+
+
+def validate_skipped(skipped: Any) -> str:
+    if skipped not in SKIPPED_MODES:
+        raise ValueError(f"unknown skipped-token mode {skipped!r}; supported: {', '.join(SKIPPED_MODES)}")
+    return skipped
 
 
 def resolve_layers(layers: Any, depth: int, router: str) -> list[int]:

@@ -11,7 +11,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from .block import MoDBlock, ScoreHandoff, ScoringAttention
-from .config import MoDConfig, resolve_layers, validate_capacity, validate_router
+from .config import MoDConfig, resolve_layers, validate_capacity, validate_router, validate_skipped
 from .routers import ROUTER_CLASSES, build_router
 
 LayersSpec = Union[str, Sequence[int]]
@@ -53,6 +53,7 @@ def convert(
     layers: LayersSpec = "alternate",
     scale_output: Optional[bool] = None,
     seed: int = 0,
+    skipped: str = "bypass",
 ) -> nn.Module:
     """Convert a timm ViT into a Mixture-of-Depths model, in place; returns the same model.
 
@@ -67,8 +68,15 @@ def convert(
         scale_output: multiply processed tokens' block updates by their router gate; default True for
             the standard router, False for the others.
         seed: seed of the random router.
+        skipped: what the tokens an MoD block skips do there. ``"bypass"``: copied through unchanged
+            (the paper's MoD). ``"merge"``: each is averaged into its most similar kept token
+            (cosine after the block's first norm; proportional attention on the group sizes) and takes that
+            token's block update, so no token's information leaves the block. ``"kv"``: they serve as
+            keys and values for the processed tokens (K/V projections for every token) and are not
+            updated.
     """
     router = validate_router(router)
+    skipped = validate_skipped(skipped)
     capacity = validate_capacity(capacity)
     if scale_output is None:
         scale_output = default_scale_output(router)
@@ -79,7 +87,7 @@ def convert(
     policy = _find_policy(model)
     depth = len(getattr(model, "blocks", ()))
     config = MoDConfig(router=router, capacity=capacity, layers=resolve_layers(layers, depth, router),
-                       scale_output=scale_output, seed=int(seed))
+                       scale_output=scale_output, seed=int(seed), skipped=skipped)
     policy(model, config)
     model.amod_config = config
     return model
@@ -91,6 +99,11 @@ def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
     for i in config.layers:
         _check_block(blocks[i], i)
     router_needs_attention = ROUTER_CLASSES[config.router].needs_attention
+    consecutive = [i for i in config.layers if i - 1 in config.layers]
+    if config.skipped == "kv" and router_needs_attention and consecutive:
+        raise ValueError(
+            f"skipped='kv' cannot score attention for the next block (blocks {consecutive[0] - 1} and {consecutive[0]} "
+            "are both MoD blocks); use layers with a dense block before each MoD block, e.g. 'alternate'")
     for i in config.layers:
         blk = blocks[i]
         blk.__class__ = MoDBlock
@@ -100,6 +113,7 @@ def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
         blk.amod_capacity = config.capacity
         blk.amod_num_prefix = model.num_prefix_tokens
         blk.amod_scale_output = config.scale_output
+        blk.amod_skipped = config.skipped
         blk.amod_in_handoff = None
         blk.amod_out_handoff = None
         blk.amod_record = False

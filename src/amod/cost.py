@@ -79,44 +79,117 @@ def _attention_macs(tokens: int, attn: nn.Module) -> int:
     return 2 * tokens * tokens * attn.num_heads * attn.head_dim
 
 
-def _block_macs(blk: nn.Module, tokens: int, num_patches: int) -> int:
-    # A-MoD's scores come from the attention's own softmax tiles at inference (amod.ops): no extra
-    # products. (In training, and in the CUDA kernel, QK^T is recomputed: not counted here.)
-    macs = tokens * _linear_macs_per_token(blk) + _attention_macs(tokens, blk.attn)
-    if isinstance(blk, MoDBlock) and isinstance(blk.router, StandardRouter):
+def _mod_block_macs(blk: MoDBlock, kept: int, num_tokens: int, num_patches: int) -> int:
+    """An MoD block running on ``kept`` = p + k of ``num_tokens`` tokens, with its skipped-token mode.
+
+    A-MoD's scores come from the attention's own softmax tiles at inference (amod.ops): no extra
+    products. (In training, and in the CUDA kernel, QK^T is recomputed: not counted here.)
+    """
+    attn = blk.attn
+    lin = _linear_macs_per_token(blk)
+    if blk.amod_skipped == "kv" and kept < num_tokens:
+        kv = 2 * attn.attn_dim * attn.qkv.in_features  # K and V projections per token
+        macs = kept * (lin - kv) + num_tokens * kv + 2 * kept * num_tokens * attn.num_heads * attn.head_dim
+    else:
+        macs = kept * lin + _attention_macs(kept, attn)
+    if blk.amod_skipped == "merge" and kept < num_tokens:
+        k = kept - (num_tokens - num_patches)
+        macs += (num_patches - k) * k * blk.norm1.normalized_shape[0]  # skipped x kept cosine similarities
+    if isinstance(blk.router, StandardRouter):
         macs += num_patches * blk.router.proj.in_features  # every patch token is scored
     return macs
 
 
+def _merge_block_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int) -> tuple[int, int]:
+    """(MACs, tokens after the merge) of a ToMe block: attention on ``tokens``, bipartite matching of
+    the patch tokens on the keys' mean over heads, MLP on ``tokens - r``."""
+    n = tokens - num_prefix
+    r = min(r, n // 2)
+    macs = tokens * _linear_macs_per_token(blk.attn) + _attention_macs(tokens, blk.attn)
+    if r > 0:
+        macs += ((n + 1) // 2) * (n // 2) * blk.attn.head_dim  # |A| x |B| cosine similarities
+    return macs + (tokens - r) * _linear_macs_per_token(blk.mlp), tokens - r
+
+
+def _sizes(model: nn.Module, img_size) -> tuple[tuple[int, int], int, int]:
+    """((H, W), patch tokens, prefix tokens) at ``img_size``."""
+    h, w = _img_size(model, img_size)
+    ph, pw = model.patch_embed.patch_size
+    if h % ph or w % pw:
+        raise ValueError(f"img_size {(h, w)} is not a multiple of the patch size {(ph, pw)}")
+    return (h, w), (h // ph) * (w // pw), model.num_prefix_tokens
+
+
+def _embed_head_macs(model: nn.Module, num_patches: int) -> tuple[int, int]:
+    heads = (getattr(model, "head", None), getattr(model, "head_dist", None))
+    return (num_patches * model.patch_embed.proj.weight.numel(),
+            sum(m.in_features * m.out_features for m in heads if isinstance(m, nn.Linear)))
+
+
 def flops(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]] = None) -> CostReport:
-    """Analytic cost of one image through ``model`` (dense or converted).
+    """Analytic cost of one image through ``model`` (dense, MoD-converted or token-merging).
 
     Args:
         model: a timm ViT, converted or not.
         img_size: input size (int or (H, W)); defaults to the model's own.
 
     Returns:
-        A ``CostReport``: ``.macs``, ``.flops``, ``.gmacs``, ``.ratio`` to dense, per-block costs.
+        A ``CostReport``: ``.macs``, ``.flops``, ``.gmacs``, ``.ratio`` to dense, per-block costs
+        (``tokens``: the tokens a block's attention runs on).
     """
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise TypeError(f"amod.flops expects a timm VisionTransformer, got {type(model).__name__}")
-    h, w = _img_size(model, img_size)
-    ph, pw = model.patch_embed.patch_size
-    if h % ph or w % pw:
-        raise ValueError(f"img_size {(h, w)} is not a multiple of the patch size {(ph, pw)}")
-    n = (h // ph) * (w // pw)
-    p = model.num_prefix_tokens
+    from .merge import MergeBlock  # late import: merge imports cost's helpers through schedule_for_cost
+
+    (h, w), n, p = _sizes(model, img_size)
     N = n + p
-    embed = n * model.patch_embed.proj.weight.numel()
-    head = sum(m.in_features * m.out_features for m in (getattr(model, "head", None), getattr(model, "head_dist", None))
-               if isinstance(m, nn.Linear))
+    embed, head = _embed_head_macs(model, n)
     blocks, dense = [], embed + head
+    tokens = N  # falls in token-merging models
     for i, blk in enumerate(model.blocks):
-        tokens = p + num_kept(blk.amod_capacity, n) if isinstance(blk, MoDBlock) else N
-        blocks.append(BlockCost(i, tokens, _block_macs(blk, tokens, n)))
+        if isinstance(blk, MergeBlock):
+            macs, after = _merge_block_macs(blk, tokens, blk.amod_merge_r, p)
+            blocks.append(BlockCost(i, tokens, macs))
+            tokens = after
+        elif isinstance(blk, MoDBlock):
+            kept = p + num_kept(blk.amod_capacity, n)
+            blocks.append(BlockCost(i, kept, _mod_block_macs(blk, kept, N, n)))
+        else:
+            blocks.append(BlockCost(i, tokens, tokens * _linear_macs_per_token(blk) + _attention_macs(tokens, blk.attn)))
         dense += N * _linear_macs_per_token(blk) + _attention_macs(N, blk.attn)
     macs = embed + head + sum(b.macs for b in blocks)
     return CostReport((h, w), N, macs, dense, embed, head, blocks)
+
+
+def merge_macs(model: nn.Module, schedule: Sequence[int], img_size=None) -> int:
+    """Analytic MACs per image of the dense ``model`` if it merged ``schedule[i]`` tokens in block i."""
+    _, n, p = _sizes(model, img_size)
+    tokens = n + p
+    total = sum(_embed_head_macs(model, n))
+    for blk, r in zip(model.blocks, schedule):
+        macs, tokens = _merge_block_macs(blk, tokens, r, p)
+        total += macs
+    return total
+
+
+def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
+    """The capacity k / n at which the converted ``model`` costs closest to ``cost`` x dense.
+
+    Tries every k from 1 to n (costs need shapes only); the model's own capacity is left unchanged.
+    """
+    from .convert import get_config, set_capacity
+
+    config = get_config(model)
+    _, n, _ = _sizes(model, img_size)
+    original = config.capacity
+    try:
+        ratios = {}
+        for k in range(1, n + 1):
+            set_capacity(model, k / n)
+            ratios[k / n] = flops(model, img_size).ratio
+    finally:
+        set_capacity(model, original)
+    return min(ratios, key=lambda c: abs(ratios[c] - cost))
 
 
 def _cpu_sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -58,18 +58,25 @@ def run_once(cfg: RunConfig) -> dict[str, Any]:
     return train(cfg, resume=(out / "checkpoint.pt").exists())
 
 
+def pretrain_dense(out: Path, data: str = "fashion-mnist", quick: bool = False, train_limit: Optional[int] = None,
+                   val_limit: Optional[int] = None) -> tuple[dict[str, Any], Path]:
+    """Pretrain the demo's dense ViT into ``out`` (or reuse it there); returns its summary and weights file."""
+    small = {k: QUICK[k] for k in ("depth", "embed_dim")} if quick else {}
+    cfg = RunConfig(**{**BASE, **small, "data": data}, **PRETRAIN, train_limit=train_limit, val_limit=val_limit,
+                    out=str(out))
+    if quick:
+        cfg.epochs = QUICK["epochs"]
+    return run_once(cfg), out / "model.safetensors"
+
+
 def run_demo(out: str, quick: bool = False) -> Path:
     """Run every step (reusing finished ones) and return the path of report.md."""
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     base = {**BASE, **({k: v for k, v in QUICK.items() if k in ("depth", "embed_dim")} if quick else {})}
     limits = {k: QUICK[k] for k in ("train_limit", "val_limit")} if quick else {}
-    pre_cfg = RunConfig(**base, **PRETRAIN, **limits, out=str(root / "pretrain"))
-    if quick:
-        pre_cfg.epochs = QUICK["epochs"]
     log.info("step 1/4: pretrain the dense ViT")
-    pre = run_once(pre_cfg)
-    pretrained = root / "pretrain" / "model.safetensors"
+    pre, pretrained = pretrain_dense(root / "pretrain", BASE["data"], quick, **limits)
 
     log.info("step 2-3/4: convert and finetune %d variants", len(_variants()))
     runs: dict[str, Path] = {}

@@ -13,6 +13,7 @@ from torch import nn
 from .checkpoint import load as load_amod, read_metadata
 from .convert import convert
 from .cost import isoflop_baseline
+from .merge import apply as apply_merging
 
 log = logging.getLogger("amod")
 
@@ -89,7 +90,7 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     """The model of a run, before any training.
 
     ``cfg`` fields used: model, pretrained, checkpoint, the ARCH_OVERRIDES, drop_path, router,
-    capacity, layers, scale_output, isoflop, seed.
+    capacity, layers, scale_output, isoflop, seed, skipped, merge_cost, merge_r.
     """
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
@@ -114,9 +115,12 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         if cfg.router is None:
             raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
         return isoflop_baseline(model, cfg.capacity, layers=cfg.layers, router=cfg.router)
+    merge_cost, merge_r = getattr(cfg, "merge_cost", None), getattr(cfg, "merge_r", None)
+    if merge_cost is not None or merge_r is not None:
+        return apply_merging(model, r=merge_r, cost=merge_cost)
     if cfg.router is not None:
         if getattr(model, "amod_config", None) is not None:
             raise ValueError("the checkpoint is already an MoD model; drop --router to keep its routing")
         convert(model, router=cfg.router, capacity=cfg.capacity, layers=cfg.layers,
-                scale_output=cfg.scale_output, seed=cfg.seed)
+                scale_output=cfg.scale_output, seed=cfg.seed, skipped=getattr(cfg, "skipped", "bypass"))
     return model

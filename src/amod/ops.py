@@ -38,15 +38,20 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def attention_scores_explicit(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, dropout_p: float = 0.0,
+    bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference path: forms the (B, H, N, N) matrix. Differentiable in both outputs.
 
     Logits and softmax are computed in float32 whatever the input dtype (bf16 logits would put
-    percent-level errors into the scores).
+    percent-level errors into the scores). ``bias``: an additive term broadcast to the logits (the
+    log token sizes of proportional attention).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    attn = (q.float() @ k.float().transpose(-2, -1)).mul_(scale).softmax(dim=-1)  # (B, H, N, N)
+    attn = (q.float() @ k.float().transpose(-2, -1)).mul_(scale)  # (B, H, N, N)
+    if bias is not None:
+        attn = attn + bias.float()
+    attn = attn.softmax(dim=-1)
     scores = received_attention(attn)  # (B, N), before dropout: dropout is noise, not importance
     if dropout_p > 0.0:
         attn = F.dropout(attn, p=dropout_p)

@@ -55,6 +55,10 @@ class RunConfig:
     layers: Union[str, list[int]] = "alternate"
     scale_output: Optional[bool] = None
     isoflop: bool = False  # train the isoFLOP dense baseline of (router, capacity, layers) instead
+    skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv
+    # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
+    merge_cost: Optional[float] = None
+    merge_r: Optional[Union[int, list[int]]] = None
     # data
     data: str = "fashion-mnist"
     train_limit: Optional[int] = None  # a fixed random subset of the training set
@@ -87,6 +91,10 @@ class RunConfig:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.warmup_epochs < 0 or self.weight_decay < 0 or not 0 <= self.label_smoothing < 1:
             raise ValueError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
+        if (self.merge_cost is not None or self.merge_r is not None) and (self.router is not None or self.isoflop):
+            raise ValueError("token merging (--merge-cost/--merge-r) replaces MoD: drop --router/--isoflop")
+        if self.merge_cost is not None and self.merge_r is not None:
+            raise ValueError("give either --merge-cost or --merge-r, not both")
         if self.pretrained and self.checkpoint:
             raise ValueError("give either --pretrained or --checkpoint, not both")
         return self
@@ -216,10 +224,12 @@ def _summary(cfg: RunConfig, out: Path, cost: Any, dist_info: engine.Dist, check
 
 
 def _describe(cfg: RunConfig) -> str:
+    if cfg.merge_cost is not None or cfg.merge_r is not None:
+        return f"tome@{cfg.merge_cost:g}" if cfg.merge_cost is not None else f"tome r={cfg.merge_r}"
     if cfg.router is None:
         return "dense"
     kind = "isoflop" if cfg.isoflop else cfg.router
-    return f"{kind}@{cfg.capacity:g}"
+    return f"{kind}@{cfg.capacity:g}" + ("" if cfg.skipped == "bypass" or cfg.isoflop else f" skipped={cfg.skipped}")
 
 
 def _check_resumable(saved: RunConfig, now: RunConfig) -> None:

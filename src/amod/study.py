@@ -26,7 +26,7 @@ from . import engine
 from .analysis import attention_stats, leave_one_out, routing_figure
 from .checkpoint import load
 from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
-from .demo import BASE, PRETRAIN, run_once
+from .demo import BASE, pretrain_dense, run_once
 from .plots import accuracy_vs_epoch
 from .run import RunConfig
 from .stats import mean_std, paired_bootstrap_ci
@@ -79,16 +79,11 @@ def _slug(text: str) -> str:
 def run_study(cfg: StudyConfig) -> Path:
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
-    quick = dict(depth=4, embed_dim=32) if cfg.quick else {}
     pretrained = Path(cfg.checkpoint) if cfg.checkpoint else None
     if pretrained is None:
         log.info("pretraining the dense model (or reusing it)")
-        pre_cfg = RunConfig(**{**BASE, **quick, "data": cfg.data}, **PRETRAIN, out=str(root / "pretrain"),
-                            train_limit=cfg.train_limit if cfg.quick else None, val_limit=cfg.val_limit)
-        if cfg.quick:
-            pre_cfg.epochs = 1
-        run_once(pre_cfg)
-        pretrained = root / "pretrain" / "model.safetensors"
+        _, pretrained = pretrain_dense(root / "pretrain", cfg.data, cfg.quick,
+                                       train_limit=cfg.train_limit if cfg.quick else None, val_limit=cfg.val_limit)
 
     _, val, info = build_datasets(cfg.data, None, None, cfg.val_limit)
     runs: dict[tuple[str, float], list[Path]] = {}
