@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
 
-from .ops import attention_scores_explicit, attention_with_scores
+from .ops import attention_inputs, attention_output, attention_scores_explicit, attention_with_scores
 from .routers import Router
 from .routing import flat_index, gather_tokens, keep_index, num_kept, scatter_tokens, select_tokens, skipped_tokens
 
@@ -63,11 +63,7 @@ class ScoringAttention(Attention):
     ) -> torch.Tensor:
         if is_causal or (attn_mask is not None and not attn_mask.is_floating_point()):
             raise NotImplementedError("amod's scoring attention supports additive float masks only")
-        B, N, C = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # (B, H, N, hd) each
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
         if attn_mask is not None:  # proportional attention of the merge mode: small gathered sets
             x, scores = attention_scores_explicit(q, k, v, self.scale, self.attn_drop.p if self.training else 0.0,
                                                   bias=attn_mask)
@@ -80,13 +76,7 @@ class ScoringAttention(Attention):
         else:  # timm's explicit path, attention matrix and all
             x, scores = attention_scores_explicit(q, k, v, self.scale, self.attn_drop.p if self.training else 0.0)
         self.amod_handoff.scores = scores if self.amod_scores_need_grad else scores.detach()
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
+        return attention_output(self, x, gate)
 
 
 class MoDBlock(Block):
@@ -212,10 +202,8 @@ class MoDBlock(Block):
         q, key = attn.q_norm(q), attn.k_norm(key)
         o = F.scaled_dot_product_attention(q, key, value, scale=attn.scale,
                                            dropout_p=attn.attn_drop.p if self.training else 0.0)
-        o = attn.norm(o.transpose(1, 2).reshape(B, M, A))
-        if attn.gate is not None:
-            o = o * attn.gate(hs).sigmoid()
-        y = xs + self.drop_path1(self.ls1(attn.proj_drop(attn.proj(o))))
+        o = attention_output(attn, o, attn.gate(hs).sigmoid() if attn.gate is not None else None)
+        y = xs + self.drop_path1(self.ls1(o))
         return y + self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
 
     def _publish_scores(self, prev_scores: Optional[torch.Tensor], index: Optional[torch.Tensor], n_full: int) -> None:

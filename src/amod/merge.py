@@ -27,6 +27,7 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
+from .ops import attention_inputs, attention_output
 from .routing import flat_index, gather_tokens
 
 
@@ -51,11 +52,7 @@ class MergeAttention(Attention):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        B, N, _ = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v, gate = attention_inputs(self, x)
         self.amod_metric = k.mean(1)  # (B, N, head_dim): what ToMe matches tokens on
         if self.fused_attn:
             x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
@@ -66,11 +63,7 @@ class MergeAttention(Attention):
                 attn = attn + attn_mask
             attn = self.attn_drop(attn.softmax(dim=-1))
             x = attn @ v
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        return self.proj_drop(self.proj(x))
+        return attention_output(self, x, gate)
 
 
 class MergeBlock(Block):

@@ -20,6 +20,24 @@ import torch.nn.functional as F
 
 from .routing import received_attention
 
+def attention_inputs(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """timm ``Attention``'s work before the attention kernel: q, k, v (B, H, N, hd) after q/k-norm, and
+    the sigmoid output gate of the gated variants (None otherwise). Shared by amod's attention classes."""
+    B, N, _ = x.shape
+    gate = attn.gate(x).sigmoid() if attn.gate is not None else None
+    q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return attn.q_norm(q), attn.k_norm(k), v, gate
+
+
+def attention_output(attn, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+    """timm ``Attention``'s work after the kernel: (B, H, N, hd) heads -> norm, gate, proj, dropout."""
+    B, _, N, _ = o.shape
+    o = attn.norm(o.transpose(1, 2).reshape(B, N, attn.attn_dim))
+    if gate is not None:
+        o = o * gate
+    return attn.proj_drop(attn.proj(o))
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
