@@ -48,24 +48,29 @@ def _cmd_flops(args: argparse.Namespace) -> int:
     from .config import validate_capacity
     from .convert import convert
     from .cost import flops
+    from .merge import apply as apply_merging
 
     capacities = [validate_capacity(c) for c in args.capacity]
     rows = []
     for name in args.models:
         if name not in timm.list_models():
             raise ValueError(f"unknown timm model {name!r}")
-        for capacity in capacities:
+        setups = [(f"{c:.3f}", dict(capacity=c)) for c in capacities]
+        setups += [(f"ToMe@{c:g}", dict(merge_cost=c)) for c in args.merge_cost or ()]
+        for label, setup in setups:
             with torch.device("meta"):  # costs need shapes only: no memory, no weights
                 model = timm.create_model(name, pretrained=False)
-                if capacity < 1.0 or args.router == "standard":
-                    convert(model, router=args.router, capacity=capacity, layers=args.layers)
-            report = flops(model, args.img_size)
-            rows.append((name, capacity, report))
-    header = f"{'model':34s} {'img':>9s} {'capacity':>8s} {'GMACs':>8s} {'GFLOPs':>8s} {'vs dense':>8s} {'ideal x':>7s}"
-    print(f"router={args.router} layers={args.layers}")
+                if "merge_cost" in setup:
+                    apply_merging(model, cost=setup["merge_cost"], img_size=args.img_size)
+                elif setup["capacity"] < 1.0 or args.router == "standard":
+                    convert(model, router=args.router, capacity=setup["capacity"], layers=args.layers,
+                            skipped=args.skipped)
+            rows.append((name, label, flops(model, args.img_size)))
+    header = f"{'model':34s} {'img':>9s} {'capacity':>10s} {'GMACs':>8s} {'GFLOPs':>8s} {'vs dense':>8s} {'ideal x':>7s}"
+    print(f"router={args.router} layers={args.layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
     print(header)
-    for name, capacity, r in rows:
-        print(f"{name:34s} {r.img_size[0]:>4d}x{r.img_size[1]:<4d} {capacity:>8.3f} {r.gmacs:>8.3f} "
+    for name, label, r in rows:
+        print(f"{name:34s} {r.img_size[0]:>4d}x{r.img_size[1]:<4d} {label:>10s} {r.gmacs:>8.3f} "
               f"{r.flops / 1e9:>8.3f} {r.ratio:>8.3f} {1 / r.ratio:>7.2f}")
     return 0
 
@@ -322,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
     p.add_argument("--router", default="attention", choices=ROUTER_NAMES)
     p.add_argument("--layers", type=parse_layers, default="alternate")
+    p.add_argument("--skipped", choices=list(SKIPPED_MODES), default="bypass")
+    p.add_argument("--merge-cost", type=float, nargs="+", default=None,
+                   help="also price token merging (ToMe) matched to these shares of dense MACs")
     p.add_argument("--img-size", type=int, default=None)
 
     _add_run_options(sub.add_parser("train", help="train a model from scratch (dense or MoD)"), finetune=False)
