@@ -26,7 +26,7 @@ from .cost import capacity_for_cost, flops
 from .data import build_datasets
 from .demo import BASE, QUICK, pretrain_dense, run_once
 from .plots import accuracy_vs_cost_panels
-from .run import RunConfig
+from .run import RunConfig, run_dir_name
 
 log = logging.getLogger("amod")
 COST_TOLERANCE = 0.02  # a method whose closest cost is further off than this is flagged in the report
@@ -66,10 +66,6 @@ class CompareConfig:
     speed_repeats: int = 10
     methods: tuple[Method, ...] = field(default=METHODS)
     quick: bool = False
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")
 
 
 def resolve_layers(spec: Any, depth: int) -> Any:
@@ -128,7 +124,7 @@ def run_compare(cfg: CompareConfig) -> Path:
         for method in cfg.methods:
             done += 1
             _, setting, ratio = matched_model(dense, method, cost)
-            out = root / f"cost{cost:g}" / _slug(method.name)
+            out = root / f"cost{cost:g}" / run_dir_name(method.name)
             log.info("[%d/%d] %s at cost %g (matched: %.3f of dense)", done, total, method.name, cost, ratio)
             run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, **setting,
                                 epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,

@@ -44,6 +44,7 @@ def _variants() -> list[tuple[str, dict[str, Any]]]:
 
 
 def _slug(name: str) -> str:
+    # the demo's own naming (not run_dir_name): its run directories predate that helper and are reused
     return name.lower().replace(" ", "_").replace("-", "")
 
 

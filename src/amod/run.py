@@ -111,6 +111,11 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+def run_dir_name(text: str) -> str:
+    """A directory or file name for a variant's label: lower case, anything not alphanumeric as ``_``."""
+    return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")
+
+
 def load_yaml_config(path: Union[str, Path]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():

@@ -28,7 +28,7 @@ from .checkpoint import load
 from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
 from .demo import BASE, pretrain_dense, run_once
 from .plots import accuracy_vs_epoch
-from .run import RunConfig
+from .run import RunConfig, run_dir_name
 from .stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
@@ -72,10 +72,6 @@ class StudyConfig:
     quick: bool = False
 
 
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")
-
-
 def run_study(cfg: StudyConfig) -> Path:
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)
@@ -93,7 +89,7 @@ def run_study(cfg: StudyConfig) -> Path:
         for v in VARIANTS:
             for seed in range(cfg.seeds):
                 done += 1
-                out = root / f"c{capacity:g}" / f"{_slug(v.name)}_s{seed}"
+                out = root / f"c{capacity:g}" / f"{run_dir_name(v.name)}_s{seed}"
                 log.info("[%d/%d] %s at capacity %g, seed %d", done, total, v.name, capacity, seed)
                 run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, router=v.router,
                                     capacity=capacity, scale_output=v.scale_output, isoflop=v.isoflop, seed=seed,
@@ -201,7 +197,7 @@ def _analyses(root: Path, capacity: float, runs, val, cfg: StudyConfig, lines: l
             a = att[layer - 1]  # the attention the router of this block reads (A-MoD) / the block before
             lines.append(f"| {name} | {layer} | {r['router']:+.3f} | {r['random']:+.3f} | "
                          f"{a['entropy'] / a['max_entropy']:.3f} | {a['top_token_share']:.3f} |")
-        png = routing_figure(model, xs[:4], root / f"routing_{_slug(name)}_c{capacity:g}.png",
+        png = routing_figure(model, xs[:4], root / f"routing_{run_dir_name(name)}_c{capacity:g}.png",
                              mean=(FASHION_MNIST_MEAN,), std=(FASHION_MNIST_STD,))
         out[name] = {"loo": {k: {kk: vv for kk, vv in v.items()} for k, v in loo["layers"].items()},
                      "attention": att, "routing_png": png.name}
