@@ -33,6 +33,22 @@ def test_scores_match_naive(b, h, n, d, tile, dtype, method):
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=tol, atol=tol * 4)
 
 
+@pytest.mark.parametrize("method", ["lse", "onepass"])
+@pytest.mark.parametrize("tile", [None, 3])
+def test_cross_length_and_empty_inputs(method, tile):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 3, 7, 16, generator=g), torch.randn(2, 3, 11, 16, generator=g), torch.randn(2, 3, 11, 8, generator=g)
+    attn = (q.double() @ k.double().transpose(-2, -1) * 16 ** -0.5).softmax(-1)  # (B, H, Nq, Nk)
+    for out, scores in (attention_with_scores(q, k, v, tile=tile, method=method), attention_scores_explicit(q, k, v)):
+        assert out.shape == (2, 3, 7, 8) and scores.shape == (2, 11)
+        torch.testing.assert_close(scores.double(), attn.mean(dim=(1, 2)), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(out.double(), attn @ v.double(), rtol=1e-5, atol=1e-5)
+    for b, h, n in ((0, 3, 5), (2, 0, 5), (2, 3, 0)):
+        e = torch.randn(b, h, n, 16)
+        out, scores = attention_with_scores(e, e, e, tile=tile, method=method)
+        assert out.shape == (b, h, n, 16) and scores.shape == (b, n)
+
+
 def test_bad_inputs_are_refused():
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match=r"q must have shape \(B, H, N, D\)"):
@@ -43,6 +59,10 @@ def test_bad_inputs_are_refused():
         attention_with_scores(q, torch.randn(1, 2, 5, 4), q)
     with pytest.raises(ValueError, match="floating-point"):
         attention_with_scores(q.long(), q.long(), q.long())
+    with pytest.raises(ValueError, match="head dimension D must be at least 1"):
+        attention_with_scores(q[..., :0], q[..., :0], q)
+    with pytest.raises(ValueError, match="at least one key"):
+        attention_with_scores(q, q[:, :, :0], q[:, :, :0])
 
 
 def test_triton_kernel_under_the_interpreter():
@@ -52,13 +72,14 @@ def test_triton_kernel_under_the_interpreter():
 import torch
 from amod.kernels.triton_scores import received_attention_triton
 worst = 0.0
-for b, h, n, d, dtype in [(1, 2, 5, 32, torch.float32), (2, 3, 70, 64, torch.float32), (1, 2, 33, 128, torch.bfloat16),
-                          (1, 1, 130, 48, torch.float32), (1, 2, 17, 96, torch.bfloat16)]:
+for b, h, n, m, d, dtype in [(1, 2, 5, 5, 32, torch.float32), (2, 3, 70, 70, 64, torch.float32),
+                             (1, 2, 33, 33, 128, torch.bfloat16), (1, 1, 130, 130, 48, torch.float32),
+                             (1, 2, 17, 17, 96, torch.bfloat16), (2, 2, 9, 40, 32, torch.float32)]:
     g = torch.Generator().manual_seed(n)
-    q, k = (torch.randn(b, h, n, d, generator=g).mul(2).to(dtype) for _ in range(2))
+    q, k = torch.randn(b, h, n, d, generator=g).mul(2).to(dtype), torch.randn(b, h, m, d, generator=g).mul(2).to(dtype)
     got = received_attention_triton(q, k, d ** -0.5, block_m=16, block_n=16).double()
     ref = ((q.double() @ k.double().transpose(-1, -2)) * d ** -0.5).softmax(-1).sum((1, 2)) / (h * n)
-    assert got.shape == (b, n)
+    assert got.shape == (b, m)
     worst = max(worst, ((got - ref).abs() / ref).max().item())
 print(worst)
 """

@@ -53,6 +53,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             "q (B, H, Nq, D), k (B, H, Nk, D) and v (B, H, Nk, Dv) do not match: "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if q.shape[-1] == 0:
+        raise ValueError(f"the head dimension D must be at least 1, got q {tuple(q.shape)}")
+    if k.shape[2] == 0 and q.shape[2] > 0:
+        raise ValueError(f"queries need at least one key to attend to, got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
 def attention_scores_explicit(
@@ -82,57 +86,59 @@ def _tile_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: Optional
     The fp32 working set (one tile of logits, plus the fp32 copy of the group's keys for other
     dtypes) stays within a fifth of the attention output's size (at least 1 MiB): that keeps the
     op's peak memory within 1.25x of ``scaled_dot_product_attention``'s, O(N) rather than O(N^2). Whole heads
-    are grouped while a head's N x N tile fits (large, efficient matrix products); beyond that, one
+    are grouped while a head's Nq x Nk tile fits (large, efficient matrix products); beyond that, one
     head at a time in blocks of query rows.
     """
-    BH, N, D = q.shape[0] * q.shape[1], q.shape[2], k.shape[-1]
-    budget = max(2**20, BH * N * v.shape[-1] * v.element_size() // 5)
-    key_bytes = 0 if k.dtype == torch.float32 else N * D * 4  # per head
+    BH, Nq, Nk, D = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], k.shape[-1]
+    budget = max(2**20, BH * Nq * v.shape[-1] * v.element_size() // 5)
+    key_bytes = 0 if k.dtype == torch.float32 else Nk * D * 4  # per head
     if tile is not None:
-        return 1, min(N, tile)
-    per_head = N * N * 4 + key_bytes
+        return 1, min(Nq, tile)
+    per_head = Nq * Nk * 4 + key_bytes
     if per_head <= budget:
-        return min(BH, budget // per_head), N
-    return 1, max(1, min(N, (budget - key_bytes) // (N * 4)))
+        return min(BH, budget // per_head), Nq
+    return 1, max(1, min(Nq, (budget - key_bytes) // (Nk * 4)))
 
 
-def _tiles(BH: int, N: int, group: int, rows: int, buf: torch.Tensor):
-    """(head slice, row slice, (G, t, N) view of ``buf``) for each tile: one buffer serves every tile."""
+def _tiles(BH: int, Nq: int, Nk: int, group: int, rows: int, buf: torch.Tensor):
+    """(head slice, row slice, (G, t, Nk) view of ``buf``) for each tile: one buffer serves every tile."""
     for h in range(0, BH, group):
-        for start in range(0, N, rows):
-            hs, rs = slice(h, min(h + group, BH)), slice(start, min(start + rows, N))
+        for start in range(0, Nq, rows):
+            hs, rs = slice(h, min(h + group, BH)), slice(start, min(start + rows, Nq))
             g, t = hs.stop - hs.start, rs.stop - rs.start
-            yield hs, rs, buf[: g * t * N].view(g, t, N)
+            yield hs, rs, buf[: g * t * Nk].view(g, t, Nk)
 
 
 @torch.no_grad()
 def _received_attention_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float,
                             tile: Optional[int]) -> torch.Tensor:
     """Column sums of softmax(q k^T * scale) from the rows' logsumexp, tile by tile (Algorithm 1)."""
-    B, H, N, D = q.shape
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
     group, rows = _tile_plan(q, k, q, tile)
-    qf, kf, lf = q.reshape(B * H, N, D), k.reshape(B * H, N, D), lse.reshape(B * H, N)
-    acc = torch.zeros(B * H, N, dtype=torch.float32, device=q.device)
-    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)
-    for hs, rs, logits in _tiles(B * H, N, group, rows, buf):
-        torch.matmul(qf[hs, rs].float(), kf[hs].float().transpose(-2, -1), out=logits)  # (G, t, N)
+    qf, kf, lf = q.reshape(B * H, Nq, D), k.reshape(B * H, Nk, D), lse.reshape(B * H, Nq)
+    acc = torch.zeros(B * H, Nk, dtype=torch.float32, device=q.device)
+    buf = torch.empty(group * rows * Nk, dtype=torch.float32, device=q.device)
+    for hs, rs, logits in _tiles(B * H, Nq, Nk, group, rows, buf):
+        torch.matmul(qf[hs, rs].float(), kf[hs].float().transpose(-2, -1), out=logits)  # (G, t, Nk)
         logits.mul_(scale).sub_(lf[hs, rs, None]).exp_()
         acc[hs] += logits.sum(dim=1)
-    return acc.view(B, H, N).sum(dim=1) / (H * N)  # (B, N)
+    return acc.view(B, H, Nk).sum(dim=1) / (H * Nq)  # (B, Nk)
 
 
 @torch.no_grad()
 def _attention_scores_onepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                               tile: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and column sums from the same tiles of softmax(q k^T): no second pass over QK^T."""
-    B, H, N, D = q.shape
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
     group, rows = _tile_plan(q, k, v, tile)
-    qf, kf, vf = q.reshape(B * H, N, D), k.reshape(B * H, N, D), v.reshape(B * H, N, v.shape[-1])
-    out = torch.empty(B * H, N, v.shape[-1], dtype=v.dtype, device=q.device)
-    acc = torch.zeros(B * H, N, dtype=torch.float32, device=q.device)
-    buf = torch.empty(group * rows * N, dtype=torch.float32, device=q.device)
-    for hs, rs, p in _tiles(B * H, N, group, rows, buf):
-        torch.bmm(qf[hs, rs].float() * scale, kf[hs].float().transpose(-2, -1), out=p)  # (G, t, N) logits
+    qf, kf, vf = q.reshape(B * H, Nq, D), k.reshape(B * H, Nk, D), v.reshape(B * H, Nk, v.shape[-1])
+    out = torch.empty(B * H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
+    acc = torch.zeros(B * H, Nk, dtype=torch.float32, device=q.device)
+    buf = torch.empty(group * rows * Nk, dtype=torch.float32, device=q.device)
+    for hs, rs, p in _tiles(B * H, Nq, Nk, group, rows, buf):
+        torch.bmm(qf[hs, rs].float() * scale, kf[hs].float().transpose(-2, -1), out=p)  # (G, t, Nk) logits
         p.sub_(p.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
         inv_rowsum = p.sum(dim=-1).reciprocal_().unsqueeze(1)  # (G, 1, t)
         # normalise the small results, not the tile: column sums as inv_rowsum . p, output as (p . v) / rowsum
@@ -140,7 +146,7 @@ def _attention_scores_onepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out_tile = out[hs, rs]  # contiguous: whole heads, or a block of rows of one head
         torch.bmm(p.to(v.dtype), vf[hs], out=out_tile)
         out_tile.mul_(inv_rowsum.transpose(-2, -1).to(v.dtype))
-    return out.view(B, H, N, -1), acc.view(B, H, N).sum(dim=1) / (H * N)
+    return out.view(B, H, Nq, -1), acc.view(B, H, Nk).sum(dim=1) / (H * Nq)
 
 
 def _triton_scores():
@@ -166,9 +172,9 @@ def attention_with_scores(
     """Softmax attention plus the mean attention each key received.
 
     Args:
-        q: (B, H, N, D) queries.
-        k: (B, H, N, D) keys.
-        v: (B, H, N, Dv) values.
+        q: (B, H, Nq, D) queries.
+        k: (B, H, Nk, D) keys (Nk may differ from Nq; empty batches and sequences are allowed).
+        v: (B, H, Nk, Dv) values.
         scale: logit scale; defaults to D ** -0.5 as in ``F.scaled_dot_product_attention``.
         dropout_p: attention dropout on the output (the scores are taken before dropout).
         scores_need_grad: the caller backpropagates through the scores; uses the explicit path.
@@ -176,17 +182,21 @@ def attention_with_scores(
             output's size (at least 1 MiB) allows, whole heads at a time where they fit.
         method: CPU path: ``"onepass"`` (output and scores from the same tiles of the softmax; used
             when no gradient is needed) or ``"lse"`` (PyTorch's fused kernel, differentiable, then
-            a second pass over QK^T from its logsumexp: paper Algorithm 1).
+            a second pass over QK^T from its logsumexp: paper Algorithm 1; the explicit path where
+            the value width differs from the key width, which that kernel does not take).
 
     Returns:
-        ``out`` (B, H, N, Dv) like ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` and
-        ``scores`` (B, N) float32, r_i = 1/(H N) sum_h sum_j A[h, j, i]; each row sums to 1.
+        ``out`` (B, H, Nq, Dv) like ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` and
+        ``scores`` (B, Nk) float32, r_i = 1/(H Nq) sum_h sum_j A[h, j, i]; each row sums to 1.
     """
     _check_qkv(q, k, v)
     if tile is not None and tile < 1:
         raise ValueError(f"tile must be a positive number of query rows, got {tile}")
     if method not in ("lse", "onepass"):
         raise ValueError(f"method must be 'lse' or 'onepass', got {method!r}")
+    B, H, Nq, _ = q.shape
+    if B * H * Nq == 0:  # nothing to attend: empty results of the right shapes
+        return q.new_zeros(B, H, Nq, v.shape[-1]), torch.zeros(B, k.shape[2], dtype=torch.float32, device=q.device)
     if scores_need_grad or (dropout_p > 0.0 and q.device.type == "cpu"):
         return attention_scores_explicit(q, k, v, scale, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -200,5 +210,7 @@ def attention_with_scores(
         return attention_scores_explicit(q, k, v, scale, dropout_p)
     if method == "onepass" and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return _attention_scores_onepass(q, k, v, scale, tile)  # (its output carries no gradient)
+    if v.shape[-1] != q.shape[-1]:  # PyTorch's fused CPU kernel needs Dv == D
+        return attention_scores_explicit(q, k, v, scale, dropout_p)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
     return out, _received_attention_lse(q.detach(), k.detach(), lse, scale, tile)
