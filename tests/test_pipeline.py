@@ -85,14 +85,15 @@ def test_kill_and_resume_ends_with_the_same_metrics(tmp_path):
 def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "amod", "train", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
-           "--capacity", "0.5", "--out", str(tmp_path / "ddp")]
+           "--capacity", "0.5", "--val-limit", "127", "--out", str(tmp_path / "ddp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert len(summary["rank_weight_checksums"]) == 2 and len(set(summary["rank_weight_checksums"])) == 1
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
-    assert len(rows) == 2 and rows[-1]["val_images"] == 256  # validation split across both ranks, summed
+    # validation split across both ranks and summed, each image counted once (127 is odd: no padding)
+    assert len(rows) == 2 and rows[-1]["val_images"] == 127 and summary["val_images"] == 127
 
 
 @pytest.mark.parametrize(

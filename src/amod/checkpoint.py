@@ -14,10 +14,12 @@ from typing import Any, Optional, Union
 import timm
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from timm.layers import LayerScale
 from torch import nn
 
+from . import files
 from .config import MoDConfig
 
 PathLike = Union[str, os.PathLike]
@@ -86,15 +88,16 @@ def save(
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
+    return files.write_bytes(path, safetensors_bytes(tensors, metadata=meta))
 
 
 def read_metadata(path: PathLike) -> dict[str, str]:
     """The string metadata of an amod safetensors file; clear errors for missing or foreign files."""
     path = Path(path)
+    if path.is_dir():
+        inside = path / "model.safetensors"
+        hint = f"; did you mean {inside}?" if inside.is_file() else "; give the .safetensors file"
+        raise ValueError(f"checkpoint {path} is a directory{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
@@ -107,20 +110,31 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     return meta
 
 
+def check_dense_file(path: PathLike) -> None:
+    """Refuse a file that is not a readable amod checkpoint of a dense model (the start of a comparison)."""
+    meta = read_metadata(path)
+    if "amod.mod" in meta or "amod.merge" in meta:
+        raise ValueError(f"{path} is an MoD or token-merging model; give a dense one")
+
+
 def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
     """Rebuild a model saved with ``amod.save``: architecture, MoD conversion and weights."""
     from .convert import convert
     from .merge import apply as apply_merging
 
     meta = read_metadata(path)
-    info = json.loads(meta["amod.model"])
-    model = timm.create_model(info["arch"], pretrained=False, **info["args"])
-    if "amod.mod" in meta:
-        config = MoDConfig.from_dict(json.loads(meta["amod.mod"]))
-        convert(model, router=config.router, capacity=config.capacity, layers=config.layers,
-                scale_output=config.scale_output, seed=config.seed, skipped=config.skipped)
-    if "amod.merge" in meta:
-        apply_merging(model, r=json.loads(meta["amod.merge"])["schedule"])
+    try:
+        info = json.loads(meta["amod.model"])
+        model = timm.create_model(info["arch"], pretrained=False, **info["args"])
+        if "amod.mod" in meta:
+            config = MoDConfig.from_dict(json.loads(meta["amod.mod"]))
+            convert(model, router=config.router, capacity=config.capacity, layers=config.layers,
+                    scale_output=config.scale_output, seed=config.seed, skipped=config.skipped)
+        if "amod.merge" in meta:
+            apply_merging(model, r=json.loads(meta["amod.merge"])["schedule"])
+    except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
+        raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model "
+                         f"({type(e).__name__}: {e})") from None
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:

@@ -13,6 +13,35 @@ ROUTER_NAMES = list(ROUTERS)
 RUN_META = {"command", "config", "resume", "debug"}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with amod's error format: one line, ``amod COMMAND: error: ...``, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def parse_layers(text: str):
     """``alternate``, ``later`` or a comma-separated list of block indices."""
     if text in ("alternate", "later"):
@@ -78,10 +107,10 @@ def _cmd_flops(args: argparse.Namespace) -> int:
 COMMANDS["flops"] = _cmd_flops
 
 
-def _setup_logging(out: Optional[str] = None) -> None:
-    """Plain lines on stderr (rank 0 only under torchrun), and a copy in the run directory."""
+def _setup_logging() -> None:
+    """Plain lines on stderr (rank 0 only under torchrun). A run directory adds its own log file
+    (``amod.rundir.RunDirectory``) once the run's settings have been checked."""
     import logging
-    from pathlib import Path
 
     log = logging.getLogger("amod")
     log.handlers.clear()
@@ -91,11 +120,6 @@ def _setup_logging(out: Optional[str] = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
-    if out and rank0:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(Path(out) / "train.log")
-        fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(fh)
 
 
 def resolve_run_config(args: argparse.Namespace, finetune: bool):
@@ -103,7 +127,7 @@ def resolve_run_config(args: argparse.Namespace, finetune: bool):
     from pathlib import Path
 
     from .engine import load_training_checkpoint
-    from .run import RunConfig, load_yaml_config
+    from .run import RunConfig, load_yaml_config, mod_options_without_router
 
     flags = {k: v for k, v in vars(args).items() if k not in RUN_META}
     base = RunConfig(eval_before_training=finetune).to_dict()
@@ -111,79 +135,84 @@ def resolve_run_config(args: argparse.Namespace, finetune: bool):
     if args.resume:  # the run's own settings; anything given again must agree (checked in train)
         out = flags.get("out", yaml_values.get("out", base["out"]))
         base = load_training_checkpoint(Path(out) / "checkpoint.pt")["config"]
+    RunConfig.from_dict({**RunConfig().to_dict(), **yaml_values}, args.config or "options")  # names and types
     base.update(yaml_values)
     base.update(flags)
     cfg = RunConfig.from_dict(base, args.config or "options")
+    mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
     if finetune and not args.resume and not (cfg.pretrained or cfg.checkpoint):
         raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
     return cfg
 
 
 def _cmd_train(args: argparse.Namespace, finetune: bool = False) -> int:
-    import json
-
+    from .files import dumps
     from .run import train
 
+    _setup_logging()
     cfg = resolve_run_config(args, finetune)
-    _setup_logging(cfg.out)
     summary = train(cfg, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(summary))
+        print(dumps(summary))
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    import json
-
     import torch
 
     from .checkpoint import load
     from .convert import set_capacity
     from .cost import flops
     from .data import build_datasets
-    from .engine import Dist, evaluate, make_loader
+    from .engine import BadImages, Dist, evaluate, make_loader
+    from .files import dumps
 
     _setup_logging()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load(args.checkpoint, device)
     if args.capacity is not None:
         set_capacity(model, args.capacity)
-    img_size = args.img_size or model.patch_embed.img_size[0]
-    _, val, info = build_datasets(args.data, img_size, None, args.val_limit)
-    if info.num_classes != model.num_classes or info.in_chans != model.patch_embed.proj.in_channels:
+    native = model.patch_embed.img_size[0]
+    if args.img_size is not None and args.img_size != native:
+        raise ValueError(f"{args.checkpoint} takes {native}-px images, not {args.img_size}: drop --img-size, "
+                         "or finetune the model at that size first")
+    _, val, info = build_datasets(args.data, native, None, args.val_limit)
+    if info.num_classes > model.num_classes or info.in_chans != model.patch_embed.proj.in_channels:
         raise ValueError(f"the model ({model.num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
                          f"does not fit {info.name} ({info.num_classes} classes, {info.in_chans} channels)")
     dist_info = Dist(device=device)
     loader = make_loader(val, args.batch_size, False, 0, 0, dist_info)
-    metrics = evaluate(model, loader, device, args.amp, dist_info, progress=not args.json)
-    metrics["macs"] = flops(model, img_size).macs
+    bad_images = BadImages(skip=args.skip_bad_images)
+    metrics = evaluate(model, loader, device, args.amp, dist_info, progress=not args.json, bad_images=bad_images)
+    metrics["macs"] = flops(model).macs
+    metrics["skipped_images"] = len(bad_images.paths)
     if args.json:
-        print(json.dumps(metrics))
+        print(dumps(metrics))
     else:
+        skipped = f", {len(bad_images.paths)} unreadable images skipped" if bad_images.paths else ""
         print(f"top1 {metrics['top1']:.4f}  top5 {metrics['top5']:.4f}  loss {metrics['loss']:.4f}  "
               f"{metrics['macs'] / 1e6:.2f} MMACs/image  {metrics['images_per_s']:.0f} images/s  "
-              f"({metrics['images']} images)")
+              f"({metrics['images']} images{skipped})")
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    _setup_logging(args.out)
+    _setup_logging()
     run_demo(args.out, quick=args.quick)
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import json
-
     from .bench import run_bench
     from .config import validate_capacity
+    from .files import dumps
 
     result = run_bench(args.model, args.router, validate_capacity(args.capacity), args.layers, args.batch_size,
                        args.img_size, args.repeats, args.warmup, args.amp, args.device, memory=not args.no_memory)
     if args.json:
-        print(json.dumps(result))
+        print(dumps(result))
         return 0
     d, m = result["dense"], result["mod"]
     mem = lambda v: "n/a" if v is None else f"{v:.0f} MiB"  # noqa: E731
@@ -202,24 +231,31 @@ COMMANDS["bench"] = _cmd_bench
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from .analysis import attention_stats, keep_frequency_figure, kept_positions, leave_one_out, routing_figure
     from .checkpoint import load
     from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
+    from .files import dumps, write_text
+    from .rundir import check_output_dir
 
     _setup_logging()
+    out = check_output_dir(args.out)
     model = load(args.checkpoint).eval()
+    if args.analysis in ("loo", "routing") and getattr(model, "amod_config", None) is None:
+        raise ValueError(f"analyze {args.analysis} needs an MoD model (one trained or finetuned with --router); "
+                         f"{args.checkpoint} is not one")
     _, val, info = build_datasets(args.data, model.patch_embed.img_size[0], None, None)
+    if info.in_chans != model.patch_embed.proj.in_channels:
+        raise ValueError(f"the model takes {model.patch_embed.proj.in_channels}-channel images; {info.name} has "
+                         f"{info.in_chans} channels")
     xs, ys = first_images(val, args.images)
     n = len(ys)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.analysis == "loo":
         result = leave_one_out(model, xs, ys, tokens=args.tokens)
         summary = {str(k): {"router": v["router"], "random": v["random"]} for k, v in result["layers"].items()}
-        print(json.dumps(summary))
+        print(dumps(summary))
     elif args.analysis == "routing":
         gray = info.in_chans == 1
         png = routing_figure(model, xs[: min(n, 8)], out / "routing.png",
@@ -231,15 +267,15 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         print(f"routing pictures: {png}, {freq_png}")
     else:
         result = {str(k): v for k, v in attention_stats(model, xs).items()}
-        print(json.dumps(result))
-    (out / f"{args.analysis}.json").write_text(json.dumps(result, indent=1, default=float))
+        print(dumps(result))
+    write_text(out / f"{args.analysis}.json", dumps(result, indent=1))
     return 0
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
     from .study import StudyConfig, run_study
 
-    _setup_logging(args.out)
+    _setup_logging()
     if args.quick:
         cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=(0.5,), seeds=2,
                           epochs=1, train_limit=256, val_limit=128, loo_images=2, loo_tokens=4, quick=True)
@@ -253,7 +289,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareConfig, run_compare
 
-    _setup_logging(args.out)
+    _setup_logging()
     if args.quick:
         cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
                             epochs=1, speed_batch=32, speed_repeats=2, quick=True)
@@ -303,6 +339,8 @@ def _add_run_options(p: argparse.ArgumentParser, finetune: bool) -> None:
     g.add_argument("--train-limit", type=int, default=S, help="train on a fixed random subset of N images")
     g.add_argument("--val-limit", type=int, default=S)
     g.add_argument("--workers", type=int, default=S)
+    g.add_argument("--skip-bad-images", action="store_true", default=S,
+                   help="skip unreadable image files (and count them) instead of stopping at the first")
     g.add_argument("--epochs", type=int, default=S)
     g.add_argument("--batch-size", type=int, default=S)
     g.add_argument("--lr", type=float, default=S)
@@ -318,7 +356,7 @@ def _add_run_options(p: argparse.ArgumentParser, finetune: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="amod", description="Mixture-of-Depths routing for timm ViTs")
+    parser = Parser(prog="amod", description="Mixture-of-Depths routing for timm ViTs")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -330,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skipped", choices=list(SKIPPED_MODES), default="bypass")
     p.add_argument("--merge-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
-    p.add_argument("--img-size", type=int, default=None)
+    p.add_argument("--img-size", type=positive_int, default=None)
 
     _add_run_options(sub.add_parser("train", help="train a model from scratch (dense or MoD)"), finetune=False)
     _add_run_options(sub.add_parser("finetune", help="convert a pretrained model to MoD and train it"), finetune=True)
@@ -338,9 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="accuracy, loss, cost and speed of a saved model")
     p.add_argument("--checkpoint", required=True, help="model.safetensors of a run (or any amod.save file)")
     p.add_argument("--data", default="fashion-mnist")
-    p.add_argument("--img-size", type=int, default=None)
-    p.add_argument("--val-limit", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--img-size", type=positive_int, default=None, help="must be the model's own input size")
+    p.add_argument("--val-limit", type=positive_int, default=None)
+    p.add_argument("--batch-size", type=positive_int, default=256)
+    p.add_argument("--skip-bad-images", action="store_true", help="skip unreadable image files (and count them)")
     p.add_argument("--capacity", type=float, default=None, help="evaluate an MoD model at another capacity")
     p.add_argument("--amp", choices=["off", "bf16"], default="off")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -350,12 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default="attention", choices=ROUTER_NAMES)
     p.add_argument("--capacity", type=float, default=0.125)
     p.add_argument("--layers", type=parse_layers, default="alternate")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--img-size", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--img-size", type=positive_int, default=None)
+    p.add_argument("--repeats", type=positive_int, default=10)
+    p.add_argument("--warmup", type=nonnegative_int, default=3)
     p.add_argument("--amp", choices=["off", "bf16"], default="off")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--json", action="store_true")
 
@@ -363,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("analysis", choices=["loo", "routing", "attention"])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--data", default="fashion-mnist")
-    p.add_argument("--images", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=None, help="patch tokens sampled per image (loo; default all)")
+    p.add_argument("--images", type=positive_int, default=16)
+    p.add_argument("--tokens", type=positive_int, default=None, help="patch tokens sampled per image (loo; default all)")
     p.add_argument("--out", default="runs/analysis")
 
     p = sub.add_parser("study", help="routers x capacities x seeds, with CIs, controls, leave-one-out and pictures")
@@ -372,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: the demo's, trained if missing)")
     p.add_argument("--data", default="fashion-mnist")
     p.add_argument("--capacity", type=float, nargs="+", default=[0.5, 0.125])
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--train-limit", type=int, default=10000)
+    p.add_argument("--seeds", type=positive_int, default=3)
+    p.add_argument("--epochs", type=positive_int, default=3)
+    p.add_argument("--train-limit", type=positive_int, default=10000)
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
     p = sub.add_parser("compare", help="MoD vs token merging (ToMe) at matched cost: zero-training, finetuned, images/s")
@@ -382,11 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="dense model (default: the demo's, trained if missing)")
     p.add_argument("--data", default="fashion-mnist")
     p.add_argument("--cost", type=float, nargs="+", default=[0.56, 0.75], help="cost points, shares of dense MACs")
-    p.add_argument("--epochs", type=int, default=1, help="the short finetune, equal for every method")
-    p.add_argument("--train-limit", type=int, default=10000)
-    p.add_argument("--val-limit", type=int, default=None)
+    p.add_argument("--epochs", type=positive_int, default=1, help="the short finetune, equal for every method")
+    p.add_argument("--train-limit", type=positive_int, default=10000)
+    p.add_argument("--val-limit", type=positive_int, default=None)
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--speed-batch", type=int, default=256)
+    p.add_argument("--speed-batch", type=positive_int, default=256)
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
     p = sub.add_parser("demo", help="the main job: pretrain, convert, finetune and compare on Fashion-MNIST")
@@ -395,7 +434,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception as one line for the user: the OS error's own words and file, or the message."""
+    if isinstance(e, OSError) and e.strerror:
+        named = e.filename is None or str(e.filename) in e.strerror
+        text = e.strerror if named else f"{e.strerror}: {e.filename}"
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from safetensors import SafetensorError
+    from yaml import YAMLError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -403,10 +455,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("amod: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError, NotImplementedError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError, SafetensorError, YAMLError) as e:
         if args.debug:
             raise
-        print(f"amod {args.command}: error: {e}", file=sys.stderr)
+        print(f"amod {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
 
 

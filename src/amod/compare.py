@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +19,16 @@ import torch
 
 from . import engine, merge
 from .bench import time_models
-from .checkpoint import load
+from .checkpoint import check_dense_file, load
+from .config import validate_cost
 from .convert import convert, set_capacity
 from .cost import capacity_for_cost, flops
 from .data import build_datasets
 from .demo import BASE, QUICK, pretrain_dense, run_once
 from .plots import accuracy_vs_cost_panels
+from .files import write_json, write_text
 from .run import RunConfig, run_dir_name
+from .rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")
 COST_TOLERANCE = 0.02  # a method whose closest cost is further off than this is flagged in the report
@@ -67,6 +69,24 @@ class CompareConfig:
     methods: tuple[Method, ...] = field(default=METHODS)
     quick: bool = False
 
+    def validate(self) -> "CompareConfig":
+        """Check every setting before the first run starts; raises ValueError naming the setting."""
+        if not self.costs:
+            raise ValueError("give at least one --cost")
+        for cost in self.costs:
+            validate_cost(cost, "--cost")
+        for name in ("epochs", "batch_size", "speed_batch", "speed_repeats"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("train_limit", "val_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.checkpoint is not None:
+            check_dense_file(self.checkpoint)
+        return self
+
 
 def resolve_layers(spec: Any, depth: int) -> Any:
     """The compare-only preset ``last-two-thirds`` as block indices; other specs pass through."""
@@ -96,11 +116,14 @@ def matched_model(dense: torch.nn.Module, method: Method, cost: float) -> tuple[
 
 def run_compare(cfg: CompareConfig) -> Path:
     """Run every (cost, method) pair (reusing finished runs), time them, and write the report."""
-    root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
-    for cost in cfg.costs:
-        if not 0.0 < cost <= 1.0:
-            raise ValueError(f"cost points must be in (0, 1] (shares of the dense MACs), got {cost}")
+    cfg.validate()
+    root = check_output_dir(cfg.out)
+    build_datasets(cfg.data, None, None, None)  # the data must be there before the first run
+    with RunDirectory(root):
+        return _run_compare(cfg, root)
+
+
+def _run_compare(cfg: CompareConfig, root: Path) -> Path:
     if cfg.quick:
         cfg = dataclasses.replace(cfg, train_limit=QUICK["train_limit"], val_limit=QUICK["val_limit"])
     pretrained = Path(cfg.checkpoint) if cfg.checkpoint else None
@@ -179,10 +202,9 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
                                    f"after a {cfg.epochs}-epoch finetune": final}, root / "compare.png")
     lines += [f"![accuracy vs cost]({png.name})", ""]
     report = root / "compare.md"
-    report.write_text("\n".join(lines))
-    (root / "compare.json").write_text(json.dumps(
-        {"dense": {"top1": dense_acc, "images_per_s": dense_ips, "checkpoint": str(pretrained)}, "rows": rows},
-        indent=2, default=str))
+    write_text(report, "\n".join(lines))
+    write_json(root / "compare.json",
+               {"dense": {"top1": dense_acc, "images_per_s": dense_ips, "checkpoint": str(pretrained)}, "rows": rows})
     print("\n".join(lines[4:4 + 2 + len(rows)]))
     log.info("report written to %s", report)
     return report

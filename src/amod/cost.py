@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .block import MoDBlock
-from .config import MoDConfig
+from .config import MoDConfig, validate_cost
 from .routers import StandardRouter
 from .routing import num_kept
 
@@ -62,7 +62,10 @@ def _img_size(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]]) -
         img_size = model.patch_embed.img_size
     if isinstance(img_size, int):
         img_size = (img_size, img_size)
-    return int(img_size[0]), int(img_size[1])
+    h, w = int(img_size[0]), int(img_size[1])
+    if h < 1 or w < 1:
+        raise ValueError(f"img_size must be positive, got {h}x{w}")
+    return h, w
 
 
 def _linear_macs_per_token(module: nn.Module) -> int:
@@ -179,6 +182,7 @@ def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
     """
     from .convert import get_config, set_capacity
 
+    cost = validate_cost(cost)
     config = get_config(model)
     _, n, _ = _sizes(model, img_size)
     original = config.capacity

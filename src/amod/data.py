@@ -10,11 +10,11 @@ import gzip
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, Subset, default_collate
 
 FASHION_MNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
 FASHION_MNIST_FILES = {
@@ -142,6 +142,69 @@ class TensorImages(Dataset):
         return (x - self.mean) / self.std, int(self.labels[i])
 
 
+# ---------------------------------------------------------------- unreadable images
+
+class BadSample(NamedTuple):
+    """What a ``CheckedImages`` dataset returns in place of a sample whose image cannot be read."""
+
+    index: int
+    path: str
+    error: str
+
+
+# What PIL and the decoders raise for an empty, corrupt or truncated file.
+_IMAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, SyntaxError)
+try:
+    from PIL import Image as _Image
+
+    _IMAGE_ERRORS += (_Image.DecompressionBombError,)
+except ImportError:  # pragma: no cover - PIL comes with torchvision
+    pass
+
+
+class CheckedImages(Dataset):
+    """A file-backed image dataset whose unreadable images become ``BadSample`` values, not exceptions.
+
+    The decision (stop with the file's name, or skip and count it) is taken in the main process, by
+    the loop that meets the batch (``amod.engine.image_batches``), so it works the same with
+    DataLoader worker processes.
+    """
+
+    def __init__(self, base: Dataset, paths: Callable[[int], str]) -> None:
+        self.base, self.path_of = base, paths
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> Union[tuple[Any, Any], BadSample]:
+        try:
+            return self.base[i]
+        except _IMAGE_ERRORS as e:
+            return BadSample(i, self.path_of(i), f"{type(e).__name__}: {e}")
+
+    def __getattr__(self, name: str) -> Any:  # classes, samples, ... of the wrapped dataset
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+def collate_checked(batch: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, list[BadSample]]:
+    """Collate the readable samples; hand the unreadable ones on as a list: (x, y, bad)."""
+    good = [b for b in batch if not isinstance(b, BadSample)]
+    bad = [b for b in batch if isinstance(b, BadSample)]
+    if not good:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), bad
+    x, y = default_collate(good)
+    return x, y, bad
+
+
+def _sample_path(ds: Dataset, attr: str) -> Callable[[int], str]:
+    def path_of(i: int) -> str:
+        item = getattr(ds, attr)[i]
+        return str(item[0] if isinstance(item, tuple) else item)
+    return path_of
+
+
 # ---------------------------------------------------------------- folders and torchvision sets
 
 def _timm_transform(img_size: int, train: bool) -> Callable:
@@ -164,6 +227,7 @@ def _imagefolder(path: str, img_size: int):
         raise DataError(f"imagefolder:{path}: {e}") from None
     if train.classes != val.classes:
         raise DataError(f"imagefolder:{path}: train and val have different class folders")
+    train, val = (CheckedImages(ds, _sample_path(ds, "samples")) for ds in (train, val))
     return train, val, DataInfo(f"imagefolder:{path}", len(train.classes), 3, img_size)
 
 
@@ -182,6 +246,8 @@ def _torchvision_set(name: str, root: Optional[str], img_size: int):
                 "stanford-cars": "torchvision can no longer download it; place the Kaggle copy there"}.get(
             name, "check the network connection, or download it there by hand")
         raise DataError(f"{name} not found in {directory} ({e}); {hint}") from None
+    files = {"flowers102": "_image_files", "oxford-pets": "_images", "stanford-cars": "_samples", "imagenet": "samples"}[name]
+    train, val = (CheckedImages(ds, _sample_path(ds, files)) for ds in (train, val))
     return train, val, DataInfo(name, classes, 3, img_size)
 
 

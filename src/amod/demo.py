@@ -22,8 +22,11 @@ from . import engine
 from .checkpoint import load
 from .bench import time_models
 from .cost import flops
+from .data import build_datasets
+from .files import write_json, write_text
 from .plots import accuracy_vs_cost, accuracy_vs_epoch
 from .run import RunConfig, train
+from .rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")
 
@@ -72,8 +75,13 @@ def pretrain_dense(out: Path, data: str = "fashion-mnist", quick: bool = False, 
 
 def run_demo(out: str, quick: bool = False) -> Path:
     """Run every step (reusing finished ones) and return the path of report.md."""
-    root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
+    root = check_output_dir(out)
+    build_datasets(BASE["data"], None, None, None)  # the data must be there before the first run
+    with RunDirectory(root):
+        return _run_demo(root, quick)
+
+
+def _run_demo(root: Path, quick: bool) -> Path:
     base = {**BASE, **({k: v for k, v in QUICK.items() if k in ("depth", "embed_dim")} if quick else {})}
     limits = {k: QUICK[k] for k in ("train_limit", "val_limit")} if quick else {}
     log.info("step 1/4: pretrain the dense ViT")
@@ -141,10 +149,10 @@ def write_report(root: Path, pre: dict[str, Any], runs: dict[str, Path], speed: 
               "Zero-training = the converted model evaluated before any finetuning (epoch 0). "
               "Speed: batch of random images, models interleaved in one process, median of repeats.", ""]
     report = root / "report.md"
-    report.write_text("\n".join(lines))
-    (root / "report.json").write_text(json.dumps(
-        {"dense": {"top1": pre["val_top1"], "macs": dense_macs, "images_per_s": speed["dense"]},
-         "variants": [dict(zip(("name", "zero_top1", "top1", "macs", "images_per_s"), r)) for r in rows]}, indent=2))
+    write_text(report, "\n".join(lines))
+    write_json(root / "report.json",
+               {"dense": {"top1": pre["val_top1"], "macs": dense_macs, "images_per_s": speed["dense"]},
+                "variants": [dict(zip(("name", "zero_top1", "top1", "macs", "images_per_s"), r)) for r in rows]})
     print("\n".join(lines[6:6 + 2 + len(rows) + 1]))
     log.info("report written to %s", report)
     return report

@@ -22,9 +22,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler
+
+from . import files
+from .data import BadSample, DataError, collate_checked
 
 log = logging.getLogger("amod")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or infinite loss, or weights that are no longer finite."""
 
 
 # ---------------------------------------------------------------- processes
@@ -64,6 +71,16 @@ def setup_distributed() -> Dist:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Dist(dist.get_rank(), world, device)
+
+
+def teardown_distributed() -> None:
+    """Leave the process group cleanly: wait for every rank, then destroy it (its threads must not
+    outlive the interpreter, or a rank can abort at exit)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- schedule and RNG
@@ -116,9 +133,8 @@ def set_router_state(model: nn.Module, state: dict[str, int]) -> None:
 # ---------------------------------------------------------------- checkpoints
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` that leaves either the old file or the complete new one (see ``amod.files``)."""
+    files.torch_save(obj, path)
 
 
 def load_training_checkpoint(path: Path) -> dict[str, Any]:
@@ -144,6 +160,34 @@ def autocast(amp: str, device: torch.device):
     return nullcontext()
 
 
+class BadImages:
+    """Unreadable images met by the loops of one run: stop at the first, or skip and remember them."""
+
+    def __init__(self, skip: bool = False) -> None:
+        self.skip = skip
+        self.paths: dict[str, str] = {}  # path -> error
+
+    def check(self, bad: list[BadSample]) -> None:
+        if not bad:
+            return
+        if not self.skip:
+            raise DataError(f"cannot read image {bad[0].path} ({bad[0].error}); remove or replace it, "
+                            "or pass --skip-bad-images to skip unreadable images")
+        for b in bad:
+            if b.path not in self.paths:
+                log.warning("skipping unreadable image %s (%s)", b.path, b.error)
+                self.paths[b.path] = b.error
+
+
+def image_batches(loader: Iterable, bad_images: Optional[BadImages] = None) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) batches of a ``make_loader`` loader; unreadable images go to ``bad_images`` (default: stop)."""
+    bad_images = bad_images if bad_images is not None else BadImages()
+    for x, y, bad in loader:
+        bad_images.check(bad)
+        if len(y):
+            yield x, y
+
+
 def _progress(iterable: Iterable, total: int, desc: str, enabled: bool):
     if enabled and sys.stderr.isatty():
         from tqdm import tqdm
@@ -154,13 +198,14 @@ def _progress(iterable: Iterable, total: int, desc: str, enabled: bool):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str = "off",
-             dist_info: Optional[Dist] = None, progress: bool = True) -> dict[str, float]:
-    """Top-1/top-5 accuracy, mean cross-entropy and model images/s over ``loader``."""
+             dist_info: Optional[Dist] = None, progress: bool = True,
+             bad_images: Optional[BadImages] = None) -> dict[str, float]:
+    """Top-1/top-5 accuracy, mean cross-entropy and model images/s over ``loader`` (a ``make_loader``)."""
     dist_info = dist_info or Dist()
     model.eval()
     loss_sum = top1 = top5 = n = 0.0
     model_time = 0.0
-    batches = _progress(loader, len(loader), "eval", progress and dist_info.main)
+    batches = _progress(image_batches(loader, bad_images), len(loader), "eval", progress and dist_info.main)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if device.type == "cuda":
@@ -186,12 +231,12 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
 
 def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Any, dist_info: Dist,
-                    epoch: int) -> dict[str, float]:
+                    epoch: int, bad_images: Optional[BadImages] = None) -> dict[str, float]:
     model.train()
     device = dist_info.device
     loss_sum = correct = n = 0.0
     start = time.perf_counter()
-    batches = _progress(loader, len(loader), f"epoch {epoch}/{cfg.epochs}", dist_info.main)
+    batches = _progress(image_batches(loader, bad_images), len(loader), f"epoch {epoch}/{cfg.epochs}", dist_info.main)
     log_every = max(1, len(loader) // 4)
     for step, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -199,7 +244,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
             logits = model(x)
             loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
         if not torch.isfinite(loss):
-            raise RuntimeError(f"loss is {loss.item()} at epoch {epoch}, step {step}; lower --lr or check the data")
+            raise NonFiniteError(f"the training loss is {loss.item()} at epoch {epoch}, step {step + 1}; "
+                                 "lower --lr, or check the data")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip_grad:
@@ -223,18 +269,39 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
             "epoch_time_s": elapsed, "lr": scheduler.get_last_lr()[0]}
 
 
+class ShardSampler(Sampler[int]):
+    """Every ``world``-th index from ``rank``, without padding: across ranks each image appears once.
+
+    (``DistributedSampler`` pads the last shard with repeated images, which would count some
+    validation images twice.)
+    """
+
+    def __init__(self, length: int, rank: int, world: int) -> None:
+        self.indices = range(rank, length, world)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 def make_loader(ds: Dataset, batch_size: int, train: bool, seed: int, epoch: int, dist_info: Dist,
                 workers: int = 0) -> DataLoader:
-    """Loader whose order depends only on (seed, epoch): a resumed run sees the same batches."""
-    if dist_info.world > 1:
-        sampler = DistributedSampler(ds, dist_info.world, dist_info.rank, shuffle=train, seed=seed, drop_last=train)
+    """Loader of (x, y, unreadable samples) batches whose order depends only on (seed, epoch), so a
+    resumed run sees the same batches. Iterate it with ``image_batches``."""
+    if dist_info.world > 1 and train:
+        sampler = DistributedSampler(ds, dist_info.world, dist_info.rank, shuffle=True, seed=seed, drop_last=True)
         sampler.set_epoch(epoch)
+    elif dist_info.world > 1:
+        sampler = ShardSampler(len(ds), dist_info.rank, dist_info.world)
     elif train:
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(seed * 10_007 + epoch))
     else:
         sampler = None
     return DataLoader(ds, batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=train and len(ds) >= batch_size,
-                      num_workers=workers, pin_memory=dist_info.device.type == "cuda", persistent_workers=False)
+                      num_workers=workers, pin_memory=dist_info.device.type == "cuda", persistent_workers=False,
+                      collate_fn=collate_checked)
 
 
 class MetricsWriter:
@@ -250,21 +317,28 @@ class MetricsWriter:
             except Exception:  # tensorboard is optional
                 self.tb = None
 
+    def clear(self) -> None:
+        """A new run: forget the rows of an earlier attempt that was killed before its first checkpoint."""
+        if self.enabled:
+            for name in ("metrics.jsonl", "metrics.csv"):
+                (self.out / name).unlink(missing_ok=True)
+
     def truncate_after(self, epoch: int) -> None:
         """On resume, forget rows from epochs the checkpoint does not cover (a run killed mid-write)."""
         path = self.out / "metrics.jsonl"
         if not self.enabled or not path.exists():
             return
         rows = [r for r in read_metrics(path) if r["epoch"] <= epoch]
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files.write_text(path, "".join(files.dumps(r) + "\n" for r in rows))
         self._write_csv(rows)
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        self._write_csv(read_metrics(self.out / "metrics.jsonl"))
+        path = self.out / "metrics.jsonl"
+        rows = read_metrics(path) if path.exists() else []
+        files.write_text(path, "".join(files.dumps(r) + "\n" for r in [*rows, row]))
+        self._write_csv(read_metrics(path))
         if self.tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "epoch":
@@ -273,7 +347,7 @@ class MetricsWriter:
     def _write_csv(self, rows: list[dict[str, Any]]) -> None:
         keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "epoch", k))
         lines = [",".join(keys)] + [",".join(str(r.get(k, "")) for k in keys) for r in rows]
-        (self.out / "metrics.csv").write_text("\n".join(lines) + "\n")
+        files.write_text(self.out / "metrics.csv", "\n".join(lines) + "\n")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
+from .config import validate_cost
 from .ops import attention_inputs, attention_output
 from .routing import flat_index, gather_tokens
 
@@ -166,15 +167,25 @@ def token_counts(schedule: Sequence[int], num_patches: int, num_prefix: int) -> 
     return counts
 
 
-def _validate_schedule(r: Union[int, Sequence[int]], depth: int) -> list[int]:
-    if isinstance(r, bool):
-        raise ValueError(f"r must be an int or a list of ints, got {r!r}")
+def _validate_schedule(model: nn.Module, r: Union[int, Sequence[int]]) -> list[int]:
+    """``r`` as one entry per block; refuses what is not an int, and more merges than the model has tokens."""
+    depth = len(model.blocks)
+    if isinstance(r, bool) or not isinstance(r, (int, list, tuple)):
+        raise ValueError(f"r must be an int (tokens merged in every block) or a list of ints (one per block), "
+                         f"got {r!r}")
     schedule = [r] * depth if isinstance(r, int) else list(r)
     if len(schedule) != depth:
         raise ValueError(f"the merge schedule has {len(schedule)} entries; the model has {depth} blocks")
     for v in schedule:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"tokens merged per block must be integers >= 0, got {v!r}")
+    # A block merges min(r, half the patch tokens it has left); an r above the model's patch count can
+    # only be a mistake.
+    n = model.patch_embed.num_patches
+    too_many = [v for v in schedule if v > n]
+    if too_many:
+        raise ValueError(f"r = {too_many[0]} is more than the {n} patch tokens of the model; each block merges at "
+                         f"most half of the patch tokens it has left")
     return schedule
 
 
@@ -186,8 +197,7 @@ def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: f
     """
     from .cost import _sizes, merge_macs
 
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0.0 < cost <= 1.0:
-        raise ValueError(f"cost must be a number in (0, 1] (a share of the dense model's MACs), got {cost!r}")
+    cost = validate_cost(cost)
     depth = len(model.blocks)
     dense = merge_macs(model, [0] * depth, img_size)
     _, n, _ = _sizes(model, img_size)
@@ -230,7 +240,7 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
         if type(blk) is not Block or type(blk.attn) is not Attention:
             raise TypeError(f"block {i} is a {type(blk).__name__} with {type(blk.attn).__name__}; "
                             "token merging supports timm's Block with timm.layers.Attention only")
-    schedule = schedule_for_cost(model, cost, img_size) if cost is not None else _validate_schedule(r, len(model.blocks))
+    schedule = schedule_for_cost(model, cost, img_size) if cost is not None else _validate_schedule(model, r)
     state = MergeState()
     for i, blk in enumerate(model.blocks):
         blk.__class__ = MergeBlock
@@ -249,7 +259,7 @@ def set_schedule(model: nn.Module, r: Union[int, Sequence[int]]) -> nn.Module:
     config = getattr(model, "amod_merge", None)
     if config is None:
         raise ValueError("model does not merge tokens; use amod.merge.apply first")
-    schedule = _validate_schedule(r, len(model.blocks))
+    schedule = _validate_schedule(model, r)
     for blk, v in zip(model.blocks, schedule):
         blk.amod_merge_r = v
     config.schedule = schedule

@@ -57,8 +57,13 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> 
     from timm.models._manipulate import adapt_input_conv
     from timm.models.vision_transformer import checkpoint_filter_fn
 
-    state = checkpoint_filter_fn(state, model)
     own = model.state_dict()
+    hint = "set --model, --embed-dim, --depth and --num-heads to the checkpoint's architecture"
+    try:
+        state = checkpoint_filter_fn(state, model)
+    except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
+        raise ValueError(f"checkpoint {path} does not fit the model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); {hint}") from None
     w = state.get("patch_embed.proj.weight")
     if w is not None and w.shape[1] != own["patch_embed.proj.weight"].shape[1]:
         state["patch_embed.proj.weight"] = adapt_input_conv(own["patch_embed.proj.weight"].shape[1], w)
@@ -66,12 +71,41 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> 
                and state[k].shape != own[k].shape]
     for k in dropped:
         del state[k]
+    wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
+    if wrong:
+        k = wrong[0]
+        raise ValueError(f"checkpoint {path} does not fit the model: {k} is {tuple(state[k].shape)} in the file and "
+                         f"{tuple(own[k].shape)} in the model ({len(wrong)} tensors differ); {hint}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in dropped]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if dropped:
         log.info("checkpoint head has another number of classes: new head initialised")
+
+
+def check_vit_name(name: str) -> None:
+    """Refuse a name that is not a timm model, or a timm model that is not a ``VisionTransformer``."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise ValueError(f"unknown timm model {name!r}; amod supports timm's VisionTransformer models "
+                         "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
+    with torch.device("meta"):  # the class only: no memory, no weights
+        cls = type(timm.create_model(name, pretrained=False))
+    if not issubclass(cls, VisionTransformer):
+        raise ValueError(f"{name} is a {cls.__name__}; amod supports timm's VisionTransformer models "
+                         "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
+
+
+def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
+    """``timm.create_model`` of a ViT, with the settings named in the error when timm refuses them."""
+    check_vit_name(name)
+    try:
+        return timm.create_model(name, pretrained=pretrained, **kwargs)
+    except (RuntimeError, AssertionError, TypeError, ValueError) as e:  # e.g. widths that do not divide
+        settings = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        raise ValueError(f"cannot build {name} with {settings}: {e}") from None
 
 
 def _is_amod_file(path: Path) -> bool:
@@ -98,19 +132,25 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         if _is_amod_file(path):
             model = load_amod(path)  # an amod file knows its architecture (and MoD setup)
+            if model.patch_embed.proj.in_channels != in_chans:
+                raise ValueError(f"checkpoint {path} takes {model.patch_embed.proj.in_channels}-channel images; "
+                                 f"the data has {in_chans} channels")
+            if tuple(model.patch_embed.img_size) != (img_size, img_size):
+                raise ValueError(f"checkpoint {path} takes {model.patch_embed.img_size[0]}-px images; the run asks "
+                                 f"for {img_size} px: give --img-size {model.patch_embed.img_size[0]}")
         else:
-            model = timm.create_model(cfg.model, pretrained=False,
-                                      **model_overrides(cfg, num_classes, in_chans, img_size))
+            model = _create(cfg.model, False, model_overrides(cfg, num_classes, in_chans, img_size))
             _load_into(model, load_state_dict_file(path), path)
         if model.num_classes != num_classes:
             model.reset_classifier(num_classes)
             log.info("classifier reset to %d classes", num_classes)
     else:
-        try:
-            model = timm.create_model(cfg.model, pretrained=cfg.pretrained,
-                                      **model_overrides(cfg, num_classes, in_chans, img_size))
-        except RuntimeError as e:  # e.g. unknown model name
-            raise ValueError(str(e)) from None
+        model = _create(cfg.model, cfg.pretrained, model_overrides(cfg, num_classes, in_chans, img_size))
+    ph, pw = model.patch_embed.patch_size
+    h, w = model.patch_embed.img_size
+    if h % ph or w % pw:
+        raise ValueError(f"the input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; "
+                         "change --img-size or --patch-size")
     if getattr(cfg, "isoflop", False):
         if cfg.router is None:
             raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")

@@ -10,10 +10,10 @@ Run directory layout:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -21,17 +21,20 @@ import torch
 import yaml
 from torch.nn.parallel import DistributedDataParallel
 
-from . import engine
+from . import engine, files
 from .checkpoint import save as save_model
-from .config import validate_capacity
+from .config import validate_capacity, validate_cost, validate_skipped
 from .cost import flops
-from .data import build_datasets
+from .data import DataInfo, build_datasets
 from .models import build_model
+from .rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")
 CHECKPOINT_FORMAT = 1
 # Fields that may differ between a run and its resumption.
-RESUMABLE_CHANGES = {"epochs", "out", "workers", "eval_batch_size"}
+RESUMABLE_CHANGES = {"epochs", "out", "workers", "eval_batch_size", "skip_bad_images"}
+# Fields that only mean something for an MoD model (a router given).
+MOD_ONLY = ("capacity", "layers", "scale_output", "skipped")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class RunConfig:
     train_limit: Optional[int] = None  # a fixed random subset of the training set
     val_limit: Optional[int] = None
     workers: int = 0  # DataLoader worker processes
+    skip_bad_images: bool = False  # skip (and count) unreadable image files instead of stopping
     # optimisation
     epochs: int = 10
     batch_size: int = 128  # per process
@@ -80,21 +84,46 @@ class RunConfig:
     out: str = "runs/run"
 
     def validate(self) -> "RunConfig":
+        """Check every field; raises ValueError naming the option and what is allowed. Returns self."""
+        check_types(self, "options")
         if self.router is not None:
             self.capacity = validate_capacity(self.capacity)
+        validate_skipped(self.skipped)
         if self.amp not in ("off", "bf16"):
             raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("img_size", "patch_size", "depth", "embed_dim", "num_heads", "num_classes", "train_limit",
+                     "val_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{_flag(name)} must be a positive integer, got {value}")
+        if self.embed_dim is not None and self.num_heads is not None and self.embed_dim % self.num_heads:
+            raise ValueError(f"--embed-dim {self.embed_dim} must be divisible by --num-heads {self.num_heads}")
+        if self.img_size is not None and self.patch_size is not None and self.img_size % self.patch_size:
+            raise ValueError(f"--img-size {self.img_size} must be a multiple of --patch-size {self.patch_size}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        if not 0.0 <= self.drop_path < 1.0:
+            raise ValueError(f"--drop-path must be in [0, 1) (a stochastic-depth rate), got {self.drop_path}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        if self.warmup_epochs < 0 or self.weight_decay < 0 or not 0 <= self.label_smoothing < 1:
+        if not (0.0 <= self.clip_grad < math.inf):
+            raise ValueError(f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.warmup_epochs < math.inf and 0 <= self.weight_decay < math.inf) \
+                or not 0 <= self.label_smoothing < 1:
             raise ValueError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
         if (self.merge_cost is not None or self.merge_r is not None) and (self.router is not None or self.isoflop):
             raise ValueError("token merging (--merge-cost/--merge-r) replaces MoD: drop --router/--isoflop")
         if self.merge_cost is not None and self.merge_r is not None:
             raise ValueError("give either --merge-cost or --merge-r, not both")
+        if self.merge_cost is not None:
+            validate_cost(self.merge_cost, "--merge-cost")
+        if self.isoflop and self.router is None:
+            raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
         if self.pretrained and self.checkpoint:
             raise ValueError("give either --pretrained or --checkpoint, not both")
         return self
@@ -105,10 +134,60 @@ class RunConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown keys {unknown}; known keys: {sorted(known)}")
+        check_types(data, source)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    if tp in names:
+        return names[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    return str(tp)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        return any(_matches(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def check_types(values: Any, source: str) -> None:
+    """Raise a ValueError when a RunConfig field (of a RunConfig or a dict of fields) has the wrong type."""
+    hints = typing.get_type_hints(RunConfig)
+    items = values.items() if isinstance(values, dict) else ((f, getattr(values, f)) for f in hints)
+    for name, value in items:
+        if name in hints and not _matches(value, hints[name]):
+            raise ValueError(f"{source}: {name} must be {_type_name(hints[name])}, got {value!r}")
+
+
+def mod_options_without_router(given: dict[str, Any], router: Optional[str], isoflop: bool) -> None:
+    """Refuse MoD options given for a dense run, where they would be ignored without a word."""
+    if router is None and not isoflop:
+        ignored = [f"--{_flag(k)}" for k in MOD_ONLY if k in given]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to an "
+                             "MoD model; add --router (attention, standard, ...) or leave it out")
 
 
 def run_dir_name(text: str) -> str:
@@ -136,24 +215,49 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) training as ``cfg`` says; returns the final summary.
 
-    Under ``torchrun`` every process calls this; rank 0 alone writes files.
+    Everything a user can get wrong (settings, data, model, the output directory) is checked before
+    anything is written. The run directory is locked for the duration of the run. Under
+    ``torchrun`` every process calls this; rank 0 alone writes files.
     """
     cfg.validate()
-    dist_info = engine.setup_distributed()
-    out = Path(cfg.out)
+    out = check_output_dir(cfg.out)
     ckpt_path = out / "checkpoint.pt"
-    start_epoch, state = 1, None
+    state = None
     if resume:
         state = engine.load_training_checkpoint(ckpt_path)
         _check_resumable(RunConfig.from_dict(state["config"], str(ckpt_path)), cfg)
-        start_epoch = state["epoch"] + 1
     elif ckpt_path.exists():
         raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it or choose another --out")
-
     train_ds, val_ds, info = build_datasets(cfg.data, cfg.img_size, cfg.train_limit, cfg.val_limit)
-    num_classes = cfg.num_classes or info.num_classes
-    engine.seed_everything(cfg.seed)
-    model = build_model(cfg, num_classes, info.in_chans, cfg.img_size or info.img_size).to(dist_info.device)
+    num_classes = _num_classes(cfg, info)
+    dist_info = engine.setup_distributed()
+    try:
+        engine.seed_everything(cfg.seed)
+        model = build_model(cfg, num_classes, info.in_chans, cfg.img_size or info.img_size).to(dist_info.device)
+        with RunDirectory(out, lock=dist_info.main):
+            if state is None and ckpt_path.exists():  # another run finished here while we were getting ready
+                raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it")
+            return _train(cfg, model, state, train_ds, val_ds, info, dist_info)
+    finally:
+        engine.teardown_distributed()
+
+
+def _num_classes(cfg: RunConfig, info: DataInfo) -> int:
+    """The classifier's size: the data's classes unless --num-classes says more."""
+    if cfg.num_classes is None:
+        return info.num_classes
+    if cfg.num_classes < info.num_classes:
+        raise ValueError(f"--num-classes {cfg.num_classes} is smaller than the {info.num_classes} classes of "
+                         f"{info.name} (labels 0..{info.num_classes - 1}); drop it to use the data's")
+    return cfg.num_classes
+
+
+def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any]], train_ds, val_ds,
+           info: DataInfo, dist_info: engine.Dist) -> dict[str, Any]:
+    """The loop, once the run directory is held."""
+    out = Path(cfg.out)
+    ckpt_path = out / "checkpoint.pt"
+    start_epoch = 1 if state is None else state["epoch"] + 1
     cost = flops(model)
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
     steps_per_epoch = len(engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, 0, dist_info))
@@ -170,22 +274,32 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
     writer = engine.MetricsWriter(out, dist_info.main)
     if dist_info.main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        if state is not None:
+        files.write_text(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if state is None:
+            writer.clear()  # rows of an earlier attempt killed before its first checkpoint
+        else:
             writer.truncate_after(state["epoch"])
     log.info("%s: %s on %s (%d train / %d val images), %.4f GMACs per image (%.3f of dense)", out,
              _describe(cfg), info.name, len(train_ds), len(val_ds), cost.gmacs, cost.ratio)
 
+    bad_images = engine.BadImages(skip=cfg.skip_bad_images)
     val_loader = engine.make_loader(val_ds, cfg.eval_batch_size, False, cfg.seed, 0, dist_info, cfg.workers)
+    last_saved = None if state is None else state["epoch"]
     if start_epoch == 1 and cfg.eval_before_training:
-        metrics = engine.evaluate(model, val_loader, dist_info.device, cfg.amp, dist_info)
+        metrics = engine.evaluate(model, val_loader, dist_info.device, cfg.amp, dist_info, bad_images=bad_images)
         writer.write({"epoch": 0, **{f"val_{k}": v for k, v in metrics.items()}})
         log.info("epoch 0 (before training): val top1 %.4f loss %.4f", metrics["top1"], metrics["loss"])
     for epoch in range(start_epoch, cfg.epochs + 1):
         loader = engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, epoch, dist_info, cfg.workers)
-        row = engine.train_one_epoch(train_model, loader, optimizer, scheduler, cfg, dist_info, epoch)
-        metrics = engine.evaluate(model, val_loader, dist_info.device, cfg.amp, dist_info)
+        try:
+            row = engine.train_one_epoch(train_model, loader, optimizer, scheduler, cfg, dist_info, epoch,
+                                         bad_images=bad_images)
+            metrics = engine.evaluate(model, val_loader, dist_info.device, cfg.amp, dist_info, bad_images=bad_images)
+            _check_finite(model, metrics, epoch)
+        except engine.NonFiniteError as e:
+            kept = (f"{out} keeps the checkpoint of epoch {last_saved}, the last finite one"
+                    if last_saved else "no checkpoint was written")
+            raise engine.NonFiniteError(f"training stopped: {e}; {kept}") from None
         row = {"epoch": epoch, **row, **{f"val_{k}": v for k, v in metrics.items()}}
         log.info("epoch %d/%d: train loss %.4f acc %.4f | val top1 %.4f top5 %.4f loss %.4f | %.0fs",
                  epoch, cfg.epochs, row["train_loss"], row["train_acc"], metrics["top1"], metrics["top5"],
@@ -200,8 +314,20 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 "routers": engine.router_state(model),
             }, ckpt_path)
             writer.write(row)
-    summary = _summary(cfg, out, cost, dist_info, _rank_checksums(model, dist_info))
-    return summary
+        last_saved = epoch
+    if bad_images.paths:
+        log.warning("skipped %d unreadable images (first: %s)", len(bad_images.paths), next(iter(bad_images.paths)))
+    return _summary(cfg, out, cost, dist_info, _rank_checksums(model, dist_info), len(bad_images.paths))
+
+
+def _check_finite(model: torch.nn.Module, metrics: dict[str, float], epoch: int) -> None:
+    """A run whose validation loss or weights are no longer finite has diverged: nothing of it is saved."""
+    if not math.isfinite(metrics["loss"]):
+        raise engine.NonFiniteError(f"the validation loss is {metrics['loss']} after epoch {epoch}; lower --lr")
+    bad = next((name for name, p in model.state_dict().items()
+                if p.is_floating_point() and not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise engine.NonFiniteError(f"weight {bad} is not finite after epoch {epoch}; lower --lr")
 
 
 def _rank_checksums(model: torch.nn.Module, dist_info: engine.Dist) -> list[float]:
@@ -217,14 +343,16 @@ def _rank_checksums(model: torch.nn.Module, dist_info: engine.Dist) -> list[floa
     return gathered
 
 
-def _summary(cfg: RunConfig, out: Path, cost: Any, dist_info: engine.Dist, checksums: list[float]) -> dict[str, Any]:
+def _summary(cfg: RunConfig, out: Path, cost: Any, dist_info: engine.Dist, checksums: list[float],
+             skipped_images: int) -> dict[str, Any]:
     rows = engine.read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
     last = rows[-1] if rows else {}
     summary = {"variant": _describe(cfg), "epochs": cfg.epochs, "macs": cost.macs, "flop_ratio": cost.ratio,
                "val_top1": last.get("val_top1"), "val_top5": last.get("val_top5"), "val_loss": last.get("val_loss"),
+               "val_images": last.get("val_images"), "skipped_images": skipped_images,
                "out": str(out), "world_size": dist_info.world, "rank_weight_checksums": checksums}
     if dist_info.main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        files.write_json(out / "summary.json", summary)
     return summary
 
 

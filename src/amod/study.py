@@ -13,7 +13,6 @@ Finished runs are reused, so a killed study continues where it stopped.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +23,14 @@ import torch
 
 from . import engine
 from .analysis import attention_stats, leave_one_out, routing_figure
-from .checkpoint import load
+from .checkpoint import check_dense_file, load
+from .config import validate_capacity
 from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
 from .demo import BASE, pretrain_dense, run_once
 from .plots import accuracy_vs_epoch
+from .files import atomic_write, dumps, write_text
 from .run import RunConfig, run_dir_name
+from .rundir import RunDirectory, check_output_dir
 from .stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
@@ -71,10 +73,35 @@ class StudyConfig:
     loo_tokens: int = 16
     quick: bool = False
 
+    def validate(self) -> "StudyConfig":
+        """Check every setting before the first run starts; raises ValueError naming the setting."""
+        if not self.capacities:
+            raise ValueError("give at least one --capacity")
+        for c in self.capacities:
+            validate_capacity(c)
+        for name in ("seeds", "epochs", "batch_size", "loo_images", "loo_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("train_limit", "val_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.checkpoint is not None:
+            check_dense_file(self.checkpoint)
+        return self
+
 
 def run_study(cfg: StudyConfig) -> Path:
-    root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
+    """Run (or reuse) every run of the grid and write the report; returns the path of study.md."""
+    cfg.validate()
+    root = check_output_dir(cfg.out)
+    build_datasets(cfg.data, None, None, None)  # the data must be there before the first run
+    with RunDirectory(root):
+        return _run_study(cfg, root)
+
+
+def _run_study(cfg: StudyConfig, root: Path) -> Path:
     pretrained = Path(cfg.checkpoint) if cfg.checkpoint else None
     if pretrained is None:
         log.info("pretraining the dense model (or reusing it)")
@@ -110,8 +137,8 @@ def _save_correctness(run: Path, val) -> np.ndarray:
         return np.load(path)
     model = load(run / "model.safetensors").eval()
     loader = engine.make_loader(val, 256, False, 0, 0, engine.Dist())
-    correct = torch.cat([model(x).argmax(1).eq(y) for x, y in loader]).numpy().astype(np.float32)
-    np.save(path, correct)
+    correct = torch.cat([model(x).argmax(1).eq(y) for x, y in engine.image_batches(loader)]).numpy().astype(np.float32)
+    atomic_write(path, lambda f: np.save(f, correct))
     return correct
 
 
@@ -167,8 +194,8 @@ def write_study_report(root: Path, cfg: StudyConfig, runs: dict[tuple[str, float
         cap_summary["analyses"] = _analyses(root, capacity, runs, val, cfg, lines)
         summary["capacities"][str(capacity)] = cap_summary
     report = root / "study.md"
-    report.write_text("\n".join(lines) + "\n")
-    (root / "study.json").write_text(json.dumps(summary, indent=2, default=float))
+    write_text(report, "\n".join(lines) + "\n")
+    write_text(root / "study.json", dumps(summary, indent=2, default=float))
     log.info("study report written to %s", report)
     return report
 

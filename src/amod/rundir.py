@@ -1,0 +1,123 @@
+"""The directories amod writes into: checked before any work starts, and held by one process at a time.
+
+``check_output_dir`` refuses, with one message, a path that is a file, lies under a file, or cannot
+be written, without creating anything. ``RunDirectory`` creates the directory, takes an exclusive
+lock on it (``.amod.lock``, an ``flock`` that the operating system releases when the process ends,
+however it ends) and copies the ``amod`` log into a file there while it is held. A second process
+that asks for the same directory is refused, and told which process holds it.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Optional, Union
+
+log = logging.getLogger("amod")
+LOCK_NAME = ".amod.lock"
+
+
+def check_output_dir(path: Union[str, os.PathLike], option: str = "--out") -> Path:
+    """Return ``path`` if it is, or can be created as, a directory this process can write; else raise.
+
+    Nothing is created. Raises ValueError naming the option and what is wrong.
+    """
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{option} {path} is a file; give a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{option} {path} is not writable")
+        check_not_busy(path)
+        return path
+    parent = path.parent
+    while not parent.exists():  # the nearest existing ancestor decides
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path} lies under {parent}, which is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path} cannot be created: {parent} is not writable")
+    return path
+
+
+def check_not_busy(path: Path) -> None:
+    """Refuse a directory whose lock another process holds (creates nothing, takes nothing)."""
+    lock_path = path / LOCK_NAME
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: nobody has held it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ValueError(_busy_message(path, lock_path)) from None
+    finally:
+        os.close(fd)  # closing releases a lock we may have taken
+
+
+def _busy_message(path: Path, lock_path: Path) -> str:
+    return (f"{path} is in use by another amod run ({_holder(lock_path)}); "
+            "wait for it to finish or choose another --out")
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        pid = lock_path.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"pid {pid}" if pid else "another process"
+
+
+class RunDirectory:
+    """Create ``path``, hold its exclusive lock, and log into ``path / log_name`` while held.
+
+    Use as a context manager. ``lock=False`` (ranks other than 0 under torchrun) only creates nothing
+    and locks nothing, so that one process per run holds the directory.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], log_name: Optional[str] = "train.log", lock: bool = True) -> None:
+        self.path = Path(path)
+        self.log_name = log_name
+        self.lock = lock
+        self._fd: Optional[int] = None
+        self._handler: Optional[logging.Handler] = None
+
+    def __enter__(self) -> "RunDirectory":
+        if not self.lock:
+            return self
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path / LOCK_NAME
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ValueError(_busy_message(self.path, lock_path)) from None
+            raise
+        # the pid is only for the message above: the lock itself is the flock, which dies with us
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        if self.log_name:
+            self._handler = logging.FileHandler(self.path / self.log_name)
+            self._handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+            log.addHandler(self._handler)
+        return self
+
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        if self._handler is not None:
+            log.removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None

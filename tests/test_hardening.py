@@ -1,0 +1,350 @@
+"""What a user can get wrong, and what the machine can do to a run: one-line errors that create nothing,
+one run per directory, full disks, diverging runs, unreadable images, strict JSON."""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from conftest import make_model
+
+import amod
+from amod import files
+from amod.cli import main as amod_main
+from amod.engine import read_metrics
+from amod.run import RunConfig, train
+
+TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
+        "--num-heads", "2", "--val-limit", "128", "--batch-size", "64"]
+TINY_CFG = dict(model="vit_tiny_patch16_224", patch_size=7, depth=2, embed_dim=32, num_heads=2, val_limit=128,
+                batch_size=64)
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, which are not JSON."""
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def amod_cli(*args: str, timeout: int = 300, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "amod", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
+
+
+def run_in_process(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit status, stderr) of ``amod argv`` run in this process (argparse errors exit by SystemExit)."""
+    try:
+        code = amod_main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip()
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A dense and an MoD amod checkpoint of a 28-px, 1-channel Fashion-MNIST model, a .pth of another
+    width, and a safetensors file whose amod metadata is broken."""
+    root = tmp_path_factory.mktemp("ckpt")
+    kwargs = dict(patch_size=7, depth=2, embed_dim=32, num_heads=2, img_size=28, in_chans=1, num_classes=10)
+    torch.manual_seed(0)
+    dense = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kwargs)
+    amod.save(dense, root / "dense.safetensors")
+    amod.save(amod.convert(dense, router="attention", capacity=0.5), root / "mod.safetensors")
+    wide = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**kwargs, "embed_dim": 64})
+    torch.save(wide.state_dict(), root / "wide.pth")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(root / "badmeta.safetensors"), metadata={"amod.model": "{not json"})
+    (root / "a_file").write_text("x")
+    return root
+
+
+BAD_INVOCATIONS = [
+    # (argv, words the one-line message must hold); {c} is the checkpoints folder, {t} this test's tmp dir
+    (["train", "--out", "{c}/a_file"], "is a file"),
+    (["train", "--out", "{c}/a_file/run"], "which is a file, not a directory"),
+    (["demo", "--out", "{c}/a_file"], "is a file"),
+    (["study", "--out", "{c}/a_file/x"], "which is a file"),
+    (["compare", "--out", "{c}/a_file"], "is a file"),
+    (["analyze", "attention", "--checkpoint", "{c}/dense.safetensors", "--out", "{c}/a_file"], "is a file"),
+    (["train", *TINY, "--num-classes", "5", "--out", "{t}/r"], "--num-classes 5 is smaller than the 10 classes"),
+    (["train", *TINY, "--num-classes", "-1", "--out", "{t}/r"], "--num-classes must be a positive integer"),
+    (["eval", "--checkpoint", "{c}/dense.safetensors", "--img-size", "56"], "takes 28-px images, not 56"),
+    (["study", "--seeds", "0", "--out", "{t}/s"], "argument --seeds: must be a positive integer, got 0"),
+    (["study", "--capacity", "0.5", "0", "--out", "{t}/s"], "capacity must be in (0, 1]"),
+    (["compare", "--cost", "0.5", "0", "--out", "{t}/s"], "--cost must be a number in (0, 1]"),
+    (["train", *TINY, "--patch-size", "0", "--out", "{t}/r"], "--patch-size must be a positive integer"),
+    (["train", *TINY, "--embed-dim", "64", "--num-heads", "3", "--out", "{t}/r"], "--embed-dim 64 must be divisible by --num-heads 3"),
+    (["train", "--config", "{t}/data5.yaml", "--out", "{t}/r"], "data5.yaml: data must be a string, got 5"),
+    (["train", "--config", "{t}/epochs_str.yaml", "--out", "{t}/r"], "epochs_str.yaml: epochs must be an integer, got '3'"),
+    (["train", *TINY, "--drop-path", "2", "--out", "{t}/r"], "--drop-path must be in [0, 1)"),
+    (["bench", "--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+    (["bench", "--img-size", "0"], "argument --img-size: must be a positive integer, got 0"),
+    (["flops", "vit_tiny_patch16_224", "--img-size", "0"], "argument --img-size: must be a positive integer"),
+    (["train", "--model", "resnet18", "--out", "{t}/r"], "resnet18 is a ResNet; amod supports timm's VisionTransformer"),
+    (["train", "--model", "no_such_model", "--out", "{t}/r"], "unknown timm model 'no_such_model'"),
+    (["finetune", *TINY, "--checkpoint", "{c}/wide.pth", "--out", "{t}/r"], "wide.pth does not fit the model"),
+    (["eval", "--checkpoint", "{c}/badmeta.safetensors"], "badmeta.safetensors: its amod metadata cannot be rebuilt"),
+    (["eval", "--checkpoint", "{c}"], "is a directory; give the .safetensors file"),
+    (["train", *TINY, "--clip-grad", "-1", "--out", "{t}/r"], "--clip-grad must be >= 0"),
+    (["train", *TINY, "--capacity", "0.3", "--out", "{t}/r"], "--capacity only applies to an MoD model; add --router"),
+    (["train", *TINY, "--merge-r", "1000", "--out", "{t}/r"], "r = 1000 is more than the 16 patch tokens"),
+    (["analyze", "routing", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze routing needs an MoD model"),
+    (["analyze", "loo", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze loo needs an MoD model"),
+    (["study", "--checkpoint", "{c}/mod.safetensors", "--out", "{t}/s"], "is an MoD or token-merging model"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INVOCATIONS, ids=[" ".join(a[:3]) + f"#{i}" for i, (a, _) in enumerate(BAD_INVOCATIONS)])
+def test_a_bad_invocation_gives_one_line_a_nonzero_exit_and_no_files(argv, message, checkpoints, tmp_path, capsys):
+    (tmp_path / "data5.yaml").write_text("data: 5\n")
+    (tmp_path / "epochs_str.yaml").write_text("epochs: '3'\n")
+    argv = [a.format(c=checkpoints, t=tmp_path) for a in argv]
+    before_t, before_c = tree(tmp_path), tree(checkpoints)
+    code, err = run_in_process(argv, capsys)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert err.startswith(f"amod {argv[0]}: error:")
+    assert tree(tmp_path) == before_t and tree(checkpoints) == before_c, "a refused command must not create files"
+
+
+def test_a_read_only_output_directory_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import amod.rundir
+
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(amod.rundir.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    for argv in (["train", *TINY, "--out", str(locked)], ["train", *TINY, "--out", str(locked / "sub")],
+                 ["demo", "--out", str(locked)]):
+        code, err = run_in_process(argv, capsys)
+        assert code == 2 and "not writable" in err and len(err.splitlines()) == 1
+    assert list(locked.iterdir()) == []
+
+
+def test_the_debug_flag_shows_the_traceback(tmp_path):
+    res = amod_cli("--debug", "train", *TINY, "--clip-grad", "-1", "--out", str(tmp_path / "r"))
+    assert res.returncode != 0 and "Traceback" in res.stderr and "--clip-grad must be >= 0" in res.stderr
+
+
+def test_library_arguments_are_checked():
+    model = amod.convert(make_model("vit"), capacity=0.5)
+    for bad in (0, float("nan"), 2, True):
+        with pytest.raises(ValueError, match=r"cost must be a number in \(0, 1\]"):
+            amod.capacity_for_cost(model, bad)
+    with pytest.raises(ValueError, match="r = 1000 is more than the 16 patch tokens"):
+        amod.merge.apply(make_model("vit"), r=1000)
+    with pytest.raises(ValueError, match="r must be an int .* or a list of ints"):
+        amod.merge.apply(make_model("vit"), r=1.5)
+    with pytest.raises(ValueError, match="img_size must be positive"):
+        amod.flops(make_model("vit"), img_size=0)
+    with pytest.raises(ValueError, match="epochs must be an integer"):
+        RunConfig(epochs="3").validate()
+
+
+@pytest.mark.parametrize("skipped", ["bypass", "merge", "kv"])
+def test_an_empty_batch_gives_an_empty_output_like_timm(skipped):
+    model = make_model("deit_distilled")
+    x = torch.zeros(0, 3, *model.patch_embed.img_size)
+    with torch.no_grad():
+        assert model(x).shape == (0, 10)
+        for router in ("attention", "standard", "random"):
+            mod = amod.convert(make_model("deit_distilled"), router=router, capacity=0.3, skipped=skipped)
+            assert mod(x).shape == (0, 10)
+        assert amod.merge.apply(make_model("deit_distilled"), r=2)(x).shape == (0, 10)
+
+
+# ---------------------------------------------------------------- one run per directory
+
+def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--train-limit", "15000", "--epochs", "3", "--out", str(out)]
+    first = subprocess.Popen([sys.executable, "-m", "amod", *args, "--seed", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / "train.log").exists() and time.time() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before the second could start"
+        second = amod_cli(*args, "--seed", "2")
+        assert second.returncode == 2
+        assert f"is in use by another amod run (pid {first.pid})" in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+    finally:
+        _, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == 1
+    # a lock file left by a process that no longer exists does not block a new run
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / ".amod.lock").write_text("999999\n")
+    res = amod_cli("train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(stale))
+    assert res.returncode == 0, res.stderr
+
+
+# ---------------------------------------------------------------- full disks
+
+def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"old")
+    written = []
+
+    def fill_up(f):
+        f.write(b"x" * 10)
+        written.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(files.DiskFullError, match=f"no space left on device while writing {target}"):
+        files.atomic_write(target, fill_up)
+    assert written and target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+    # torch.save turns the failed write into a RuntimeError; the recorded OSError still says why
+    real_write = files._RecordingWriter.write
+
+    def write_then_fail(self, data):
+        if len(bytes(data)) > 1000:
+            self.error = OSError(errno.ENOSPC, "No space left on device")
+            raise self.error
+        return real_write(self, data)
+
+    monkeypatch.setattr(files._RecordingWriter, "write", write_then_fail)
+    with pytest.raises(files.DiskFullError, match="checkpoint.pt"):
+        files.torch_save({"w": torch.randn(10_000)}, tmp_path / "checkpoint.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def _small_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return res.returncode == 0
+
+
+def test_training_on_a_full_disk_stops_with_one_line_and_no_temporary_file(tmp_path):
+    disk = tmp_path / "disk"
+    if not _small_tmpfs(disk, "300k"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
+    try:
+        res = amod_cli("train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(disk / "run"))
+        assert res.returncode == 2
+        assert "no space left on device while writing" in res.stderr and len(res.stderr.strip().splitlines()) >= 1
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith("amod train: error: no space left on device while writing")
+        assert not [p for p in (disk / "run").iterdir() if p.name.endswith(".tmp")]
+        again = amod_cli("train", "--resume", "--out", str(disk / "run"))
+        assert again.returncode == 2 and "Traceback" not in again.stderr
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# ---------------------------------------------------------------- diverging runs, strict JSON
+
+def test_a_diverging_run_stops_with_a_clear_message_and_no_nan_in_any_file(tmp_path):
+    res = amod_cli("train", *TINY, "--train-limit", "128", "--epochs", "1", "--lr", "1e6", "--out", str(tmp_path / "r"))
+    assert res.returncode == 2, res.stderr
+    assert "training stopped" in res.stderr and "no checkpoint was written" in res.stderr
+    assert not (tmp_path / "r" / "summary.json").exists() and not (tmp_path / "r" / "model.safetensors").exists()
+    for path in (tmp_path / "r").glob("*.json*"):
+        for line in path.read_text().splitlines():
+            strict_json(line)
+
+
+def test_the_last_finite_checkpoint_is_kept_when_a_later_epoch_diverges(tmp_path, monkeypatch):
+    import amod.engine as engine
+
+    real_evaluate = engine.evaluate
+    calls = []
+
+    def evaluate(*args, **kwargs):
+        metrics = real_evaluate(*args, **kwargs)
+        calls.append(1)
+        return {**metrics, "loss": float("nan")} if len(calls) == 2 else metrics
+
+    monkeypatch.setattr(engine, "evaluate", evaluate)
+    out = tmp_path / "r"
+    with pytest.raises(engine.NonFiniteError, match="keeps the checkpoint of epoch 1, the last finite one"):
+        train(RunConfig(**TINY_CFG, train_limit=128, epochs=2, out=str(out)))
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+def test_json_is_strict():
+    assert files.dumps({"a": float("nan"), "b": [float("inf"), 1.5], "c": torch.tensor(2.0).numpy()}) == \
+        '{"a": null, "b": [null, 1.5], "c": 2.0}'
+
+
+# ---------------------------------------------------------------- unreadable images
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """imagefolder data with 3 classes; train and val each hold an empty .jpg, a corrupt .png and a truncated .jpg."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("folder")
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c in range(3):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(8):
+                pixels = (torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()
+                Image.fromarray(pixels).save(d / f"img{i}.jpg", quality=95)
+        (root / split / "class0" / "empty.jpg").write_bytes(b"")
+        (root / split / "class1" / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+        whole = (root / split / "class2" / "img0.jpg").read_bytes()
+        (root / split / "class2" / "truncated.jpg").write_bytes(whole[: len(whole) // 2])
+    return root
+
+
+FOLDER_MODEL = ["--model", "vit_tiny_patch16_224", "--img-size", "32", "--patch-size", "8", "--depth", "1",
+                "--embed-dim", "32", "--num-heads", "2", "--batch-size", "8"]
+
+
+def test_unreadable_images_are_named_or_skipped_and_counted(image_folder, tmp_path):
+    data = f"imagefolder:{image_folder}"
+    res = amod_cli("train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--out", str(tmp_path / "a"))
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in res.stderr and "cannot read image" in last and "--skip-bad-images" in last
+    assert any(name in last for name in ("empty.jpg", "corrupt.png", "truncated.jpg"))
+
+    res = amod_cli("train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--skip-bad-images", "--out", str(tmp_path / "b"))
+    assert res.returncode == 0, res.stderr
+    summary = strict_json((tmp_path / "b" / "summary.json").read_text())
+    assert summary["skipped_images"] == 6 and summary["val_images"] == 24
+    assert "skipped 6 unreadable images" in res.stderr
+
+    model = str(tmp_path / "b" / "model.safetensors")
+    res = amod_cli("eval", "--checkpoint", model, "--data", data)
+    assert res.returncode == 2 and "cannot read image" in res.stderr and "Traceback" not in res.stderr
+    res = amod_cli("eval", "--checkpoint", model, "--data", data, "--skip-bad-images", "--json")
+    assert res.returncode == 0, res.stderr
+    out = strict_json(res.stdout)
+    assert out["images"] == 24 and out["skipped_images"] == 3
+
+
+# ---------------------------------------------------------------- permissions
+
+def test_run_files_get_the_umask_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        train(RunConfig(**TINY_CFG, train_limit=128, epochs=1, out=str(tmp_path / "r")))
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "checkpoint.pt", "summary.json", "metrics.jsonl", "config.yaml"):
+        assert (tmp_path / "r" / name).stat().st_mode & 0o777 == 0o644, name
