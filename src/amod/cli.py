@@ -176,6 +176,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.img_size is not None and args.img_size != native:
         raise ValueError(f"{args.checkpoint} takes {native}-px images, not {args.img_size}: drop --img-size, "
                          "or finetune the model at that size first")
+    if model.num_classes == 0:
+        raise ValueError(f"{args.checkpoint} has no classifier (a backbone): finetune it with amod finetune, "
+                         "or compare reduced versions of it with amod compare's linear probe")
     _, val, info = build_datasets(args.data, native, None, args.val_limit)
     if info.num_classes > model.num_classes or info.in_chans != model.patch_embed.proj.in_channels:
         raise ValueError(f"the model ({model.num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
@@ -431,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: pretrain, convert, finetune and compare on Fashion-MNIST")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
+
+    from .pretrained import add_parser as add_weights_parser, cmd_weights  # amod weights NAME
+    add_weights_parser(sub)
+    COMMANDS.setdefault("weights", cmd_weights)
     return parser
 
 

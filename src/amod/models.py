@@ -84,6 +84,33 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> 
         log.info("checkpoint head has another number of classes: new head initialised")
 
 
+def fit_to_data(model: nn.Module, in_chans: int, img_size: int) -> nn.Module:
+    """Adapt a loaded ViT to the data, in place: its patch embedding to ``in_chans`` channels (timm's
+    ``adapt_input_conv``: e.g. an RGB model sums its filters for grayscale images, which is the same as
+    feeding the gray image three times), and its position grid to ``img_size`` (resampled once, bicubic
+    without antialiasing: ``amod.pretrained.set_input_size``). Each change is logged."""
+    from timm.models._manipulate import adapt_input_conv
+
+    from .pretrained import set_input_size
+
+    proj = model.patch_embed.proj
+    if proj.in_channels != in_chans:
+        weight = adapt_input_conv(in_chans, proj.weight.detach())
+        new = nn.Conv2d(in_chans, proj.out_channels, proj.kernel_size, proj.stride, proj.padding,
+                        bias=proj.bias is not None).to(weight.device, weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(weight)
+            if proj.bias is not None:
+                new.bias.copy_(proj.bias)
+        model.patch_embed.proj = new
+        log.info("patch embedding adapted from %d to %d input channels", proj.in_channels, in_chans)
+    if tuple(model.patch_embed.img_size) != (img_size, img_size):
+        old = model.patch_embed.img_size[0]
+        set_input_size(model, img_size)
+        log.info("position grid resampled from %d px to %d px (bicubic, no antialiasing)", old, img_size)
+    return model
+
+
 def check_vit_name(name: str) -> None:
     """Refuse a name that is not a timm model, or a timm model that is not a ``VisionTransformer``."""
     from timm.models.vision_transformer import VisionTransformer
@@ -131,13 +158,7 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         if _is_amod_file(path):
-            model = load_amod(path)  # an amod file knows its architecture (and MoD setup)
-            if model.patch_embed.proj.in_channels != in_chans:
-                raise ValueError(f"checkpoint {path} takes {model.patch_embed.proj.in_channels}-channel images; "
-                                 f"the data has {in_chans} channels")
-            if tuple(model.patch_embed.img_size) != (img_size, img_size):
-                raise ValueError(f"checkpoint {path} takes {model.patch_embed.img_size[0]}-px images; the run asks "
-                                 f"for {img_size} px: give --img-size {model.patch_embed.img_size[0]}")
+            model = fit_to_data(load_amod(path), in_chans, img_size)  # an amod file knows its architecture
         else:
             model = _create(cfg.model, False, model_overrides(cfg, num_classes, in_chans, img_size))
             _load_into(model, load_state_dict_file(path), path)
