@@ -129,7 +129,8 @@ def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
         if "amod.mod" in meta:
             config = MoDConfig.from_dict(json.loads(meta["amod.mod"]))
             convert(model, router=config.router, capacity=config.capacity, layers=config.layers,
-                    scale_output=config.scale_output, seed=config.seed, skipped=config.skipped)
+                    scale_output=config.scale_output, seed=config.seed, skipped=config.skipped,
+                    protect=config.protect)
         if "amod.merge" in meta:
             apply_merging(model, r=json.loads(meta["amod.merge"])["schedule"])
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:

@@ -44,13 +44,13 @@ def nonnegative_int(text: str) -> int:
 
 def parse_layers(text: str):
     """``alternate``, ``later`` or a comma-separated list of block indices."""
-    if text in ("alternate", "later"):
+    if text in ("alternate", "later", "all"):
         return text
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--layers must be 'alternate', 'later' or comma-separated block indices, got {text!r}") from None
+            f"--layers must be 'alternate', 'later', 'all' or comma-separated block indices, got {text!r}") from None
 
 
 def parse_schedule(text: str):
@@ -96,7 +96,8 @@ def _cmd_flops(args: argparse.Namespace) -> int:
                             skipped=args.skipped)
             rows.append((name, label, flops(model, args.img_size)))
     header = f"{'model':34s} {'img':>9s} {'capacity':>10s} {'GMACs':>8s} {'GFLOPs':>8s} {'vs dense':>8s} {'ideal x':>7s}"
-    print(f"router={args.router} layers={args.layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
+    layers = args.layers or ("all" if args.skipped == "fold" else "alternate")
+    print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
     print(header)
     for name, label, r in rows:
         print(f"{name:34s} {r.img_size[0]:>4d}x{r.img_size[1]:<4d} {label:>10s} {r.gmacs:>8.3f} "
@@ -298,8 +299,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                             epochs=1, speed_batch=32, speed_repeats=2, quick=True)
     else:
         cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
-                            epochs=args.epochs, train_limit=args.train_limit, val_limit=args.val_limit, lr=args.lr,
-                            speed_batch=args.speed_batch)
+                            img_size=args.img_size, epochs=args.epochs, train_limit=args.train_limit,
+                            probe_train=args.probe_train, val_limit=args.val_limit, lr=args.lr,
+                            speed_batch=args.speed_batch, speed_repeats=args.speed_repeats)
     print(run_compare(cfg))
     return 0
 
@@ -327,12 +329,15 @@ def _add_run_options(p: argparse.ArgumentParser, finetune: bool) -> None:
     g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
     g.add_argument("--router", choices=ROUTER_NAMES, default=S)
     g.add_argument("--capacity", type=float, default=S)
-    g.add_argument("--layers", type=parse_layers, default=S, help="alternate | later | 1,3,5")
+    g.add_argument("--layers", type=parse_layers, default=S,
+                   help="alternate | later | all | 1,3,5 (default: all for --skipped fold, alternate otherwise)")
     g.add_argument("--scale-output", type=parse_bool, default=S, help="true | false (default: per router)")
     g.add_argument("--isoflop", action="store_true", default=S,
                    help="train the dense isoFLOP baseline of --router/--capacity/--layers instead")
     g.add_argument("--skipped", choices=list(SKIPPED_MODES), default=S,
                    help="what MoD blocks do with skipped tokens (default bypass)")
+    g.add_argument("--protect", type=float, default=S,
+                   help="--skipped fold: share of a fold block's patch tokens the router protects (default 0.25)")
     g = p.add_argument_group("token merging (ToMe) instead of MoD")
     g.add_argument("--merge-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
     g.add_argument("--merge-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
@@ -367,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("models", nargs="+", help="timm model names")
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
     p.add_argument("--router", default="attention", choices=ROUTER_NAMES)
-    p.add_argument("--layers", type=parse_layers, default="alternate")
+    p.add_argument("--layers", type=parse_layers, default=None, help="default: all for --skipped fold, alternate otherwise")
     p.add_argument("--skipped", choices=list(SKIPPED_MODES), default="bypass")
     p.add_argument("--merge-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
@@ -424,11 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="dense model (default: the demo's, trained if missing)")
     p.add_argument("--data", default="fashion-mnist")
     p.add_argument("--cost", type=float, nargs="+", default=[0.56, 0.75], help="cost points, shares of dense MACs")
+    p.add_argument("--img-size", type=positive_int, default=None,
+                   help="input size of a backbone without classifier (probe protocol); default the model's own")
     p.add_argument("--epochs", type=positive_int, default=1, help="the short finetune, equal for every method")
-    p.add_argument("--train-limit", type=positive_int, default=10000)
+    p.add_argument("--train-limit", type=positive_int, default=10000, help="finetuning images (classifier protocol)")
+    p.add_argument("--probe-train", type=positive_int, default=3000,
+                   help="training images the linear probe is fitted on (backbone without classifier)")
     p.add_argument("--val-limit", type=positive_int, default=None)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--speed-batch", type=positive_int, default=256)
+    p.add_argument("--speed-repeats", type=positive_int, default=10)
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
     p = sub.add_parser("demo", help="the main job: pretrain, convert, finetune and compare on Fashion-MNIST")

@@ -1,15 +1,24 @@
 """`amod compare`: Mixture-of-Depths against token merging (ToMe) at matched cost, on one model.
 
 For each cost point (a share of the dense model's MACs) every method is set to the cost it can match
-most closely: MoD methods by their capacity, ToMe by its merge schedule. Each is measured with zero
-training (the dense model's own weights and head), finetuned for one short, equal budget, and timed
-(images/s, all models interleaved in one process). Every run is a normal run directory, reused when
-finished and resumed when killed, so rerunning the command continues where it stopped.
+most closely: MoD methods by their capacity, ToMe by its merge schedule. Two protocols:
+
+- a model with a classifier for the data (e.g. the demo's): each method is measured with zero
+  training (the dense model's own weights and head) and after one short, equal finetune. Every run
+  is a normal run directory, reused when finished and resumed when killed.
+- a backbone without one (``num_classes=0``, e.g. DINOv2): a linear probe is fitted once on the
+  dense model's frozen features (CLS after the final norm) of a training subset, its L2 penalty
+  chosen on a held-out part of it, and every reduced model is measured with that same probe (zero
+  training), with the mean cosine of its features to the dense ones. The dense features are cached.
+
+Then all models are timed (images/s, interleaved in one process), and ``compare.md``,
+``compare.json`` and ``compare.png`` are written.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +29,15 @@ import torch
 from . import engine, merge
 from .bench import time_models
 from .checkpoint import check_dense_file, load
-from .config import validate_cost
+from .config import DEFAULT_PROTECT, validate_cost
 from .convert import convert, set_capacity
 from .cost import capacity_for_cost, flops
 from .data import build_datasets
 from .demo import BASE, QUICK, pretrain_dense, run_once
+from .files import torch_save, write_json, write_text
+from .models import fit_to_data
 from .plots import accuracy_vs_cost_panels
-from .files import write_json, write_text
+from .probe import LinearProbe, features, fit_probe, mean_cosine
 from .run import RunConfig, run_dir_name
 from .rundir import RunDirectory, check_output_dir
 
@@ -39,8 +50,9 @@ class Method:
     name: str
     merge: bool = False  # ToMe instead of MoD
     router: str = "attention"
-    layers: Any = "alternate"  # "alternate", or "last-two-thirds": blocks depth // 3 .. depth - 1
+    layers: Any = None  # None: convert's default; "last-two-thirds": blocks depth // 3 .. depth - 1
     skipped: str = "bypass"
+    protect: float = DEFAULT_PROTECT  # fold only
 
 
 METHODS = (
@@ -50,6 +62,11 @@ METHODS = (
     Method("A-MoD kv", skipped="kv"),
     Method("A-MoD merge", skipped="merge"),
     Method("A-MoD merge, last 2/3", skipped="merge", layers="last-two-thirds"),
+    Method("A-MoD fold", skipped="fold"),
+    # controls of the fold mode: the same schedule and matching with nothing protected, and with a
+    # random quarter protected; what is left of A-MoD fold's lead is the attention's doing
+    Method("fold, nothing protected", skipped="fold", protect=0.0),
+    Method("fold, random protected", router="random", skipped="fold"),
 )
 
 
@@ -59,8 +76,10 @@ class CompareConfig:
     checkpoint: Optional[str] = None  # dense amod .safetensors to compare on; default: the demo's (trained if missing)
     data: str = "fashion-mnist"
     costs: tuple[float, ...] = (0.56, 0.75)
-    epochs: int = 1  # the short finetune, equal for every method
-    train_limit: Optional[int] = 10000
+    img_size: Optional[int] = None  # input size; default the model's own (the grid is resampled otherwise)
+    epochs: int = 1  # the short finetune, equal for every method (classifier protocol)
+    train_limit: Optional[int] = 10000  # finetuning images (classifier protocol)
+    probe_train: int = 3000  # training images the linear probe is fitted on (probe protocol)
     val_limit: Optional[int] = None
     lr: float = 5e-4
     batch_size: int = 128
@@ -75,10 +94,10 @@ class CompareConfig:
             raise ValueError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
-        for name in ("epochs", "batch_size", "speed_batch", "speed_repeats"):
+        for name in ("epochs", "batch_size", "speed_batch", "speed_repeats", "probe_train"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("train_limit", "val_limit"):
+        for name in ("train_limit", "val_limit", "img_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -107,10 +126,12 @@ def matched_model(dense: torch.nn.Module, method: Method, cost: float) -> tuple[
         setting: dict[str, Any] = {"merge_r": schedule}
     else:
         layers = resolve_layers(method.layers, len(dense.blocks))
-        convert(model, router=method.router, layers=layers, skipped=method.skipped)
+        convert(model, router=method.router, layers=layers, skipped=method.skipped, protect=method.protect)
         set_capacity(model, capacity_for_cost(model, cost))
-        setting = {"router": method.router, "capacity": model.amod_config.capacity, "layers": layers,
-                   "skipped": method.skipped}
+        setting = {"router": method.router, "capacity": model.amod_config.capacity,
+                   "layers": model.amod_config.layers if layers is None else layers, "skipped": method.skipped}
+        if method.skipped == "fold":
+            setting["protect"] = method.protect
     return model, setting, flops(model).ratio
 
 
@@ -125,7 +146,8 @@ def run_compare(cfg: CompareConfig) -> Path:
 
 def _run_compare(cfg: CompareConfig, root: Path) -> Path:
     if cfg.quick:
-        cfg = dataclasses.replace(cfg, train_limit=QUICK["train_limit"], val_limit=QUICK["val_limit"])
+        cfg = dataclasses.replace(cfg, train_limit=QUICK["train_limit"], val_limit=QUICK["val_limit"],
+                                  probe_train=min(cfg.probe_train, QUICK["train_limit"]))
     pretrained = Path(cfg.checkpoint) if cfg.checkpoint else None
     if pretrained is None:
         log.info("pretraining the demo's dense model (or reusing it)")
@@ -133,14 +155,48 @@ def _run_compare(cfg: CompareConfig, root: Path) -> Path:
                                        cfg.train_limit if cfg.quick else None, cfg.val_limit)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dense = load(pretrained, device).eval()
-    if getattr(dense, "amod_config", None) is not None or getattr(dense, "amod_merge", None) is not None:
-        raise ValueError(f"{pretrained} is an MoD or merging model; amod compare starts from a dense one")
+    img_size = cfg.img_size or dense.patch_embed.img_size[0]
+    probe_mode = dense.num_classes == 0
+    train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train if probe_mode else None, cfg.val_limit)
+    fit_to_data(dense, info.in_chans, img_size)
+    if probe_mode:
+        rows, dense_acc = _probe_rows(cfg, root, dense, pretrained, train, val, device)
+    else:
+        if cfg.img_size is not None and cfg.img_size != dense.patch_embed.img_size[0]:
+            raise ValueError("--img-size changes the input size of a backbone (probe protocol) only; a model with a "
+                             "classifier is compared at its own size")
+        rows, dense_acc = _finetune_rows(cfg, root, dense, pretrained, val, device)
+    log.info("timing %d models interleaved (batch %d)", len(rows) + 1, cfg.speed_batch)
+    models = {"dense": dense, **{_key(r): _rebuild(dense, r, device) for r in rows}}
+    x = torch.randn(cfg.speed_batch, dense.patch_embed.proj.in_channels, *dense.patch_embed.img_size,
+                    generator=torch.Generator().manual_seed(0)).to(device)
+    timed = time_models(models, x, repeats=cfg.speed_repeats, warmup=2)
+    dense_ips = timed["dense"]["images_per_s"]
+    for r in rows:
+        t = timed[_key(r)]
+        r["images_per_s"] = t["images_per_s"]
+        r["speedup"] = t["images_per_s"] / dense_ips
+        r["flop_bound_efficiency"] = r["speedup"] * r["cost"]  # measured speed-up / (1 / cost)
+    return write_report(root, cfg, pretrained, info.name, len(val), img_size, dense_acc, dense_ips, rows, probe_mode)
 
-    _, val, info = build_datasets(cfg.data, dense.patch_embed.img_size[0], None, cfg.val_limit)
+
+def _key(row: dict[str, Any]) -> str:
+    return f"{row['method']} @ {row['cost_target']:g}"
+
+
+def _rebuild(dense: torch.nn.Module, row: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """The model a row measured: its finetuned weights, or (probe protocol) the dense ones set up again."""
+    if row.get("run"):
+        return load(Path(row["run"]) / "model.safetensors", device)
+    return matched_model(dense, Method(**row["method_spec"]), row["cost_target"])[0].eval()
+
+
+def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, val,
+                   device: torch.device) -> tuple[list[dict[str, Any]], float]:
+    """Zero-training and finetuned accuracy of every (cost, method): one run directory each."""
     loader = engine.make_loader(val, 256, False, 0, 0, engine.Dist())
     dense_acc = engine.evaluate(dense, loader, device, progress=False)["top1"]
     log.info("dense model %s: val top-1 %.4f on %d images", pretrained, dense_acc, len(val))
-
     rows: list[dict[str, Any]] = []
     total, done = len(cfg.costs) * len(cfg.methods), 0
     for cost in cfg.costs:
@@ -157,54 +213,107 @@ def _run_compare(cfg: CompareConfig, root: Path) -> Path:
             metrics = engine.read_metrics(out / "metrics.jsonl")
             rows.append({"method": method.name, "cost_target": cost, "cost": ratio, "zero_top1": metrics[0]["val_top1"],
                          "top1": metrics[-1]["val_top1"], "setting": setting, "run": str(out)})
-
-    log.info("timing %d models interleaved (batch %d)", len(rows) + 1, cfg.speed_batch)
-    models = {"dense": dense, **{f"{r['method']} @ {r['cost_target']:g}": load(Path(r["run"]) / "model.safetensors", device)
-                                 for r in rows}}
-    x = torch.randn(cfg.speed_batch, dense.patch_embed.proj.in_channels, *dense.patch_embed.img_size,
-                    generator=torch.Generator().manual_seed(0)).to(device)
-    timed = time_models(models, x, repeats=cfg.speed_repeats, warmup=2)
-    dense_ips = timed["dense"]["images_per_s"]
-    for r in rows:
-        t = timed[f"{r['method']} @ {r['cost_target']:g}"]
-        r["images_per_s"] = t["images_per_s"]
-        r["speedup"] = t["images_per_s"] / dense_ips
-        r["flop_bound_efficiency"] = r["speedup"] * r["cost"]  # measured speed-up / (1 / cost)
-    return write_report(root, cfg, pretrained, info.name, len(val), dense_acc, dense_ips, rows)
+    return rows, dense_acc
 
 
-def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: str, n_val: int, dense_acc: float,
-                 dense_ips: float, rows: list[dict[str, Any]]) -> Path:
+def _dense_features(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, train, val,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """The dense model's features of the probe's training subset and of the test set, cached under ``root``."""
+    key = hashlib.sha256(f"{Path(pretrained).resolve()}:{Path(pretrained).stat().st_mtime_ns}:{cfg.data}:"
+                         f"{dense.patch_embed.img_size}:{len(train)}:{len(val)}".encode()).hexdigest()[:16]
+    path = root / f"dense_features_{key}.pt"
+    if path.exists():
+        log.info("dense features reused from %s", path)
+        return torch.load(path, weights_only=True)
+    log.info("dense features of %d training and %d test images (cached in %s)", len(train), len(val), path)
+    dist = engine.Dist(device=device)
+    train_f, train_y = features(dense, engine.image_batches(engine.make_loader(train, 128, False, 0, 0, dist)), device)
+    test_f, test_y = features(dense, engine.image_batches(engine.make_loader(val, 128, False, 0, 0, dist)), device)
+    cached = {"train": train_f, "train_labels": train_y, "test": test_f, "test_labels": test_y}
+    torch_save(cached, path)
+    return cached
+
+
+def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, train, val,
+                device: torch.device) -> tuple[list[dict[str, Any]], float]:
+    """Zero-training probe accuracy and feature cosine of every (cost, method)."""
+    cached = _dense_features(cfg, root, dense, pretrained, train, val, device)
+    probe: LinearProbe = fit_probe(cached["train"], cached["train_labels"])
+    dense_acc = probe.accuracy(cached["test"], cached["test_labels"])
+    log.info("dense model %s at %d px: probe top-1 %.4f on %d test images (probe fitted on %d, L2 %g)", pretrained,
+             dense.patch_embed.img_size[0], dense_acc, len(val), len(train), probe.l2)
+    loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
+    rows: list[dict[str, Any]] = []
+    total, done = len(cfg.costs) * len(cfg.methods), 0
+    for cost in cfg.costs:
+        for method in cfg.methods:
+            done += 1
+            model, setting, ratio = matched_model(dense, method, cost)
+            feats, labels = features(model, engine.image_batches(loader), device)
+            row = {"method": method.name, "method_spec": dataclasses.asdict(method), "cost_target": cost,
+                   "cost": ratio, "zero_top1": probe.accuracy(feats, labels), "top1": None,
+                   "cosine": mean_cosine(feats, cached["test"]), "setting": setting, "run": None}
+            log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f, cosine to dense %.4f", done, total,
+                     method.name, cost, ratio, row["zero_top1"], row["cosine"])
+            rows.append(row)
+    return rows, dense_acc
+
+
+def _setting_text(s: dict[str, Any]) -> str:
+    if "merge_r" in s:
+        return f"r = {s['merge_r']}"
+    layers = s["layers"]
+    if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        layers = f"{layers[0]}–{layers[-1]}"
+    text = f"C = {s['capacity']:.3f}, blocks {layers}"
+    if s["skipped"] != "bypass":
+        text += f", skipped={s['skipped']}"
+    if s["skipped"] == "fold":
+        text += f", protect {s['protect']:g}" + ("" if s["router"] == "attention" else f" ({s['router']})")
+    return text
+
+
+def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: str, n_val: int, img_size: int,
+                 dense_acc: float, dense_ips: float, rows: list[dict[str, Any]], probe_mode: bool) -> Path:
+    speed = (f"Speed: batch {cfg.speed_batch}, all models interleaved in one process, median of {cfg.speed_repeats}; "
+             "efficiency = measured speed-up / FLOP-bound speed-up (1 / cost).")
+    if probe_mode:
+        head = (f"Dense backbone `{pretrained}` at {img_size} px: linear-probe top-1 **{100 * dense_acc:.2f} %** on "
+                f"{n_val} test images (probe fitted on the dense features of {cfg.probe_train} training images, L2 "
+                f"chosen on a held-out fifth; applied unchanged to every reduced model), {dense_ips:.1f} images/s. "
+                "Zero training: every model has the dense weights.")
+        columns = "| cost target | method | setting | cost vs dense | probe top-1 | cosine to dense | images/s | speed-up | efficiency |"
+    else:
+        head = (f"Dense model `{pretrained}`: val top-1 **{100 * dense_acc:.2f} %** on {n_val} images, "
+                f"{dense_ips:.0f} images/s. Finetune: {cfg.epochs} epoch(s) on {cfg.train_limit or 'all'} training "
+                f"images, lr {cfg.lr:g}, the same for every method.")
+        columns = "| cost target | method | setting | cost vs dense | zero-training top-1 | finetuned top-1 | images/s | speed-up | efficiency |"
     lines = [f"# amod compare: MoD vs token merging at matched cost on {data_name}" + (" (quick)" if cfg.quick else ""),
-             "",
-             f"Dense model `{pretrained}`: val top-1 **{100 * dense_acc:.2f} %** on {n_val} images, "
-             f"{dense_ips:.0f} images/s. Finetune: {cfg.epochs} epoch(s) on {cfg.train_limit or 'all'} training images, "
-             f"lr {cfg.lr:g}, the same for every method. Speed: batch {cfg.speed_batch}, all models interleaved in one "
-             f"process, median of {cfg.speed_repeats}; efficiency = measured speed-up / FLOP-bound speed-up (1 / cost).",
-             "",
-             "| cost target | method | setting | cost vs dense | zero-training top-1 | finetuned top-1 | images/s | speed-up | efficiency |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", f"{head} {speed}", "", columns, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        s = r["setting"]
-        setting = (f"r = {s['merge_r']}" if "merge_r" in s else
-                   f"C = {s['capacity']:.3f}, layers {s['layers']}" + ("" if s["skipped"] == "bypass" else f", skipped={s['skipped']}"))
         miss = " (!)" if abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE else ""
-        lines.append(f"| {r['cost_target']:g} | {r['method']} | {setting} | {r['cost']:.3f}{miss} | "
-                     f"{100 * r['zero_top1']:.2f} | {100 * r['top1']:.2f} | {r['images_per_s']:.0f} | "
+        second = f"{r['cosine']:.4f}" if probe_mode else f"{100 * r['top1']:.2f}"
+        lines.append(f"| {r['cost_target']:g} | {r['method']} | {_setting_text(r['setting'])} | {r['cost']:.3f}{miss} | "
+                     f"{100 * r['zero_top1']:.2f} | {second} | {r['images_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['flop_bound_efficiency']:.2f} |")
     lines += ["", "(!) the method cannot reach the target cost within 2 % on this model; its closest cost is shown.", ""]
     zero: dict[str, list[tuple[float, float]]] = {}
     final: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         zero.setdefault(r["method"], [(1.0, dense_acc)]).append((r["cost"], r["zero_top1"]))
-        final.setdefault(r["method"], [(1.0, dense_acc)]).append((r["cost"], r["top1"]))
-    png = accuracy_vs_cost_panels({"zero training (the dense model's weights)": zero,
-                                   f"after a {cfg.epochs}-epoch finetune": final}, root / "compare.png")
+        if not probe_mode:
+            final.setdefault(r["method"], [(1.0, dense_acc)]).append((r["cost"], r["top1"]))
+    panels = {f"zero training, linear probe ({img_size} px)" if probe_mode else
+              "zero training (the dense model's weights)": zero}
+    if not probe_mode:
+        panels[f"after a {cfg.epochs}-epoch finetune"] = final
+    png = accuracy_vs_cost_panels(panels, root / "compare.png")
     lines += [f"![accuracy vs cost]({png.name})", ""]
     report = root / "compare.md"
     write_text(report, "\n".join(lines))
     write_json(root / "compare.json",
-               {"dense": {"top1": dense_acc, "images_per_s": dense_ips, "checkpoint": str(pretrained)}, "rows": rows})
+               {"protocol": "probe" if probe_mode else "finetune", "img_size": img_size,
+                "dense": {"top1": dense_acc, "images_per_s": dense_ips, "checkpoint": str(pretrained)}, "rows": rows})
     print("\n".join(lines[4:4 + 2 + len(rows)]))
     log.info("report written to %s", report)
     return report

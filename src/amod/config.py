@@ -10,8 +10,9 @@ from typing import Any
 from .routers import ROUTER_CLASSES
 
 ROUTERS = tuple(ROUTER_CLASSES)
-LAYER_PRESETS = ("alternate", "later")
-SKIPPED_MODES = ("bypass", "merge", "kv")  # what an MoD block does with the tokens it skips
+LAYER_PRESETS = ("alternate", "later", "all")
+SKIPPED_MODES = ("bypass", "merge", "kv", "fold")  # what an MoD block does with the tokens it skips
+DEFAULT_PROTECT = 0.25  # fold: share of a block's patch tokens the router protects from folding
 
 
 @dataclass
@@ -27,6 +28,7 @@ class MoDConfig:
     scale_output: bool = False  # multiply a processed token's block output by its router gate
     seed: int = 0  # seed of the random router (ignored by the others)
     skipped: str = "bypass"  # what skipped tokens do: one of SKIPPED_MODES
+    protect: float = DEFAULT_PROTECT  # fold only: share of patch tokens the router protects in a fold block
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -69,20 +71,32 @@ def validate_skipped(skipped: Any) -> str:
     return skipped
 
 
-def resolve_layers(layers: Any, depth: int, router: str) -> list[int]:
+def validate_protect(protect: Any) -> float:
+    """Return ``protect`` (a share of patch tokens) as a float in [0, 1), or raise a ValueError."""
+    if isinstance(protect, bool) or not isinstance(protect, (int, float)) or math.isnan(protect) \
+            or not 0.0 <= protect < 1.0:
+        raise ValueError(f"protect must be a number in [0, 1) (the share of patch tokens a fold block's router "
+                         f"protects), got {protect!r}")
+    return float(protect)
+
+
+def resolve_layers(layers: Any, depth: int, router: str, own_attention: bool = False) -> list[int]:
     """Turn a layer spec into a sorted list of block indices.
 
     Args:
         layers: ``"alternate"`` (blocks 1, 3, 5, ...), ``"later"`` (the alternate blocks in the second
-            half of the network) or an explicit sequence of block indices.
+            half of the network), ``"all"`` or an explicit sequence of block indices.
         depth: number of blocks in the model.
-        router: the router; an attention router cannot sit on block 0, which has no previous attention.
+        router: the router; an attention router cannot sit on block 0, which has no previous attention,
+            unless ``own_attention`` (fold blocks route on the attention they have just computed).
     """
     if isinstance(layers, str):
         if layers == "alternate":
             indices = list(range(1, depth, 2))
         elif layers == "later":
             indices = [i for i in range(1, depth, 2) if i >= depth // 2]
+        elif layers == "all":
+            indices = list(range(depth))
         else:
             raise ValueError(
                 f"unknown layers preset {layers!r}; use one of {', '.join(LAYER_PRESETS)} or a list of block indices"
@@ -104,7 +118,7 @@ def resolve_layers(layers: Any, depth: int, router: str) -> list[int]:
         indices = sorted(indices)
     if not indices:
         raise ValueError(f"layers {layers!r} selects no block in a model of depth {depth}")
-    if ROUTER_CLASSES[router].needs_attention and indices[0] == 0:
+    if ROUTER_CLASSES[router].needs_attention and indices[0] == 0 and not own_attention:
         raise ValueError(
             f"the {router} router cannot route block 0: it reads the attention of the previous block, "
             "and block 0 has none; start at block 1 or later"

@@ -11,7 +11,10 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from .block import MoDBlock, ScoreHandoff, ScoringAttention
-from .config import MoDConfig, resolve_layers, validate_capacity, validate_router, validate_skipped
+from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
+                     validate_skipped)
+from .fold import FoldAttention, FoldBlock
+from .merge import MergeState
 from .routers import ROUTER_CLASSES, build_router
 
 LayersSpec = Union[str, Sequence[int]]
@@ -50,10 +53,11 @@ def convert(
     model: nn.Module,
     router: str = "attention",
     capacity: float = 0.5,
-    layers: LayersSpec = "alternate",
+    layers: Optional[LayersSpec] = None,
     scale_output: Optional[bool] = None,
     seed: int = 0,
     skipped: str = "bypass",
+    protect: float = DEFAULT_PROTECT,
 ) -> nn.Module:
     """Convert a timm ViT into a Mixture-of-Depths model, in place; returns the same model.
 
@@ -62,9 +66,11 @@ def convert(
     Args:
         model: a timm ``VisionTransformer`` (vit_*, deit_* incl. distilled, deit3_*, *_reg*, *_dinov2).
         router: ``"attention"`` (A-MoD, parameter-free), ``"standard"`` (learned linear) or ``"random"``.
-        capacity: share C in (0, 1] of patch tokens each MoD block processes; k = ceil(C * N_patches).
+        capacity: share C in (0, 1] of patch tokens each MoD block processes; k = ceil(C * N_patches)
+            (``"fold"``: of the patch tokens the block gets, which fall from block to block).
         layers: ``"alternate"`` (blocks 1, 3, 5, ...), ``"later"`` (alternate blocks in the second
-            half) or a list of block indices.
+            half), ``"all"`` or a list of block indices; default ``"all"`` for ``skipped="fold"``,
+            ``"alternate"`` otherwise.
         scale_output: multiply processed tokens' block updates by their router gate; default True for
             the standard router, False for the others.
         seed: seed of the random router.
@@ -73,21 +79,31 @@ def convert(
             (cosine after the block's first norm; proportional attention on the group sizes) and takes that
             token's block update, so no token's information leaves the block. ``"kv"``: they serve as
             keys and values for the processed tokens (K/V projections for every token) and are not
-            updated.
+            updated. ``"fold"``: they fold for good into the kept tokens, which carry them through every
+            later block (``amod.fold``); the router protects its top ``protect`` share of tokens and the
+            most redundant of the rest fold.
+        protect: ``"fold"`` only: share in [0, 1) of a fold block's patch tokens the router protects.
     """
     router = validate_router(router)
     skipped = validate_skipped(skipped)
     capacity = validate_capacity(capacity)
+    protect = validate_protect(protect)
     if scale_output is None:
         scale_output = default_scale_output(router)
     if not isinstance(scale_output, bool):
         raise ValueError(f"scale_output must be True, False or None, got {scale_output!r}")
+    if skipped == "fold" and (ROUTER_CLASSES[router].learnable or scale_output):
+        raise ValueError("skipped='fold' routes with a parameter-free router and no output scaling; use "
+                         "router='attention' (or a control router) and scale_output=False")
     if getattr(model, "amod_config", None) is not None:
         raise ValueError("model is already converted; use amod.set_capacity to change its capacity")
     policy = _find_policy(model)
     depth = len(getattr(model, "blocks", ()))
-    config = MoDConfig(router=router, capacity=capacity, layers=resolve_layers(layers, depth, router),
-                       scale_output=scale_output, seed=int(seed), skipped=skipped)
+    if layers is None:
+        layers = "all" if skipped == "fold" else "alternate"
+    config = MoDConfig(router=router, capacity=capacity,
+                       layers=resolve_layers(layers, depth, router, own_attention=skipped == "fold"),
+                       scale_output=scale_output, seed=int(seed), skipped=skipped, protect=protect)
     policy(model, config)
     model.amod_config = config
     return model
@@ -96,6 +112,8 @@ def convert(
 @register_policy(VisionTransformer)
 def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
     blocks = model.blocks
+    if config.skipped == "fold":
+        return _convert_fold(model, config)
     for i in config.layers:
         _check_block(blocks[i], i)
     router_needs_attention = ROUTER_CLASSES[config.router].needs_attention
@@ -131,6 +149,28 @@ def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
             blocks[i].amod_in_handoff = handoff
 
 
+def _convert_fold(model: nn.Module, config: MoDConfig) -> None:
+    """Every block becomes a FoldBlock (all of them apply the proportional-attention bias once tokens have
+    folded); the blocks in ``config.layers`` fold."""
+    for i, blk in enumerate(model.blocks):
+        _check_block(blk, i)
+    state = MergeState()
+    class_tokens = model.num_prefix_tokens - getattr(model, "num_reg_tokens", 0)  # CLS (and distillation)
+    for i, blk in enumerate(model.blocks):
+        blk.__class__ = FoldBlock
+        blk.attn.__class__ = FoldAttention
+        blk.attn.amod_want = False
+        blk.attn.amod_metric = blk.attn.amod_importance = None
+        blk.attn.amod_num_prefix = class_tokens
+        blk.router = build_router(config.router, blk.attn.qkv.in_features, seed=config.seed + i)
+        blk.amod_capacity = config.capacity
+        blk.amod_protect = config.protect
+        blk.amod_num_prefix = model.num_prefix_tokens
+        blk.amod_fold = i in config.layers
+        blk.amod_state = state
+        blk.amod_first = i == 0
+
+
 def _check_block(blk: nn.Module, index: int) -> None:
     if type(blk) not in (Block, MoDBlock):
         raise TypeError(
@@ -151,9 +191,10 @@ def get_config(model: nn.Module) -> MoDConfig:
     return config
 
 
-def mod_blocks(model: nn.Module) -> list[tuple[int, MoDBlock]]:
-    """(index, block) for every MoD block of a converted model."""
-    return [(i, b) for i, b in enumerate(model.blocks) if isinstance(b, MoDBlock)]
+def mod_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(index, block) for every MoD block of a converted model (the folding blocks of a fold model)."""
+    return [(i, b) for i, b in enumerate(model.blocks)
+            if isinstance(b, MoDBlock) or (isinstance(b, FoldBlock) and b.amod_fold)]
 
 
 def set_capacity(model: nn.Module, capacity: float) -> nn.Module:

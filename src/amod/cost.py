@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .block import MoDBlock
+from .fold import FoldBlock, fold_count
 from .config import MoDConfig, validate_cost
 from .routers import StandardRouter
 from .routing import num_kept
@@ -114,6 +115,20 @@ def _merge_block_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int) -> t
     return macs + (tokens - r) * _linear_macs_per_token(blk.mlp), tokens - r
 
 
+def _fold_block_macs(blk: nn.Module, tokens: int, num_prefix: int) -> tuple[int, int]:
+    """(MACs, tokens after the fold) of a FoldBlock: attention on ``tokens``; when it folds, the class
+    tokens' attention rows again (the importance), the |A| x |B| key similarities, then the MLP on the
+    tokens left."""
+    n = tokens - num_prefix
+    r = fold_count(blk.amod_capacity, n, blk.amod_protect) if blk.amod_fold else 0
+    attn = blk.attn
+    macs = tokens * _linear_macs_per_token(attn) + _attention_macs(tokens, attn)
+    if r > 0:
+        macs += max(1, attn.amod_num_prefix) * tokens * attn.attn_dim  # class-token rows of Q K^T
+        macs += ((n + 1) // 2) * (n // 2) * attn.head_dim  # |A| x |B| cosine similarities
+    return macs + (tokens - r) * _linear_macs_per_token(blk.mlp), tokens - r
+
+
 def _sizes(model: nn.Module, img_size) -> tuple[tuple[int, int], int, int]:
     """((H, W), patch tokens, prefix tokens) at ``img_size``."""
     h, w = _img_size(model, img_size)
@@ -154,6 +169,10 @@ def flops(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]] = None
             macs, after = _merge_block_macs(blk, tokens, blk.amod_merge_r, p)
             blocks.append(BlockCost(i, tokens, macs))
             tokens = after
+        elif isinstance(blk, FoldBlock):
+            macs, after = _fold_block_macs(blk, tokens, p)
+            blocks.append(BlockCost(i, tokens, macs))
+            tokens = after
         elif isinstance(blk, MoDBlock):
             kept = p + num_kept(blk.amod_capacity, n)
             blocks.append(BlockCost(i, kept, _mod_block_macs(blk, kept, N, n)))
@@ -185,15 +204,17 @@ def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
     cost = validate_cost(cost)
     config = get_config(model)
     _, n, _ = _sizes(model, img_size)
+    # every capacity that gives a distinct k; a fold model's k changes block by block, so a fine grid
+    candidates = [i / 1000 for i in range(1, 1001)] if config.skipped == "fold" else [k / n for k in range(1, n + 1)]
     original = config.capacity
     try:
         ratios = {}
-        for k in range(1, n + 1):
-            set_capacity(model, k / n)
-            ratios[k / n] = flops(model, img_size).ratio
+        for c in candidates:
+            set_capacity(model, c)
+            ratios[c] = flops(model, img_size).ratio
     finally:
         set_capacity(model, original)
-    return min(ratios, key=lambda c: abs(ratios[c] - cost))
+    return min(ratios, key=lambda c: (abs(ratios[c] - cost), -c))
 
 
 def _cpu_sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:

@@ -18,6 +18,7 @@ merged model finetunes with the usual pipeline.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -101,12 +102,15 @@ class MergeBlock(Block):
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
-def bipartite_soft_matching(metric: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ToMe's matching on patch tokens only.
 
     Args:
         metric: (B, n, c) features to compare (keys averaged over heads).
-        r: pairs to merge, at most n // 2.
+        r: pairs to merge, at most n // 2 (with ``protected``: at most the unprotected A tokens).
+        protected: optional (B, n) bool; a protected token is neither merged away (as an A token) nor
+            merged into (as a B token).
 
     Returns:
         (unmerged, src, dst): indices into set A (even positions) of the A tokens kept, (B, a - r, 1),
@@ -116,7 +120,11 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int) -> tuple[torch.Tensor,
     metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     a, b = metric[:, ::2], metric[:, 1::2]
     scores = a @ b.transpose(-1, -2)  # (B, |A|, |B|) cosine similarities
+    if protected is not None:
+        scores = scores.masked_fill(protected[:, 1::2].unsqueeze(1), -math.inf)  # never into a protected B
     node_max, node_idx = scores.max(dim=-1)
+    if protected is not None:
+        node_max = node_max.masked_fill(protected[:, ::2], -math.inf)  # a protected A token stays
     edge_idx = node_max.argsort(dim=-1, descending=True)[..., None]
     unmerged, src = edge_idx[:, r:], edge_idx[:, :r]
     dst = node_idx[..., None].gather(1, src)
@@ -137,13 +145,14 @@ def _merge_sum(x: torch.Tensor, unmerged: torch.Tensor, src: torch.Tensor, dst: 
 
 
 def merge_weighted(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int,
-                   num_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_prefix: int, protected: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge r pairs of patch tokens of ``x`` (B, N, D) by size-weighted average; prefix tokens stay.
 
+    ``protected``: optional (B, N - num_prefix) bool over the patch tokens (see ``bipartite_soft_matching``).
     Returns the merged tokens (B, N - r, D) and their sizes (B, N - r, 1).
     """
     p = num_prefix
-    unmerged, src, dst = bipartite_soft_matching(metric[:, p:], r)
+    unmerged, src, dst = bipartite_soft_matching(metric[:, p:], r, protected)
     weighted = _merge_sum(x[:, p:] * size[:, p:], unmerged, src, dst)
     new_size = _merge_sum(size[:, p:].contiguous(), unmerged, src, dst)
     merged = weighted / new_size

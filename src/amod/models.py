@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .checkpoint import load as load_amod, read_metadata
+from .config import DEFAULT_PROTECT
 from .convert import convert
 from .cost import isoflop_baseline
 from .merge import apply as apply_merging
@@ -183,5 +184,6 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         if getattr(model, "amod_config", None) is not None:
             raise ValueError("the checkpoint is already an MoD model; drop --router to keep its routing")
         convert(model, router=cfg.router, capacity=cfg.capacity, layers=cfg.layers,
-                scale_output=cfg.scale_output, seed=cfg.seed, skipped=getattr(cfg, "skipped", "bypass"))
+                scale_output=cfg.scale_output, seed=cfg.seed, skipped=getattr(cfg, "skipped", "bypass"),
+                protect=getattr(cfg, "protect", DEFAULT_PROTECT))
     return model

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import engine, files
 from .checkpoint import save as save_model
-from .config import validate_capacity, validate_cost, validate_skipped
+from .config import DEFAULT_PROTECT, validate_capacity, validate_cost, validate_protect, validate_skipped
 from .cost import flops
 from .data import DataInfo, build_datasets
 from .models import build_model
@@ -34,7 +34,7 @@ CHECKPOINT_FORMAT = 1
 # Fields that may differ between a run and its resumption.
 RESUMABLE_CHANGES = {"epochs", "out", "workers", "eval_batch_size", "skip_bad_images"}
 # Fields that only mean something for an MoD model (a router given).
-MOD_ONLY = ("capacity", "layers", "scale_output", "skipped")
+MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect")
 
 
 @dataclass
@@ -55,10 +55,11 @@ class RunConfig:
     # Mixture-of-Depths (router None = dense)
     router: Optional[str] = None
     capacity: float = 0.5
-    layers: Union[str, list[int]] = "alternate"
+    layers: Optional[Union[str, list[int]]] = None  # None: "all" for skipped=fold, "alternate" otherwise
     scale_output: Optional[bool] = None
     isoflop: bool = False  # train the isoFLOP dense baseline of (router, capacity, layers) instead
-    skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv
+    skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
+    protect: float = DEFAULT_PROTECT  # fold: share of a fold block's patch tokens the router protects
     # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
     merge_cost: Optional[float] = None
     merge_r: Optional[Union[int, list[int]]] = None
@@ -89,6 +90,7 @@ class RunConfig:
         if self.router is not None:
             self.capacity = validate_capacity(self.capacity)
         validate_skipped(self.skipped)
+        validate_protect(self.protect)
         if self.amp not in ("off", "bf16"):
             raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
         for name in ("epochs", "batch_size", "eval_batch_size"):

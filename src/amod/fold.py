@@ -1,0 +1,137 @@
+"""``skipped="fold"``: Mixture-of-Depths whose skipped tokens fold into kept ones for good.
+
+In the paper's MoD a skipped token is copied past the block and comes back, stale, in the next one;
+without training a pretrained model loses much of its accuracy to that. In a fold block the skipped
+tokens instead leave the sequence for every later block, their content carried by the token they
+are folded into, so the saving persists and compounds like token merging's:
+
+- after the block's attention and before its MLP, the router ranks the t patch tokens by the
+  attention this block has just computed (for A-MoD: the attention each token receives from the
+  class token(s), a row the attention computes anyway) and *protects* the top ``protect`` share of
+  them: a protected token is neither folded away nor diluted by another;
+- the block keeps ceil(C · t) patch tokens (C: the capacity); the t − k others are chosen among the
+  unprotected tokens as the most redundant ones: patch tokens alternate into sets A and B, each A
+  token's most similar B token (cosine of the attention keys averaged over heads) is its partner,
+  and the A tokens with the most similar partners fold into them (size-weighted averages);
+- every later attention adds log(size) to its logits (proportional attention), so a folded token
+  counts as many times as the patches it holds. The bias enters timm's attention as an additive
+  mask: the fused attention path stays on.
+
+Prefix tokens (class, distillation, registers) never fold. Capacity is per fold block, so the number
+of patch tokens falls geometrically: C = 0.89 on all 12 blocks of a ViT-S at 112 px keeps
+64 → 57 → 51 → ... → 22 tokens. ``amod.set_capacity`` turns it at inference time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.models.vision_transformer import Block
+
+from .merge import MergeState, merge_weighted
+from .ops import attention_inputs, attention_output
+from .routers import Router
+from .routing import num_kept
+
+
+def fold_count(capacity: float, tokens: int, protect: float) -> int:
+    """Patch tokens a fold block removes from the ``tokens`` it gets: t − ceil(C · t), at most what the
+    matching can take (every removed token is an unprotected token of set A with an unprotected
+    partner in set B)."""
+    if tokens < 2:
+        return 0
+    q = protected_count(protect, tokens)
+    if q >= tokens // 2:
+        return 0
+    return max(0, min(tokens - num_kept(capacity, tokens), (tokens + 1) // 2 - q))
+
+
+def protected_count(protect: float, tokens: int) -> int:
+    """How many of ``tokens`` patch tokens the router protects: ceil(protect · t)."""
+    return math.ceil(protect * tokens - 1e-9) if protect > 0 else 0
+
+
+class FoldAttention(Attention):
+    """timm ``Attention`` that also keeps what a fold needs: the keys' mean over heads (the similarity
+    metric) and the attention each token receives from the prefix tokens (the importance).
+
+    The output is timm's fused attention with the proportional-attention bias as its mask; the
+    prefix rows are computed again on their own (p × N products), so nothing forms the N × N matrix.
+    """
+
+    amod_want: bool  # set by the block: compute metric and importance in this forward
+    amod_metric: Optional[torch.Tensor]
+    amod_importance: Optional[torch.Tensor]
+    amod_num_prefix: int
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
+        if self.fused_attn:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                               dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)
+            if attn_mask is not None:
+                attn = attn + attn_mask
+            o = self.attn_drop(attn.softmax(dim=-1)) @ v
+        if self.amod_want:
+            p = max(1, self.amod_num_prefix)
+            with torch.no_grad():  # routing is a discrete choice: no gradient through it
+                logits = (q[:, :, :p].float() * self.scale) @ k.float().transpose(-2, -1)  # (B, H, p, N)
+                if attn_mask is not None:
+                    logits = logits + attn_mask.float()
+                self.amod_importance = logits.softmax(dim=-1).mean(dim=(1, 2))  # (B, N)
+            self.amod_metric = k.mean(1)  # (B, N, hd): what the tokens are matched on
+        return attention_output(self, o, gate)
+
+
+class FoldBlock(Block):
+    """timm ``Block`` whose skipped patch tokens fold into kept ones between attention and MLP.
+
+    Attributes set by ``amod.convert(..., skipped="fold")``: router, amod_capacity, amod_protect,
+    amod_num_prefix, amod_fold (whether this block folds; every block of a fold model applies the
+    proportional-attention bias), amod_state (the token sizes shared by the model's blocks),
+    amod_first (block 0 starts every forward with sizes 1), amod_last_tokens (tokens after this
+    block's fold, for inspection).
+    """
+
+    router: Router
+    amod_capacity: float
+    amod_protect: float
+    amod_num_prefix: int
+    amod_fold: bool
+    amod_state: MergeState
+    amod_first: bool
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        if attn_mask is not None or is_causal:
+            raise NotImplementedError("fold blocks do not support attention masks or causal attention")
+        state = self.amod_state
+        if self.amod_first:
+            state.size = None  # a new forward: every token stands for itself
+        size = state.size
+        p = self.amod_num_prefix
+        r = fold_count(self.amod_capacity, x.shape[1] - p, self.amod_protect) if self.amod_fold else 0
+        bias = None if size is None else size.log().to(x.dtype).transpose(1, 2).unsqueeze(1)  # (B, 1, 1, N)
+        self.attn.amod_want = r > 0
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=bias)))
+        if r > 0:
+            importance, metric = self.attn.amod_importance, self.attn.amod_metric
+            self.attn.amod_importance = self.attn.amod_metric = None  # do not keep activations alive
+            scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
+            q = protected_count(self.amod_protect, x.shape[1] - p)
+            protected = None
+            if q > 0:
+                top = scores.topk(q, dim=1).indices
+                protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+            if size is None:
+                size = x.new_ones(x.shape[0], x.shape[1], 1)
+            x, size = merge_weighted(x, size, metric, r, p, protected=protected)
+            state.size = size
+        self.amod_last_tokens = x.shape[1]
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

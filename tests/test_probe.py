@@ -1,0 +1,58 @@
+"""The linear-probe protocol: a probe fitted on dense features, applied unchanged to reduced models."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+
+import amod
+from amod.cli import main as amod_main
+from amod.probe import fit_probe, mean_cosine
+
+
+def test_the_probe_separates_separable_classes_and_picks_its_penalty_on_held_out_data():
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(4, 16, generator=g) * 3
+    labels = torch.arange(400) % 4
+    feats = centers[labels] + torch.randn(400, 16, generator=g)
+    probe = fit_probe(feats[:300], labels[:300])
+    assert probe.accuracy(feats[300:], labels[300:]) > 0.95 and probe.held_out_accuracy > 0.95
+    assert torch.equal(probe.weight, fit_probe(feats[:300], labels[:300]).weight)  # deterministic
+    # few samples, one informative feature among 300: a weak penalty fits the noise, the held-out part says so
+    y = torch.arange(60) % 2
+    x = torch.randn(60, 300, generator=g)
+    x[:, 0] += 3 * (2 * y - 1)
+    chosen = fit_probe(x[:40], y[:40], l2_grid=(1e-6, 1.0))
+    weak = fit_probe(x[:40], y[:40], l2_grid=(1e-6,))
+    assert chosen.l2 == 1.0 and chosen.held_out_accuracy > weak.held_out_accuracy
+    noise = torch.randn(400, 16, generator=g)
+    assert fit_probe(noise[:300], labels[:300]).accuracy(noise[300:], labels[300:]) < 0.45  # chance is 0.25
+    assert mean_cosine(feats, feats) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="needs"):
+        fit_probe(feats[:5], labels[:5])
+
+
+def test_compare_on_a_backbone_uses_the_probe_and_caches_the_dense_features(tmp_path, capsys):
+    torch.manual_seed(0)
+    backbone = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=42, patch_size=7, depth=4,
+                                 embed_dim=64, num_heads=2, num_classes=0)
+    path = amod.save(backbone, tmp_path / "backbone.safetensors")
+    argv = ["compare", "--checkpoint", str(path), "--img-size", "28", "--cost", "0.75", "--probe-train", "200",
+            "--val-limit", "100", "--speed-batch", "4", "--speed-repeats", "1", "--out", str(tmp_path / "cmp")]
+    assert amod_main(argv) == 0
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert report["protocol"] == "probe" and report["img_size"] == 28
+    names = {r["method"] for r in report["rows"]}
+    assert {"ToMe", "A-MoD fold", "fold, nothing protected", "fold, random protected"} <= names
+    for r in report["rows"]:
+        assert 0 <= r["zero_top1"] <= 1 and -1 <= r["cosine"] <= 1 and r["top1"] is None
+    fold = next(r for r in report["rows"] if r["method"] == "A-MoD fold")
+    assert abs(fold["cost"] - 0.75) / 0.75 < 0.02 and fold["cosine"] > 0.5
+    cache = list((tmp_path / "cmp").glob("dense_features_*.pt"))
+    assert len(cache) == 1
+    capsys.readouterr()
+    assert amod_main(argv) == 0  # a rerun takes the cached dense features and gives the same numbers
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"][0]["zero_top1"] == report["rows"][0]["zero_top1"]
+    assert "probe top-1" in (tmp_path / "cmp" / "compare.md").read_text()
