@@ -10,6 +10,7 @@ cancels drifts of the machine's speed that are slower than one round. Usage:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 from pathlib import Path
@@ -17,8 +18,9 @@ from pathlib import Path
 import torch
 from _common import ensure_tunables, machine
 
-from amod.bench import make_bench_model, time_models
-from amod.compare import METHODS, matched_model
+from amod.cost import flops
+from amod.experiments.bench import make_bench_model, time_models
+from amod.experiments.compare import METHODS
 
 
 def main() -> None:
@@ -27,7 +29,7 @@ def main() -> None:
     p.add_argument("--model", default="deit_small_patch16_224")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--costs", type=float, nargs="+", default=[0.56, 0.75])
-    p.add_argument("--methods", nargs="+", default=None, help="names from amod.compare.METHODS (default: all "
+    p.add_argument("--methods", nargs="+", default=None, help="names from amod.experiments.compare.METHODS (default: all "
                    "but standard MoD, which computes what A-MoD does plus one linear per token)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
@@ -37,11 +39,12 @@ def main() -> None:
     dense = make_bench_model(args.model, None, None).to(dev).eval()
     models, costs = {"dense": dense}, {"dense": 1.0}
     for cost in args.costs:
-        for method in METHODS:
-            if (method.name not in args.methods) if args.methods else method.router == "standard":
+        for entry in METHODS:
+            if (entry.name not in args.methods) if args.methods else getattr(entry.method, "router", "") == "standard":
                 continue
-            name = f"{method.name} @ {cost:g}"
-            models[name], _, costs[name] = matched_model(dense, method, cost)
+            name = f"{entry.name} @ {cost:g}"
+            models[name] = entry.at_cost(dense, cost).apply(copy.deepcopy(dense)).eval()
+            costs[name] = flops(models[name]).ratio
     x = torch.randn(args.batch_size, 3, *dense.patch_embed.img_size, device=dev)
     timed = time_models(models, x, repeats=args.repeats, warmup=args.warmup)
     print(f"{args.model} batch {args.batch_size}, {machine()}")

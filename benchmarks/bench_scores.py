@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from _common import ensure_tunables, machine
 from timm.layers import Attention
 
-from amod.bench import peak_memory_mb, time_callables
-from amod.block import ScoreHandoff, ScoringAttention
+from amod.experiments.bench import peak_memory_mb, time_callables
+from amod.mod.block import ScoreHandoff, ScoringAttention
 from amod.ops import attention_with_scores
 
 

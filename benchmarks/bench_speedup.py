@@ -15,7 +15,7 @@ import torch
 from _common import ensure_tunables, machine
 
 import amod
-from amod.bench import make_bench_model, time_models
+from amod.experiments.bench import make_bench_model, time_models
 
 
 def main() -> None:

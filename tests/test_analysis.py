@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from conftest import images, make_model
 
 import amod
-from amod.analysis import attention_stats, kept_positions, leave_one_out, routing_figure
-from amod.stats import paired_bootstrap_ci, spearman
+from amod.experiments.analysis import attention_stats, kept_positions, leave_one_out
+from amod.experiments.plots import routing_figure
+from amod.experiments.stats import paired_bootstrap_ci, spearman
 
 
 def test_bootstrap_ci_covers_the_true_difference_and_narrows_with_seeds():
@@ -56,8 +57,8 @@ def test_leave_one_out_matches_a_brute_force_loop_over_tokens():
                 for t in range(16):
                     def drop(module, args, t=t):  # remove token t at the input of this block
                         keep = [i for i in range(args[0].shape[1]) if i != p + t]
-                        if module.amod_in_handoff.scores is not None:
-                            module.amod_in_handoff.scores = module.amod_in_handoff.scores[:, keep]
+                        if module.amod.in_handoff.scores is not None:
+                            module.amod.in_handoff.scores = module.amod.in_handoff.scores[:, keep]
                         return (args[0][:, keep],)
                     h = blk.register_forward_pre_hook(drop)
                     brute.append(F.cross_entropy(model(x[b:b + 1]), y[b:b + 1]).item() - base)

@@ -10,8 +10,9 @@ from conftest import FAMILIES, images, make_model
 from hypothesis import given, settings, strategies as st
 
 import amod
-from amod.block import MoDBlock
-from amod.routing import num_kept, received_attention
+from amod.mod.block import MoDBlock
+from amod.mod.routing import num_kept
+from amod.ops import received_attention
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -100,10 +101,10 @@ def test_consecutive_mod_blocks_carry_scores_of_skipped_tokens():
     b1, b2 = model.blocks[1], model.blocks[2]
     got = {}
     # what block 2 receives is the handoff between blocks 1 and 2
-    orig_take = b2.amod_in_handoff.take
-    b2.amod_in_handoff.take = lambda: got.setdefault("s2", orig_take())
-    orig_take1 = b1.amod_in_handoff.take
-    b1.amod_in_handoff.take = lambda: got.setdefault("s1", orig_take1())
+    orig_take = b2.amod.in_handoff.take
+    b2.amod.in_handoff.take = lambda: got.setdefault("s2", orig_take())
+    orig_take1 = b1.amod.in_handoff.take
+    b1.amod.in_handoff.take = lambda: got.setdefault("s1", orig_take1())
     amod.set_recording(model)
     with torch.no_grad():
         model(x)
@@ -200,7 +201,7 @@ def test_unsupported_models_and_misuse_are_refused():
 
 
 def test_control_routers_shuffle_and_invert_the_attention_scores():
-    from amod.routers import InverseAttentionRouter, ShuffledAttentionRouter
+    from amod.mod.routers import InverseAttentionRouter, ShuffledAttentionRouter
 
     scores = torch.rand(3, 20)
     x = torch.zeros(3, 20, 8)
@@ -224,3 +225,16 @@ def test_control_routers_shuffle_and_invert_the_attention_scores():
         assert sorted(row_a + row_i) == list(range(16))
     with pytest.raises(ValueError, match="the shuffled-attention router cannot route block 0"):
         amod.convert(make_model("vit"), router="shuffled-attention", layers=[0, 1])
+
+
+def test_the_standard_router_starts_as_a_gate_of_about_one():
+    """Small router weights and a zero bias: 2 sigmoid(r) is about 1, so a converted pretrained model keeps
+    its function (at capacity 1.0 the output stays close to the dense model's)."""
+    dense = make_model("vit")
+    model = amod.convert(make_model("vit"), router="standard", capacity=1.0)
+    for _, blk in amod.mod_blocks(model):
+        assert torch.equal(blk.router.proj.bias, torch.zeros(1))
+        assert 0 < blk.router.proj.weight.std() < 0.03
+    x = images(model, 2)
+    with torch.no_grad():
+        assert torch.allclose(model(x), dense(x), rtol=0, atol=0.05 * dense(x).abs().max().item())

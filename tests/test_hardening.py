@@ -19,8 +19,8 @@ from conftest import make_model
 import amod
 from amod import files
 from amod.cli import main as amod_main
-from amod.engine import read_metrics
-from amod.run import RunConfig, train
+from amod.train.engine import read_metrics
+from amod.train.run import RunConfig, train
 
 TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
         "--num-heads", "2", "--val-limit", "128", "--batch-size", "64"]
@@ -101,7 +101,7 @@ BAD_INVOCATIONS = [
     (["eval", "--checkpoint", "{c}"], "is a directory; give the .safetensors file"),
     (["train", *TINY, "--clip-grad", "-1", "--out", "{t}/r"], "--clip-grad must be >= 0"),
     (["train", *TINY, "--capacity", "0.3", "--out", "{t}/r"], "--capacity only applies to an MoD model; add --router"),
-    (["train", *TINY, "--merge-r", "1000", "--out", "{t}/r"], "r = 1000 is more than the 16 patch tokens"),
+    (["train", *TINY, "--tome-r", "1000", "--out", "{t}/r"], "r = 1000 is more than the 16 patch tokens"),
     (["analyze", "routing", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze routing needs an MoD model"),
     (["analyze", "loo", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze loo needs an MoD model"),
     (["study", "--checkpoint", "{c}/mod.safetensors", "--out", "{t}/s"], "is an MoD or token-merging model"),
@@ -122,12 +122,12 @@ def test_a_bad_invocation_gives_one_line_a_nonzero_exit_and_no_files(argv, messa
 
 
 def test_a_read_only_output_directory_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
-    import amod.rundir
+    import amod.train.rundir as rundir
 
     locked = tmp_path / "ro"
     locked.mkdir()
     real_access = os.access
-    monkeypatch.setattr(amod.rundir.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    monkeypatch.setattr(rundir.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
     for argv in (["train", *TINY, "--out", str(locked)], ["train", *TINY, "--out", str(locked / "sub")],
                  ["demo", "--out", str(locked)]):
         code, err = run_in_process(argv, capsys)
@@ -146,9 +146,9 @@ def test_library_arguments_are_checked():
         with pytest.raises(ValueError, match=r"cost must be a number in \(0, 1\]"):
             amod.capacity_for_cost(model, bad)
     with pytest.raises(ValueError, match="r = 1000 is more than the 16 patch tokens"):
-        amod.merge.apply(make_model("vit"), r=1000)
+        amod.tome.apply(make_model("vit"), r=1000)
     with pytest.raises(ValueError, match="r must be an int .* or a list of ints"):
-        amod.merge.apply(make_model("vit"), r=1.5)
+        amod.tome.apply(make_model("vit"), r=1.5)
     with pytest.raises(ValueError, match="img_size must be positive"):
         amod.flops(make_model("vit"), img_size=0)
     with pytest.raises(ValueError, match="epochs must be an integer"):
@@ -164,7 +164,7 @@ def test_an_empty_batch_gives_an_empty_output_like_timm(skipped):
         for router in ("attention", "standard", "random"):
             mod = amod.convert(make_model("deit_distilled"), router=router, capacity=0.3, skipped=skipped)
             assert mod(x).shape == (0, 10)
-        assert amod.merge.apply(make_model("deit_distilled"), r=2)(x).shape == (0, 10)
+        assert amod.tome.apply(make_model("deit_distilled"), r=2)(x).shape == (0, 10)
 
 
 # ---------------------------------------------------------------- one run per directory
@@ -265,7 +265,7 @@ def test_a_diverging_run_stops_with_a_clear_message_and_no_nan_in_any_file(tmp_p
 
 
 def test_the_last_finite_checkpoint_is_kept_when_a_later_epoch_diverges(tmp_path, monkeypatch):
-    import amod.engine as engine
+    import amod.train.engine as engine
 
     real_evaluate = engine.evaluate
     calls = []

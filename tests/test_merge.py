@@ -13,8 +13,8 @@ from conftest import FAMILIES, images, make_model
 from timm.models.vision_transformer import Block
 
 import amod
-from amod import merge
-from amod.block import ScoreHandoff
+from amod import tome as merge
+from amod.mod.block import ScoreHandoff
 from amod.cost import count_flops
 
 
@@ -121,8 +121,8 @@ def _routed_block(skipped: str, scores: torch.Tensor, capacity: float):
     dense_block = copy.deepcopy(model.blocks[1])
     amod.convert(model, capacity=capacity, layers=[1], skipped=skipped)
     blk = model.blocks[1]
-    blk.amod_in_handoff = ScoreHandoff()
-    blk.amod_in_handoff.scores = scores
+    blk.amod.in_handoff = ScoreHandoff()
+    blk.amod.in_handoff.scores = scores
     return blk, dense_block
 
 
@@ -202,3 +202,21 @@ def test_compare_quick_writes_table_plot_and_json(tmp_path):
         assert f"| {r['method']} |" in report
         if r["method"] in ("ToMe", "A-MoD", "A-MoD merge"):
             assert abs(r["cost"] - 0.6) / 0.6 <= 0.02, r
+
+
+def test_the_old_token_merging_names_still_work_and_say_they_are_deprecated(capsys):
+    import importlib
+    import sys
+
+    sys.modules.pop("amod.merge", None)
+    with pytest.warns(FutureWarning, match="amod.merge is deprecated .* use amod.tome"):
+        old = importlib.import_module("amod.merge")
+    assert old.apply is amod.tome.apply and old.set_schedule is amod.tome.set_schedule
+    from amod.cli import build_parser, run_config_from_args
+
+    cfg = run_config_from_args(build_parser().parse_args(["train", "--merge-cost", "0.6"]))
+    assert cfg.tome_cost == 0.6 and cfg.method().label() == "tome@0.6"
+    assert "--merge-cost is deprecated" in capsys.readouterr().err
+    from amod.train.run import RunConfig
+
+    assert RunConfig.from_dict({"merge_r": [1, 2]}).tome_r == [1, 2]  # an old config.yaml or checkpoint

@@ -15,8 +15,8 @@ import torch
 
 import amod
 from amod.cli import main as amod_main
-from amod.engine import read_metrics
-from amod.run import RunConfig, train
+from amod.train.engine import read_metrics
+from amod.train.run import RunConfig, train
 
 TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
         "--num-heads", "2", "--val-limit", "256", "--batch-size", "64"]
@@ -144,8 +144,8 @@ def test_finetune_loads_a_checkpoint_saved_from_plain_timm(tmp_path, layout):
                     eval_before_training=True, out=str(tmp_path / "ft"))
     train(cfg)
     zero = read_metrics(tmp_path / "ft" / "metrics.jsonl")[0]
-    from amod.data import build_datasets
-    from amod.engine import evaluate, make_loader, Dist
+    from amod.train.data import build_datasets
+    from amod.train.engine import evaluate, make_loader, Dist
 
     _, val, _ = build_datasets("fashion-mnist", 28, None, 256)
     ref = evaluate(dense, make_loader(val, 64, False, 0, 0, Dist()), torch.device("cpu"), progress=False)
@@ -153,7 +153,7 @@ def test_finetune_loads_a_checkpoint_saved_from_plain_timm(tmp_path, layout):
 
 
 def test_demo_quick_writes_a_report_with_every_variant(tmp_path):
-    from amod.demo import _variants, run_demo
+    from amod.experiments.demo import _variants, run_demo
 
     report = run_demo(str(tmp_path / "demo"), quick=True)
     text = report.read_text()
@@ -171,13 +171,13 @@ def test_demo_quick_writes_a_report_with_every_variant(tmp_path):
 
 
 def test_yaml_config_is_overridden_by_flags(tmp_path):
-    from amod.cli import build_parser, resolve_run_config
+    from amod.cli import build_parser, run_config_from_args
 
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("epochs: 3\nlr: 0.01\nrouter: attention\nlayers: [1, 3]\nwarmup-epochs: 0.5\n")
     args = build_parser().parse_args(["train", "--config", str(cfg_file), "--lr", "0.002"])
-    cfg = resolve_run_config(args, finetune=False)
+    cfg = run_config_from_args(args, finetune=False)
     assert (cfg.epochs, cfg.lr, cfg.router, cfg.layers, cfg.warmup_epochs) == (3, 0.002, "attention", [1, 3], 0.5)
     cfg_file.write_text("epochs: 3\nlearning_rate: 0.01\n")
     with pytest.raises(ValueError, match=r"unknown keys \['learning_rate'\]"):
-        resolve_run_config(build_parser().parse_args(["train", "--config", str(cfg_file)]), finetune=False)
+        run_config_from_args(build_parser().parse_args(["train", "--config", str(cfg_file)]), finetune=False)

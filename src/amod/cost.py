@@ -1,34 +1,38 @@
-"""Analytic cost of (MoD) ViTs, a FLOP counter for checking it, and the isoFLOP dense baseline.
+"""Analytic cost of a timm ViT, dense or reduced, and a FLOP counter to check it against.
 
 MACs are multiply-accumulates per image, counted the way timm's published figures are: the matrix
 products (patch embedding, qkv, attention QK^T and AV, projection, MLP, head). Norms, softmax and
 activations are left out. FLOPs = 2 x MACs.
+
+A block that changes the work (an MoD block, a fold block, a token-merging block) prices itself: it
+has a method ``amod_price(tokens, num_prefix, capacity=None) -> BlockPrice``. This module knows no
+reduction, so every reduction can import its pricing helpers without a cycle.
 """
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
-import numpy as np
-import timm
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from .block import MoDBlock
-from .fold import FoldBlock, fold_count
-from .config import MoDConfig, validate_cost
-from .routers import StandardRouter
-from .routing import num_kept
+ImgSize = Optional[Union[int, Sequence[int]]]
+
+
+class BlockPrice(NamedTuple):
+    """What a block costs for one image: its MACs, the tokens its attention runs on, the tokens it hands on."""
+
+    macs: int
+    tokens: int
+    tokens_after: int
 
 
 @dataclass
 class BlockCost:
     index: int
-    tokens: int  # tokens the block runs on: N dense, p + k in an MoD block
+    tokens: int  # tokens the block's attention runs on: N dense, p + k in an MoD block, fewer after merges
     macs: int
 
 
@@ -58,7 +62,37 @@ class CostReport:
         return self.macs / self.dense_macs
 
 
-def _img_size(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]]) -> tuple[int, int]:
+def validate_cost(cost: Any, name: str = "cost") -> float:
+    """Return ``cost`` (a share of the dense model's MACs) as a float in (0, 1], or raise a ValueError."""
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or math.isnan(cost) or not 0.0 < cost <= 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1] (a share of the dense model's MACs), got {cost!r}")
+    return float(cost)
+
+
+
+# ---------------------------------------------------------------- pricing helpers (used by the reductions)
+
+def linear_macs_per_token(module: nn.Module) -> int:
+    """in x out of every Linear inside ``module`` except routers (priced separately)."""
+    total = 0
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear) and not name.startswith("router"):
+            total += m.in_features * m.out_features
+    return total
+
+
+def attention_macs(tokens: int, attn: nn.Module) -> int:
+    """QK^T and AV on ``tokens`` tokens: each tokens x tokens x attn_dim."""
+    return 2 * tokens * tokens * attn.num_heads * attn.head_dim
+
+
+def dense_block_macs(blk: nn.Module, tokens: int) -> int:
+    """A timm Block on ``tokens`` tokens."""
+    return tokens * linear_macs_per_token(blk) + attention_macs(tokens, blk.attn)
+
+
+def img_size_of(model: nn.Module, img_size: ImgSize) -> tuple[int, int]:
+    """``img_size`` as (H, W), the model's own when None; refuses sizes that are not positive."""
     if img_size is None:
         img_size = model.patch_embed.img_size
     if isinstance(img_size, int):
@@ -69,87 +103,30 @@ def _img_size(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]]) -
     return h, w
 
 
-def _linear_macs_per_token(module: nn.Module) -> int:
-    """in x out of every Linear inside ``module`` except routers (priced separately)."""
-    total = 0
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Linear) and not name.startswith("router"):
-            total += m.in_features * m.out_features
-    return total
-
-
-def _attention_macs(tokens: int, attn: nn.Module) -> int:
-    # QK^T and AV: each tokens x tokens x attn_dim
-    return 2 * tokens * tokens * attn.num_heads * attn.head_dim
-
-
-def _mod_block_macs(blk: MoDBlock, kept: int, num_tokens: int, num_patches: int) -> int:
-    """An MoD block running on ``kept`` = p + k of ``num_tokens`` tokens, with its skipped-token mode.
-
-    A-MoD's scores come from the attention's own softmax tiles at inference (amod.ops): no extra
-    products. (In training, and in the CUDA kernel, QK^T is recomputed: not counted here.)
-    """
-    attn = blk.attn
-    lin = _linear_macs_per_token(blk)
-    if blk.amod_skipped == "kv" and kept < num_tokens:
-        kv = 2 * attn.attn_dim * attn.qkv.in_features  # K and V projections per token
-        macs = kept * (lin - kv) + num_tokens * kv + 2 * kept * num_tokens * attn.num_heads * attn.head_dim
-    else:
-        macs = kept * lin + _attention_macs(kept, attn)
-    if blk.amod_skipped == "merge" and kept < num_tokens:
-        k = kept - (num_tokens - num_patches)
-        macs += (num_patches - k) * k * blk.norm1.normalized_shape[0]  # skipped x kept cosine similarities
-    if isinstance(blk.router, StandardRouter):
-        macs += num_patches * blk.router.proj.in_features  # every patch token is scored
-    return macs
-
-
-def _merge_block_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int) -> tuple[int, int]:
-    """(MACs, tokens after the merge) of a ToMe block: attention on ``tokens``, bipartite matching of
-    the patch tokens on the keys' mean over heads, MLP on ``tokens - r``."""
-    n = tokens - num_prefix
-    r = min(r, n // 2)
-    macs = tokens * _linear_macs_per_token(blk.attn) + _attention_macs(tokens, blk.attn)
-    if r > 0:
-        macs += ((n + 1) // 2) * (n // 2) * blk.attn.head_dim  # |A| x |B| cosine similarities
-    return macs + (tokens - r) * _linear_macs_per_token(blk.mlp), tokens - r
-
-
-def _fold_block_macs(blk: nn.Module, tokens: int, num_prefix: int) -> tuple[int, int]:
-    """(MACs, tokens after the fold) of a FoldBlock: attention on ``tokens``; when it folds, the class
-    tokens' attention rows again (the importance), the |A| x |B| key similarities, then the MLP on the
-    tokens left."""
-    n = tokens - num_prefix
-    r = fold_count(blk.amod_capacity, n, blk.amod_protect) if blk.amod_fold else 0
-    attn = blk.attn
-    macs = tokens * _linear_macs_per_token(attn) + _attention_macs(tokens, attn)
-    if r > 0:
-        macs += max(1, attn.amod_num_prefix) * tokens * attn.attn_dim  # class-token rows of Q K^T
-        macs += ((n + 1) // 2) * (n // 2) * attn.head_dim  # |A| x |B| cosine similarities
-    return macs + (tokens - r) * _linear_macs_per_token(blk.mlp), tokens - r
-
-
-def _sizes(model: nn.Module, img_size) -> tuple[tuple[int, int], int, int]:
+def token_sizes(model: nn.Module, img_size: ImgSize) -> tuple[tuple[int, int], int, int]:
     """((H, W), patch tokens, prefix tokens) at ``img_size``."""
-    h, w = _img_size(model, img_size)
+    h, w = img_size_of(model, img_size)
     ph, pw = model.patch_embed.patch_size
     if h % ph or w % pw:
         raise ValueError(f"img_size {(h, w)} is not a multiple of the patch size {(ph, pw)}")
     return (h, w), (h // ph) * (w // pw), model.num_prefix_tokens
 
 
-def _embed_head_macs(model: nn.Module, num_patches: int) -> tuple[int, int]:
+def embed_head_macs(model: nn.Module, num_patches: int) -> tuple[int, int]:
     heads = (getattr(model, "head", None), getattr(model, "head_dist", None))
     return (num_patches * model.patch_embed.proj.weight.numel(),
             sum(m.in_features * m.out_features for m in heads if isinstance(m, nn.Linear)))
 
 
-def flops(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]] = None) -> CostReport:
+# ---------------------------------------------------------------- the model
+
+def flops(model: nn.Module, img_size: ImgSize = None, capacity: Optional[float] = None) -> CostReport:
     """Analytic cost of one image through ``model`` (dense, MoD-converted or token-merging).
 
     Args:
         model: a timm ViT, converted or not.
         img_size: input size (int or (H, W)); defaults to the model's own.
+        capacity: price an MoD model as if set to this capacity (the model is not changed).
 
     Returns:
         A ``CostReport``: ``.macs``, ``.flops``, ``.gmacs``, ``.ratio`` to dense, per-block costs
@@ -157,64 +134,19 @@ def flops(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]] = None
     """
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise TypeError(f"amod.flops expects a timm VisionTransformer, got {type(model).__name__}")
-    from .merge import MergeBlock  # late import: merge imports cost's helpers through schedule_for_cost
-
-    (h, w), n, p = _sizes(model, img_size)
+    (h, w), n, p = token_sizes(model, img_size)
     N = n + p
-    embed, head = _embed_head_macs(model, n)
+    embed, head = embed_head_macs(model, n)
     blocks, dense = [], embed + head
-    tokens = N  # falls in token-merging models
+    tokens = N  # falls where tokens merge or fold
     for i, blk in enumerate(model.blocks):
-        if isinstance(blk, MergeBlock):
-            macs, after = _merge_block_macs(blk, tokens, blk.amod_merge_r, p)
-            blocks.append(BlockCost(i, tokens, macs))
-            tokens = after
-        elif isinstance(blk, FoldBlock):
-            macs, after = _fold_block_macs(blk, tokens, p)
-            blocks.append(BlockCost(i, tokens, macs))
-            tokens = after
-        elif isinstance(blk, MoDBlock):
-            kept = p + num_kept(blk.amod_capacity, n)
-            blocks.append(BlockCost(i, kept, _mod_block_macs(blk, kept, N, n)))
-        else:
-            blocks.append(BlockCost(i, tokens, tokens * _linear_macs_per_token(blk) + _attention_macs(tokens, blk.attn)))
-        dense += N * _linear_macs_per_token(blk) + _attention_macs(N, blk.attn)
+        price = blk.amod_price(tokens, p, capacity) if hasattr(blk, "amod_price") else \
+            BlockPrice(dense_block_macs(blk, tokens), tokens, tokens)
+        blocks.append(BlockCost(i, price.tokens, price.macs))
+        tokens = price.tokens_after
+        dense += dense_block_macs(blk, N)
     macs = embed + head + sum(b.macs for b in blocks)
     return CostReport((h, w), N, macs, dense, embed, head, blocks)
-
-
-def merge_macs(model: nn.Module, schedule: Sequence[int], img_size=None) -> int:
-    """Analytic MACs per image of the dense ``model`` if it merged ``schedule[i]`` tokens in block i."""
-    _, n, p = _sizes(model, img_size)
-    tokens = n + p
-    total = sum(_embed_head_macs(model, n))
-    for blk, r in zip(model.blocks, schedule):
-        macs, tokens = _merge_block_macs(blk, tokens, r, p)
-        total += macs
-    return total
-
-
-def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
-    """The capacity k / n at which the converted ``model`` costs closest to ``cost`` x dense.
-
-    Tries every k from 1 to n (costs need shapes only); the model's own capacity is left unchanged.
-    """
-    from .convert import get_config, set_capacity
-
-    cost = validate_cost(cost)
-    config = get_config(model)
-    _, n, _ = _sizes(model, img_size)
-    # every capacity that gives a distinct k; a fold model's k changes block by block, so a fine grid
-    candidates = [i / 1000 for i in range(1, 1001)] if config.skipped == "fold" else [k / n for k in range(1, n + 1)]
-    original = config.capacity
-    try:
-        ratios = {}
-        for c in candidates:
-            set_capacity(model, c)
-            ratios[c] = flops(model, img_size).ratio
-    finally:
-        set_capacity(model, original)
-    return min(ratios, key=lambda c: (abs(ratios[c] - cost), -c))
 
 
 def _cpu_sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
@@ -230,62 +162,3 @@ def count_flops(model: nn.Module, x: torch.Tensor) -> int:
     with FlopCounterMode(display=False, custom_mapping={cpu_sdpa: _cpu_sdpa_flops}) as counter, torch.no_grad():
         model(x)
     return counter.get_total_flops()
-
-
-def isoflop_depth(model: nn.Module, mod_macs: int, img_size=None) -> int:
-    """The number of dense blocks whose cost is closest to ``mod_macs``."""
-    report = flops(model, img_size)
-    per_block = (report.dense_macs - report.embed_macs - report.head_macs) / len(model.blocks)
-    return max(1, round((mod_macs - report.embed_macs - report.head_macs) / per_block))
-
-
-def kept_block_indices(depth: int, new_depth: int) -> list[int]:
-    """Evenly spaced blocks from 0 to depth - 1 (first and last always kept)."""
-    if new_depth == 1:
-        return [0]
-    return [int(i) for i in np.round(np.linspace(0, depth - 1, new_depth)).astype(int)]
-
-
-def isoflop_baseline(
-    name_or_model: Union[str, nn.Module],
-    capacity: float,
-    layers="alternate",
-    router: str = "attention",
-    pretrained: bool = False,
-    img_size=None,
-    **create_kwargs,
-) -> nn.Module:
-    """A dense timm ViT with fewer blocks that costs what the MoD model would.
-
-    Depth: the number of dense blocks whose cost is closest to the MoD model's (same embedding and
-    head). Weights: the kept blocks are evenly spaced over the original depth, the first and last
-    always among them, so a pretrained model keeps its input and output stages. Warns when integer
-    depth cannot match the cost within 5 % (small models).
-
-    Args:
-        name_or_model: a timm model name (created with ``pretrained`` and ``create_kwargs``) or a
-            dense timm ViT (copied, not changed).
-        capacity, layers, router: the MoD setup to match (as in ``amod.convert``).
-        img_size: the input size at which costs are matched; defaults to the model's.
-    """
-    from .convert import convert  # late import: convert imports nothing from here, keep it that way
-
-    if isinstance(name_or_model, str):
-        dense = timm.create_model(name_or_model, pretrained=pretrained, **create_kwargs)
-    else:
-        if getattr(name_or_model, "amod_config", None) is not None:
-            raise ValueError("isoflop_baseline needs the dense model, not a converted one")
-        dense = copy.deepcopy(name_or_model)
-    mod = convert(copy.deepcopy(dense), router=router, capacity=capacity, layers=layers)
-    target = flops(mod, img_size).macs
-    depth = len(dense.blocks)
-    new_depth = min(depth, isoflop_depth(dense, target, img_size))
-    keep = kept_block_indices(depth, new_depth)
-    dense.blocks = nn.Sequential(*[dense.blocks[i] for i in keep])
-    got = flops(dense, img_size).macs
-    if abs(got - target) / target > 0.05:
-        warnings.warn(
-            f"isoFLOP baseline: {new_depth} dense blocks cost {got / target:.3f}x the MoD model; "
-            "integer depth cannot match closer at this size", stacklevel=2)
-    dense.amod_isoflop = {"kept_blocks": keep, "mod_macs": target, "macs": got}
-    return dense

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Union
 
 import numpy as np
+import torch
 
 PathLike = Union[str, os.PathLike]
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -110,8 +111,6 @@ def write_text(path: PathLike, text: str) -> Path:
 
 def torch_save(obj: Any, path: PathLike) -> Path:
     """``torch.save`` through ``atomic_write``."""
-    import torch
-
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 

@@ -18,15 +18,48 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .routing import received_attention
 
-def attention_inputs(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def received_attention(attn: torch.Tensor) -> torch.Tensor:
+    """A-MoD importance (paper Eq. 4) from an explicit attention matrix.
+
+    r_i = 1/(H N) sum_h sum_j A[h, j, i]: the mean attention token i receives over heads and queries.
+
+    Args:
+        attn: (B, H, N_query, N_key) softmax attention.
+
+    Returns:
+        (B, N_key) scores; each row sums to 1.
+    """
+    return attn.mean(dim=(1, 2))
+
+
+def attention_inputs(attn, x: torch.Tensor, kv_x: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """timm ``Attention``'s work before the attention kernel: q, k, v (B, H, N, hd) after q/k-norm, and
-    the sigmoid output gate of the gated variants (None otherwise). Shared by amod's attention classes."""
+    the sigmoid output gate of the gated variants (None otherwise). The one copy of this set-up that
+    amod's attention classes and analyses share.
+
+    ``kv_x``: keys and values from these tokens instead (B, M, C), queries and gate from ``x``; the
+    projections are split, so nothing is computed twice.
+    """
     B, N, _ = x.shape
     gate = attn.gate(x).sigmoid() if attn.gate is not None else None
-    q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    if kv_x is None:
+        q, k, v = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    else:
+        A, w, b = attn.attn_dim, attn.qkv.weight, attn.qkv.bias
+        q = F.linear(x, w[:A], None if b is None else b[:A]).view(B, N, attn.num_heads, attn.head_dim).transpose(1, 2)
+        kv = F.linear(kv_x, w[A:], None if b is None else b[A:])
+        k, v = kv.view(B, kv_x.shape[1], 2, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     return attn.q_norm(q), attn.k_norm(k), v, gate
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(q k^T * scale + bias): the explicit (B, H, Nq, Nk) attention matrix, in float32."""
+    logits = (q.float() @ k.float().transpose(-2, -1)).mul_(scale)
+    if bias is not None:
+        logits = logits + bias.float()
+    return logits.softmax(dim=-1)
 
 
 def attention_output(attn, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
@@ -70,10 +103,7 @@ def attention_scores_explicit(
     log token sizes of proportional attention).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    attn = (q.float() @ k.float().transpose(-2, -1)).mul_(scale)  # (B, H, N, N)
-    if bias is not None:
-        attn = attn + bias.float()
-    attn = attn.softmax(dim=-1)
+    attn = attention_probs(q, k, scale, bias)  # (B, H, Nq, Nk)
     scores = received_attention(attn)  # (B, N), before dropout: dropout is noise, not importance
     if dropout_p > 0.0:
         attn = F.dropout(attn, p=dropout_p)
@@ -150,7 +180,7 @@ def _attention_scores_onepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _triton_scores():
-    """The Triton score kernel, or None where Triton is not installed."""
+    """The Triton score kernel, or None where Triton is not installed (an optional, heavy import)."""
     try:
         from .kernels.triton_scores import received_attention_triton
     except ImportError:

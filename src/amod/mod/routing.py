@@ -52,45 +52,6 @@ def keep_index(patch_idx: torch.Tensor, num_prefix: int) -> torch.Tensor:
     return torch.cat([prefix, patch_idx + num_prefix], dim=1)
 
 
-def flat_index(index: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """(B, M) per-image token indices -> (B * M,) row indices into the (B * N, D) flattened batch.
-
-    Whole-row copies by ``index_select``/``index_copy``/``index_add`` on the flattened batch are several
-    times faster on the CPU than ``gather``/``scatter`` with an index expanded over D.
-    """
-    offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1) * num_tokens
-    return (index + offsets).reshape(-1)
-
-
-def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(B, N, D) tokens, (B, M) indices -> (B, M, D) gathered tokens."""
-    B, N, D = x.shape
-    return x.reshape(B * N, D).index_select(0, flat_index(index, N)).view(B, index.shape[1], D)
-
-
-def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A copy of x (B, N, D) with rows ``index`` (B, M) replaced by ``values`` (B, M, D).
-
-    Out of place, so autograd sees it and the untouched rows are bit-identical to x.
-    """
-    B, N, D = x.shape
-    return x.reshape(B * N, D).index_copy(0, flat_index(index, N), values.reshape(-1, D)).view(B, N, D)
-
-
-def received_attention(attn: torch.Tensor) -> torch.Tensor:
-    """A-MoD importance (paper Eq. 4) from an explicit attention matrix.
-
-    r_i = 1/(H N) sum_h sum_j A[h, j, i]: the mean attention token i receives over heads and queries.
-
-    Args:
-        attn: (B, H, N_query, N_key) softmax attention.
-
-    Returns:
-        (B, N_key) scores; each row sums to 1.
-    """
-    return attn.mean(dim=(1, 2))
-
-
 def mean_normalized_gate(kept_scores: torch.Tensor) -> torch.Tensor:
     """Output gate for routers whose scores are not a learned logit (attention, random).
 

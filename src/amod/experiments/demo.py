@@ -11,66 +11,38 @@ so rerunning the demo continues where it stopped.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from . import engine
-from .checkpoint import load
+from ..cost import flops
+from ..files import write_json, write_text
+from ..methods import IsoFLOP, Method, MoD
+from ..train import engine
+from ..train.checkpoint import load
+from ..train.data import build_datasets
+from ..train.run import RunConfig
+from ..train.rundir import RunDirectory, check_output_dir
 from .bench import time_models
-from .cost import flops
-from .data import build_datasets
-from .files import write_json, write_text
 from .plots import accuracy_vs_cost, accuracy_vs_epoch
-from .run import RunConfig, train
-from .rundir import RunDirectory, check_output_dir
+from .presets import BASE, CAPACITIES, FINETUNE, QUICK, pretrain_dense, run_once
 
 log = logging.getLogger("amod")
 
-BASE = dict(model="vit_tiny_patch16_224", patch_size=4, depth=6, embed_dim=64, num_heads=2, data="fashion-mnist")
-PRETRAIN = dict(epochs=8, batch_size=128, lr=4e-3, warmup_epochs=0.3)
-FINETUNE = dict(epochs=2, batch_size=128, lr=5e-4, warmup_epochs=0.2, train_limit=20000)
-CAPACITIES = (0.5, 0.125)
-QUICK = dict(depth=4, embed_dim=32, train_limit=512, val_limit=256, epochs=1)
-
-
-def _variants() -> list[tuple[str, dict[str, Any]]]:
-    out = []
+def _variants() -> list[tuple[str, Method]]:
+    out: list[tuple[str, Method]] = []
     for c in CAPACITIES:
-        out.append((f"A-MoD {c:g}", dict(router="attention", capacity=c)))
-        out.append((f"standard MoD {c:g}", dict(router="standard", capacity=c)))
-        out.append((f"isoFLOP dense {c:g}", dict(router="attention", capacity=c, isoflop=True)))
+        out.append((f"A-MoD {c:g}", MoD(router="attention", capacity=c)))
+        out.append((f"standard MoD {c:g}", MoD(router="standard", capacity=c)))
+        out.append((f"isoFLOP dense {c:g}", IsoFLOP(router="attention", capacity=c)))
     return out
 
 
 def _slug(name: str) -> str:
     # the demo's own naming (not run_dir_name): its run directories predate that helper and are reused
     return name.lower().replace(" ", "_").replace("-", "")
-
-
-def run_once(cfg: RunConfig) -> dict[str, Any]:
-    """Train ``cfg`` unless its directory already holds the finished run; resume a killed one."""
-    out = Path(cfg.out)
-    summary = out / "summary.json"
-    if summary.exists() and json.loads(summary.read_text()).get("epochs") == cfg.epochs \
-            and (out / "model.safetensors").exists():
-        log.info("%s: finished earlier, reused", out)
-        return json.loads(summary.read_text())
-    return train(cfg, resume=(out / "checkpoint.pt").exists())
-
-
-def pretrain_dense(out: Path, data: str = "fashion-mnist", quick: bool = False, train_limit: Optional[int] = None,
-                   val_limit: Optional[int] = None) -> tuple[dict[str, Any], Path]:
-    """Pretrain the demo's dense ViT into ``out`` (or reuse it there); returns its summary and weights file."""
-    small = {k: QUICK[k] for k in ("depth", "embed_dim")} if quick else {}
-    cfg = RunConfig(**{**BASE, **small, "data": data}, **PRETRAIN, train_limit=train_limit, val_limit=val_limit,
-                    out=str(out))
-    if quick:
-        cfg.epochs = QUICK["epochs"]
-    return run_once(cfg), out / "model.safetensors"
 
 
 def run_demo(out: str, quick: bool = False) -> Path:
@@ -89,9 +61,9 @@ def _run_demo(root: Path, quick: bool) -> Path:
 
     log.info("step 2-3/4: convert and finetune %d variants", len(_variants()))
     runs: dict[str, Path] = {}
-    for name, mod in _variants():
+    for name, method in _variants():
         ft = {**FINETUNE, **limits, **({"epochs": QUICK["epochs"]} if quick else {})}
-        cfg = RunConfig(**{**base, "model": BASE["model"]}, **ft, **mod, checkpoint=str(pretrained),
+        cfg = RunConfig(**{**base, "model": BASE["model"]}, **ft, **method.run_fields(), checkpoint=str(pretrained),
                         eval_before_training=True, out=str(root / _slug(name)))
         run_once(cfg)
         runs[name] = Path(cfg.out)

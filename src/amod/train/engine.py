@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler
 
-from . import files
+from .. import files
+from ..mod.routers import SeededDraws
 from .data import BadSample, DataError, collate_checked
 
 log = logging.getLogger("amod")
@@ -119,8 +121,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def router_state(model: nn.Module) -> dict[str, int]:
     """Call counters of routers that draw random numbers: part of the run state, not of the weights."""
-    from .routers import SeededDraws
-
     return {name: m.calls for name, m in model.named_modules() if isinstance(m, SeededDraws)}
 
 
@@ -190,8 +190,6 @@ def image_batches(loader: Iterable, bad_images: Optional[BadImages] = None) -> I
 
 def _progress(iterable: Iterable, total: int, desc: str, enabled: bool):
     if enabled and sys.stderr.isatty():
-        from tqdm import tqdm
-
         return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
     return iterable
 

@@ -1,8 +1,8 @@
 """Save and load (converted) timm ViTs: safetensors weights with the architecture and MoD config inside.
 
-The file's metadata holds ``amod.model`` (timm architecture name and creation kwargs) and, for a
-converted model, ``amod.mod`` (its ``MoDConfig``) or, for a token-merging model, ``amod.merge`` (its
-schedule), so ``amod.load(path)`` needs nothing else.
+The file's metadata holds ``amod.model`` (timm architecture name and creation kwargs) and what the
+model's method (``amod.methods``) writes: ``amod.mod`` (an MoD model's ``MoDConfig``) or
+``amod.merge`` (a token-merging model's schedule), so ``amod.load(path)`` needs nothing else.
 """
 from __future__ import annotations
 
@@ -16,48 +16,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
-from timm.layers import LayerScale
 from torch import nn
 
-from . import files
-from .config import MoDConfig
+from .. import files
+from ..arch import architecture_name, infer_model_args
+from ..methods import method_from_metadata, method_of
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = "1"
-
-
-def infer_model_args(model: nn.Module) -> dict[str, Any]:
-    """The timm ``create_model`` kwargs that rebuild ``model``'s architecture (checked on load)."""
-    blk = model.blocks[0]
-    embed_dim = model.embed_dim
-    args: dict[str, Any] = {
-        "img_size": list(model.patch_embed.img_size),
-        "patch_size": list(model.patch_embed.patch_size),
-        "in_chans": model.patch_embed.proj.in_channels,
-        "num_classes": model.num_classes,
-        "embed_dim": embed_dim,
-        "depth": len(model.blocks),
-        "num_heads": blk.attn.num_heads,
-        "mlp_ratio": blk.mlp.fc1.out_features / embed_dim,
-        "qkv_bias": blk.attn.qkv.bias is not None,
-        "qk_norm": not isinstance(blk.attn.q_norm, nn.Identity),
-        "class_token": model.cls_token is not None,
-        "reg_tokens": getattr(model, "num_reg_tokens", 0),
-        "no_embed_class": model.no_embed_class,
-        "global_pool": model.global_pool,
-        "dynamic_img_size": getattr(model, "dynamic_img_size", False),
-    }
-    if isinstance(blk.ls1, LayerScale):
-        args["init_values"] = 1e-5  # only the presence matters: the values are loaded
-    return args
-
-
-def architecture_name(model: nn.Module) -> str:
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    name = cfg.get("architecture")
-    if not name:
-        raise ValueError("cannot tell which timm architecture this model is; pass arch= to amod.save")
-    return name
 
 
 def save(
@@ -78,13 +44,7 @@ def save(
     """
     path = Path(path)
     info = {"arch": arch or architecture_name(model), "args": model_args or infer_model_args(model)}
-    meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info)}
-    config = getattr(model, "amod_config", None)
-    if config is not None:
-        meta["amod.mod"] = config.to_json()
-    merging = getattr(model, "amod_merge", None)
-    if merging is not None:
-        meta["amod.merge"] = json.dumps({"schedule": merging.schedule})
+    meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info), **method_of(model).metadata()}
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,21 +78,11 @@ def check_dense_file(path: PathLike) -> None:
 
 
 def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
-    """Rebuild a model saved with ``amod.save``: architecture, MoD conversion and weights."""
-    from .convert import convert
-    from .merge import apply as apply_merging
-
+    """Rebuild a model saved with ``amod.save``: architecture, method (MoD, token merging) and weights."""
     meta = read_metadata(path)
     try:
         info = json.loads(meta["amod.model"])
-        model = timm.create_model(info["arch"], pretrained=False, **info["args"])
-        if "amod.mod" in meta:
-            config = MoDConfig.from_dict(json.loads(meta["amod.mod"]))
-            convert(model, router=config.router, capacity=config.capacity, layers=config.layers,
-                    scale_output=config.scale_output, seed=config.seed, skipped=config.skipped,
-                    protect=config.protect)
-        if "amod.merge" in meta:
-            apply_merging(model, r=json.loads(meta["amod.merge"])["schedule"])
+        model = method_from_metadata(meta).apply(timm.create_model(info["arch"], pretrained=False, **info["args"]))
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
         raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model "
                          f"({type(e).__name__}: {e})") from None

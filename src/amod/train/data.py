@@ -14,6 +14,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torchvision.datasets as tvd
+from PIL import Image
+from timm.data import create_transform
 from torch.utils.data import Dataset, Subset, default_collate
 
 FASHION_MNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
@@ -22,6 +25,7 @@ FASHION_MNIST_FILES = {
     "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # timm's transforms for RGB data
 TORCHVISION_SETS = {  # name: (class name, train split kwargs, val split kwargs, classes)
     "flowers102": ("Flowers102", {"split": "train"}, {"split": "val"}, 102),
     "oxford-pets": ("OxfordIIITPet", {"split": "trainval"}, {"split": "test"}, 37),
@@ -41,6 +45,13 @@ class DataInfo:
     num_classes: int
     in_chans: int
     img_size: int  # native (or default) side length
+
+
+def normalization(info: "DataInfo") -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) per channel the data was normalised with (to show images as they were)."""
+    if info.in_chans == 1:
+        return (FASHION_MNIST_MEAN,), (FASHION_MNIST_STD,)
+    return IMAGENET_MEAN, IMAGENET_STD
 
 
 def data_root() -> Path:
@@ -91,9 +102,7 @@ def load_fashion_mnist(split: str) -> tuple[torch.Tensor, torch.Tensor]:
         if images and labels:
             return _to_tensors(read_idx(images), read_idx(labels), images)
     try:
-        from torchvision.datasets import FashionMNIST
-
-        ds = FashionMNIST(str(root / "fashion-mnist"), train=split == "train", download=True)
+        ds = tvd.FashionMNIST(str(root / "fashion-mnist"), train=split == "train", download=True)
         return ds.data.clone(), ds.targets.clone()
     except Exception as e:  # no network, or a broken download
         raise DataError(
@@ -153,13 +162,7 @@ class BadSample(NamedTuple):
 
 
 # What PIL and the decoders raise for an empty, corrupt or truncated file.
-_IMAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, SyntaxError)
-try:
-    from PIL import Image as _Image
-
-    _IMAGE_ERRORS += (_Image.DecompressionBombError,)
-except ImportError:  # pragma: no cover - PIL comes with torchvision
-    pass
+_IMAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 class CheckedImages(Dataset):
@@ -208,21 +211,17 @@ def _sample_path(ds: Dataset, attr: str) -> Callable[[int], str]:
 # ---------------------------------------------------------------- folders and torchvision sets
 
 def _timm_transform(img_size: int, train: bool) -> Callable:
-    from timm.data import create_transform
-
     return create_transform(input_size=img_size, is_training=train)
 
 
 def _imagefolder(path: str, img_size: int):
-    from torchvision.datasets import ImageFolder
-
     root = Path(path)
     train_dir, val_dir = root / "train", root / "val"
     if not train_dir.is_dir() or not val_dir.is_dir():
         raise DataError(f"imagefolder:{path} needs {train_dir} and {val_dir}, each with one folder per class")
     try:
-        train = ImageFolder(str(train_dir), transform=_timm_transform(img_size, True))
-        val = ImageFolder(str(val_dir), transform=_timm_transform(img_size, False))
+        train = tvd.ImageFolder(str(train_dir), transform=_timm_transform(img_size, True))
+        val = tvd.ImageFolder(str(val_dir), transform=_timm_transform(img_size, False))
     except (FileNotFoundError, OSError) as e:
         raise DataError(f"imagefolder:{path}: {e}") from None
     if train.classes != val.classes:
@@ -232,8 +231,6 @@ def _imagefolder(path: str, img_size: int):
 
 
 def _torchvision_set(name: str, root: Optional[str], img_size: int):
-    import torchvision.datasets as tvd
-
     cls_name, train_kw, val_kw, classes = TORCHVISION_SETS[name]
     cls = getattr(tvd, cls_name)
     directory = Path(root) if root else data_root() / name

@@ -9,9 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .convert import mod_blocks, set_recording
-from .routing import received_attention
+from ..mod.convert import mod_blocks, set_recording
+from ..ops import attention_inputs, attention_probs, received_attention
 from .stats import spearman
+
+
+def in_handoff(blk: nn.Module) -> Optional[Any]:
+    """Where an MoD block finds the attention scores it routes on (None for other blocks)."""
+    return getattr(getattr(blk, "amod", None), "in_handoff", None)
 
 
 def _embed(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +41,7 @@ def run_until(model: nn.Module, images: torch.Tensor, layer: int) -> torch.Tenso
 
 def run_from(model: nn.Module, x: torch.Tensor, layer: int, scores: Optional[torch.Tensor]) -> torch.Tensor:
     """Logits from tokens entering block ``layer`` (with the scores that block reads, if any)."""
-    handoff = getattr(model.blocks[layer], "amod_in_handoff", None)
+    handoff = in_handoff(model.blocks[layer])
     if handoff is not None:
         handoff.scores = scores
     for blk in model.blocks[layer:]:
@@ -82,7 +87,7 @@ def leave_one_out(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
         per_image, per_image_random, imps, scs, toks = [], [], [], [], []
         for img, label in zip(images, labels):
             x = run_until(model, img[None], layer)  # (1, N, D)
-            handoff = getattr(blk, "amod_in_handoff", None)
+            handoff = in_handoff(blk)
             full_scores = handoff.take() if handoff is not None else None  # (1, N) or None
             n = x.shape[1] - p
             sample = np.arange(n) if tokens is None or tokens >= n else np.sort(gen.choice(n, tokens, replace=False))
@@ -123,9 +128,8 @@ def attention_stats(model: nn.Module, images: torch.Tensor) -> dict[int, dict[st
     for i, blk in enumerate(model.blocks):
         attn_mod, h = blk.attn, captured[i]
         B, N, _ = h.shape
-        q, k, _ = attn_mod.qkv(h).reshape(B, N, 3, attn_mod.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = attn_mod.q_norm(q), attn_mod.k_norm(k)
-        attn = ((q * attn_mod.scale) @ k.transpose(-2, -1)).softmax(-1)  # (B, H, N, N)
+        q, k, _, _ = attention_inputs(attn_mod, h)
+        attn = attention_probs(q * attn_mod.scale, k, 1.0)  # (B, H, N, N)
         entropy = -(attn * attn.clamp_min(1e-12).log()).sum(-1).mean().item()
         received = received_attention(attn)  # (B, N)
         stats[i] = {"entropy": entropy, "max_entropy": float(np.log(N)),
@@ -145,56 +149,3 @@ def kept_positions(model: nn.Module, images: torch.Tensor) -> dict[int, torch.Te
                 for i, blk in mod_blocks(model)}
     finally:
         set_recording(model, False)
-
-
-def routing_figure(model: nn.Module, images: torch.Tensor, path, mean: Sequence[float] = (0.0,),
-                   std: Sequence[float] = (1.0,)) -> Any:
-    """Overlay of the kept patches of each MoD layer on each image (paper Fig. 16); PNG at ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    masks = kept_positions(model, images)
-    gh, gw = model.patch_embed.grid_size
-    B = images.shape[0]
-    layers = sorted(masks)
-    fig, axes = plt.subplots(B, len(layers) + 1, figsize=(1.6 * (len(layers) + 1), 1.6 * B), squeeze=False)
-    shown = images.cpu() * torch.tensor(std).view(-1, 1, 1) + torch.tensor(mean).view(-1, 1, 1)
-    for b in range(B):
-        img = shown[b].permute(1, 2, 0).squeeze(-1).clamp(0, 1).numpy()
-        axes[b][0].imshow(img, cmap="gray")
-        for j, layer in enumerate(layers):
-            ax = axes[b][j + 1]
-            ax.imshow(img, cmap="gray")
-            mask = masks[layer][b].view(gh, gw).float().numpy()
-            ax.imshow(mask, cmap="autumn", alpha=0.45, extent=(-0.5, img.shape[1] - 0.5, img.shape[0] - 0.5, -0.5),
-                      interpolation="nearest")
-            if b == 0:
-                ax.set_title(f"block {layer}", fontsize=8)
-    for ax in axes.flat:
-        ax.axis("off")
-    axes[0][0].set_title("input", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def keep_frequency_figure(frequency: dict[int, torch.Tensor], grid: tuple[int, int], path) -> Any:
-    """Heatmap per MoD layer of how often each patch position is kept (a (n_patches,) rate each)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers = sorted(frequency)
-    fig, axes = plt.subplots(1, len(layers), figsize=(2.2 * len(layers), 2.4), squeeze=False)
-    for ax, layer in zip(axes[0], layers):
-        im = ax.imshow(frequency[layer].view(*grid).numpy(), vmin=0, vmax=1, cmap="viridis")
-        ax.set_title(f"block {layer}", fontsize=8)
-        ax.axis("off")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="share of images kept")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from .analysis import kept_positions  # noqa: E402
 
 
 Series = dict[str, tuple[Sequence[float], Sequence[float]]]
@@ -56,5 +60,48 @@ def accuracy_vs_cost_panels(panels: dict[str, dict[str, Sequence[tuple[float, fl
         _draw(ax, _cost_series(points), title, xlabel)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def routing_figure(model: nn.Module, images: torch.Tensor, path, mean: Sequence[float] = (0.0,),
+                   std: Sequence[float] = (1.0,)) -> Any:
+    """Overlay of the kept patches of each MoD layer on each image (paper Fig. 16); PNG at ``path``."""
+    masks = kept_positions(model, images)
+    gh, gw = model.patch_embed.grid_size
+    B = images.shape[0]
+    layers = sorted(masks)
+    fig, axes = plt.subplots(B, len(layers) + 1, figsize=(1.6 * (len(layers) + 1), 1.6 * B), squeeze=False)
+    shown = images.cpu() * torch.tensor(std).view(-1, 1, 1) + torch.tensor(mean).view(-1, 1, 1)
+    for b in range(B):
+        img = shown[b].permute(1, 2, 0).squeeze(-1).clamp(0, 1).numpy()
+        axes[b][0].imshow(img, cmap="gray")
+        for j, layer in enumerate(layers):
+            ax = axes[b][j + 1]
+            ax.imshow(img, cmap="gray")
+            mask = masks[layer][b].view(gh, gw).float().numpy()
+            ax.imshow(mask, cmap="autumn", alpha=0.45, extent=(-0.5, img.shape[1] - 0.5, img.shape[0] - 0.5, -0.5),
+                      interpolation="nearest")
+            if b == 0:
+                ax.set_title(f"block {layer}", fontsize=8)
+    for ax in axes.flat:
+        ax.axis("off")
+    axes[0][0].set_title("input", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def keep_frequency_figure(frequency: dict[int, torch.Tensor], grid: tuple[int, int], path) -> Any:
+    """Heatmap per MoD layer of how often each patch position is kept (a (n_patches,) rate each)."""
+    layers = sorted(frequency)
+    fig, axes = plt.subplots(1, len(layers), figsize=(2.2 * len(layers), 2.4), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        im = ax.imshow(frequency[layer].view(*grid).numpy(), vmin=0, vmax=1, cmap="viridis")
+        ax.set_title(f"block {layer}", fontsize=8)
+        ax.axis("off")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="share of images kept")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

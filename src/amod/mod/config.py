@@ -52,13 +52,6 @@ def validate_capacity(capacity: Any) -> float:
     return capacity
 
 
-def validate_cost(cost: Any, name: str = "cost") -> float:
-    """Return ``cost`` (a share of the dense model's MACs) as a float in (0, 1], or raise a ValueError."""
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or math.isnan(cost) or not 0.0 < cost <= 1.0:
-        raise ValueError(f"{name} must be a number in (0, 1] (a share of the dense model's MACs), got {cost!r}")
-    return float(cost)
-
-
 def validate_router(router: Any) -> str:
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; supported routers: {', '.join(ROUTERS)}")

@@ -24,6 +24,7 @@ of patch tokens falls geometrically: C = 0.89 on all 12 blocks of a ViT-S at 112
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -31,8 +32,10 @@ import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
 
-from .merge import MergeState, merge_weighted
-from .ops import attention_inputs, attention_output
+from ..cost import BlockPrice, attention_macs, linear_macs_per_token
+from ..ops import attention_inputs, attention_output, attention_probs
+from ..tokens import MergeState, merge_weighted
+from .config import MoDConfig
 from .routers import Router
 from .routing import num_kept
 
@@ -74,49 +77,53 @@ class FoldAttention(Attention):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                                dropout_p=self.attn_drop.p if self.training else 0.0)
         else:
-            attn = (q * self.scale) @ k.transpose(-2, -1)
-            if attn_mask is not None:
-                attn = attn + attn_mask
-            o = self.attn_drop(attn.softmax(dim=-1)) @ v
+            o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
         if self.amod_want:
             p = max(1, self.amod_num_prefix)
             with torch.no_grad():  # routing is a discrete choice: no gradient through it
-                logits = (q[:, :, :p].float() * self.scale) @ k.float().transpose(-2, -1)  # (B, H, p, N)
-                if attn_mask is not None:
-                    logits = logits + attn_mask.float()
-                self.amod_importance = logits.softmax(dim=-1).mean(dim=(1, 2))  # (B, N)
+                # the class tokens' rows of the attention, (B, H, p, N), averaged over heads and rows
+                self.amod_importance = attention_probs(q[:, :, :p] * self.scale, k, 1.0, attn_mask).mean(dim=(1, 2))
             self.amod_metric = k.mean(1)  # (B, N, hd): what the tokens are matched on
         return attention_output(self, o, gate)
+
+
+@dataclass
+class FoldSettings:
+    """What a fold block knows besides its weights and its router; set once by ``amod.convert``."""
+
+    config: MoDConfig  # the model's own, shared: capacity, protect
+    num_prefix: int  # prefix tokens: never folded
+    fold: bool  # whether this block folds (every block of a fold model applies the proportional bias)
+    state: MergeState  # the token sizes, shared by the model's blocks during one forward
+    first: bool  # block 0 starts every forward with sizes 1
 
 
 class FoldBlock(Block):
     """timm ``Block`` whose skipped patch tokens fold into kept ones between attention and MLP.
 
-    Attributes set by ``amod.convert(..., skipped="fold")``: router, amod_capacity, amod_protect,
-    amod_num_prefix, amod_fold (whether this block folds; every block of a fold model applies the
-    proportional-attention bias), amod_state (the token sizes shared by the model's blocks),
-    amod_first (block 0 starts every forward with sizes 1), amod_last_tokens (tokens after this
-    block's fold, for inspection).
+    Attributes set by ``amod.convert(..., skipped="fold")``: ``router`` and ``amod`` (its
+    ``FoldSettings``). After a forward, ``amod_last_tokens`` holds the tokens left after this block.
     """
 
     router: Router
-    amod_capacity: float
-    amod_protect: float
-    amod_num_prefix: int
-    amod_fold: bool
-    amod_state: MergeState
-    amod_first: bool
+    amod: FoldSettings
+
+    def _fold_count(self, tokens: int, capacity: Optional[float] = None) -> int:
+        if not self.amod.fold:
+            return 0
+        config = self.amod.config
+        return fold_count(config.capacity if capacity is None else capacity, tokens, config.protect)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         if attn_mask is not None or is_causal:
             raise NotImplementedError("fold blocks do not support attention masks or causal attention")
-        state = self.amod_state
-        if self.amod_first:
+        state = self.amod.state
+        if self.amod.first:
             state.size = None  # a new forward: every token stands for itself
         size = state.size
-        p = self.amod_num_prefix
-        r = fold_count(self.amod_capacity, x.shape[1] - p, self.amod_protect) if self.amod_fold else 0
+        p = self.amod.num_prefix
+        r = self._fold_count(x.shape[1] - p)
         bias = None if size is None else size.log().to(x.dtype).transpose(1, 2).unsqueeze(1)  # (B, 1, 1, N)
         self.attn.amod_want = r > 0
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=bias)))
@@ -124,7 +131,7 @@ class FoldBlock(Block):
             importance, metric = self.attn.amod_importance, self.attn.amod_metric
             self.attn.amod_importance = self.attn.amod_metric = None  # do not keep activations alive
             scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
-            q = protected_count(self.amod_protect, x.shape[1] - p)
+            q = protected_count(self.amod.config.protect, x.shape[1] - p)
             protected = None
             if q > 0:
                 top = scores.topk(q, dim=1).indices
@@ -135,3 +142,15 @@ class FoldBlock(Block):
             state.size = size
         self.amod_last_tokens = x.shape[1]
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
+        """MACs on ``tokens`` tokens: attention on all of them; when it folds, the class tokens' attention
+        rows again (the importance) and the |A| x |B| key similarities; then the MLP on the tokens left."""
+        n = tokens - num_prefix
+        r = self._fold_count(n, capacity)
+        attn = self.attn
+        macs = tokens * linear_macs_per_token(attn) + attention_macs(tokens, attn)
+        if r > 0:
+            macs += max(1, attn.amod_num_prefix) * tokens * attn.attn_dim  # class-token rows of Q K^T
+            macs += ((n + 1) // 2) * (n // 2) * attn.head_dim  # |A| x |B| cosine similarities
+        return BlockPrice(macs + (tokens - r) * linear_macs_per_token(self.mlp), tokens, tokens - r)

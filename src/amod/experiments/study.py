@@ -13,6 +13,7 @@ Finished runs are reused, so a killed study continues where it stopped.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +22,17 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import engine
-from .analysis import attention_stats, leave_one_out, routing_figure
-from .checkpoint import check_dense_file, load
-from .config import validate_capacity
-from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
-from .demo import BASE, pretrain_dense, run_once
-from .plots import accuracy_vs_epoch
-from .files import atomic_write, dumps, write_text
-from .run import RunConfig, run_dir_name
-from .rundir import RunDirectory, check_output_dir
+from ..files import atomic_write, dumps, write_text
+from ..methods import IsoFLOP, Method, MoD
+from ..mod.config import validate_capacity
+from ..train import engine
+from ..train.checkpoint import check_dense_file, load
+from ..train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
+from ..train.run import RunConfig, run_dir_name
+from ..train.rundir import RunDirectory, check_output_dir
+from .analysis import attention_stats, leave_one_out
+from .plots import accuracy_vs_epoch, routing_figure
+from .presets import BASE, pretrain_dense, run_once
 from .stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
@@ -38,21 +40,21 @@ log = logging.getLogger("amod")
 
 @dataclass(frozen=True)
 class Variant:
+    """One arm of the study: its name and its method (the capacity is set per grid point)."""
+
     name: str
-    router: Optional[str]
-    scale_output: Optional[bool] = None
-    isoflop: bool = False
+    method: Method
 
 
 VARIANTS = (
-    Variant("A-MoD", "attention", False),
-    Variant("A-MoD scaled", "attention", True),
-    Variant("MoD", "standard", True),
-    Variant("MoD unscaled (STE)", "standard", False),
-    Variant("shuffled attention", "shuffled-attention", False),
-    Variant("random", "random", False),
-    Variant("inverse attention", "inverse-attention", False),
-    Variant("isoFLOP dense", "attention", None, isoflop=True),
+    Variant("A-MoD", MoD(router="attention", scale_output=False)),
+    Variant("A-MoD scaled", MoD(router="attention", scale_output=True)),
+    Variant("MoD", MoD(router="standard", scale_output=True)),
+    Variant("MoD unscaled (STE)", MoD(router="standard", scale_output=False)),
+    Variant("shuffled attention", MoD(router="shuffled-attention", scale_output=False)),
+    Variant("random", MoD(router="random", scale_output=False)),
+    Variant("inverse attention", MoD(router="inverse-attention", scale_output=False)),
+    Variant("isoFLOP dense", IsoFLOP(router="attention")),
 )
 REFERENCE = "A-MoD"
 
@@ -72,6 +74,11 @@ class StudyConfig:
     loo_images: int = 8
     loo_tokens: int = 16
     quick: bool = False
+
+    def as_quick(self) -> "StudyConfig":
+        """The same study in a few seconds (for tests): one capacity, two seeds, tiny data."""
+        return dataclasses.replace(self, capacities=(0.5,), seeds=2, epochs=1, train_limit=256, val_limit=128,
+                                   loo_images=2, loo_tokens=4, quick=True)
 
     def validate(self) -> "StudyConfig":
         """Check every setting before the first run starts; raises ValueError naming the setting."""
@@ -118,9 +125,9 @@ def _run_study(cfg: StudyConfig, root: Path) -> Path:
                 done += 1
                 out = root / f"c{capacity:g}" / f"{run_dir_name(v.name)}_s{seed}"
                 log.info("[%d/%d] %s at capacity %g, seed %d", done, total, v.name, capacity, seed)
-                run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, router=v.router,
-                                    capacity=capacity, scale_output=v.scale_output, isoflop=v.isoflop, seed=seed,
-                                    epochs=cfg.epochs, train_limit=cfg.train_limit, val_limit=cfg.val_limit,
+                method = dataclasses.replace(v.method, capacity=capacity)
+                run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data,
+                                    **method.run_fields(), seed=seed, epochs=cfg.epochs, train_limit=cfg.train_limit, val_limit=cfg.val_limit,
                                     lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,
                                     eval_before_training=True, out=str(out))
                 run_once(run_cfg)

@@ -10,11 +10,12 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from .block import MoDBlock, ScoreHandoff, ScoringAttention
+from ..cost import flops, token_sizes, validate_cost
+from ..tokens import MergeState
+from .block import MoDBlock, MoDSettings, ScoreHandoff, ScoringAttention
 from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
                      validate_skipped)
-from .fold import FoldAttention, FoldBlock
-from .merge import MergeState
+from .fold import FoldAttention, FoldBlock, FoldSettings
 from .routers import ROUTER_CLASSES, build_router
 
 LayersSpec = Union[str, Sequence[int]]
@@ -128,13 +129,7 @@ def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
         dim = blk.norm1.normalized_shape[0] if hasattr(blk.norm1, "normalized_shape") else blk.attn.qkv.in_features
         blk.router = build_router(config.router, dim, seed=config.seed + i)
         blk.router.to(device=blk.attn.qkv.weight.device, dtype=blk.attn.qkv.weight.dtype)
-        blk.amod_capacity = config.capacity
-        blk.amod_num_prefix = model.num_prefix_tokens
-        blk.amod_scale_output = config.scale_output
-        blk.amod_skipped = config.skipped
-        blk.amod_in_handoff = None
-        blk.amod_out_handoff = None
-        blk.amod_record = False
+        blk.amod = MoDSettings(config=config, num_prefix=model.num_prefix_tokens)
     if router_needs_attention:
         for i in config.layers:
             _check_block(blocks[i - 1], i - 1)
@@ -145,8 +140,8 @@ def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
             # Gradients through the scores are only needed when they scale the output.
             prev.attn.amod_scores_need_grad = config.scale_output
             if isinstance(prev, MoDBlock):
-                prev.amod_out_handoff = handoff
-            blocks[i].amod_in_handoff = handoff
+                prev.amod.out_handoff = handoff
+            blocks[i].amod.in_handoff = handoff
 
 
 def _convert_fold(model: nn.Module, config: MoDConfig) -> None:
@@ -163,12 +158,8 @@ def _convert_fold(model: nn.Module, config: MoDConfig) -> None:
         blk.attn.amod_metric = blk.attn.amod_importance = None
         blk.attn.amod_num_prefix = class_tokens
         blk.router = build_router(config.router, blk.attn.qkv.in_features, seed=config.seed + i)
-        blk.amod_capacity = config.capacity
-        blk.amod_protect = config.protect
-        blk.amod_num_prefix = model.num_prefix_tokens
-        blk.amod_fold = i in config.layers
-        blk.amod_state = state
-        blk.amod_first = i == 0
+        blk.amod = FoldSettings(config=config, num_prefix=model.num_prefix_tokens, fold=i in config.layers,
+                                state=state, first=i == 0)
 
 
 def _check_block(blk: nn.Module, index: int) -> None:
@@ -194,22 +185,38 @@ def get_config(model: nn.Module) -> MoDConfig:
 def mod_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(index, block) for every MoD block of a converted model (the folding blocks of a fold model)."""
     return [(i, b) for i, b in enumerate(model.blocks)
-            if isinstance(b, MoDBlock) or (isinstance(b, FoldBlock) and b.amod_fold)]
+            if isinstance(b, MoDBlock) or (isinstance(b, FoldBlock) and b.amod.fold)]
 
 
 def set_capacity(model: nn.Module, capacity: float) -> nn.Module:
-    """Change the capacity of every MoD block of a converted model, in place (inference or training)."""
-    capacity = validate_capacity(capacity)
-    config = get_config(model)
-    for _, blk in mod_blocks(model):
-        blk.amod_capacity = capacity
-    config.capacity = capacity
+    """Change the capacity of every MoD block of a converted model, in place (inference or training).
+
+    The blocks read the model's ``MoDConfig``, so this is one assignment.
+    """
+    get_config(model).capacity = validate_capacity(capacity)
     return model
 
 
 def set_recording(model: nn.Module, enabled: bool = True) -> None:
     """Keep each MoD block's kept patch indices of the last forward in ``block.amod_last_index``."""
     for _, blk in mod_blocks(model):
-        blk.amod_record = enabled
+        if not isinstance(blk, MoDBlock):
+            raise ValueError("recording kept indices is for MoD blocks; a fold model's tokens change identity as "
+                             "they fold (see amod_last_tokens)")
+        blk.amod.record = enabled
         if not enabled:
             blk.__dict__.pop("amod_last_index", None)
+
+
+def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
+    """The capacity at which the converted ``model`` costs closest to ``cost`` x dense (the model is not changed).
+
+    Tries every capacity that gives a distinct k (k / n for k = 1..n); a fold model's k changes block
+    by block, so a grid of 0.001 steps. Ties go to the larger capacity.
+    """
+    cost = validate_cost(cost)
+    config = get_config(model)
+    _, n, _ = token_sizes(model, img_size)
+    candidates = [i / 1000 for i in range(1, 1001)] if config.skipped == "fold" else [k / n for k in range(1, n + 1)]
+    ratios = {c: flops(model, img_size, capacity=c).ratio for c in candidates}
+    return min(ratios, key=lambda c: (abs(ratios[c] - cost), -c))

@@ -1,5 +1,5 @@
 """Build the model a run trains: a timm name with overrides, a pretrained hub model or a checkpoint
-file, then converted to MoD (or cut to an isoFLOP dense baseline) as the run config says."""
+file, fitted to the data, then turned into the method the run config selects (``amod.methods``)."""
 from __future__ import annotations
 
 import logging
@@ -8,13 +8,14 @@ from typing import Any, Optional
 
 import timm
 import torch
+from safetensors.torch import load_file
+from timm.models._manipulate import adapt_input_conv
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
+from ..methods import Dense, method_from_run_fields, method_of
+from ..arch import set_input_size
 from .checkpoint import load as load_amod, read_metadata
-from .config import DEFAULT_PROTECT
-from .convert import convert
-from .cost import isoflop_baseline
-from .merge import apply as apply_merging
 
 log = logging.getLogger("amod")
 
@@ -36,8 +37,6 @@ def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     """A plain state dict from a timm/DeiT ``.pth``/``.pt``/``.bin`` or a safetensors file."""
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             return load_file(str(path))
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -55,9 +54,6 @@ def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
 def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
     """Load a foreign (timm/DeiT) state dict: resample pos_embed, adapt input channels, drop a head of
     another size. Anything else that does not fit is an error."""
-    from timm.models._manipulate import adapt_input_conv
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
     own = model.state_dict()
     hint = "set --model, --embed-dim, --depth and --num-heads to the checkpoint's architecture"
     try:
@@ -90,10 +86,6 @@ def fit_to_data(model: nn.Module, in_chans: int, img_size: int) -> nn.Module:
     ``adapt_input_conv``: e.g. an RGB model sums its filters for grayscale images, which is the same as
     feeding the gray image three times), and its position grid to ``img_size`` (resampled once, bicubic
     without antialiasing: ``amod.pretrained.set_input_size``). Each change is logged."""
-    from timm.models._manipulate import adapt_input_conv
-
-    from .pretrained import set_input_size
-
     proj = model.patch_embed.proj
     if proj.in_channels != in_chans:
         weight = adapt_input_conv(in_chans, proj.weight.detach())
@@ -114,8 +106,6 @@ def fit_to_data(model: nn.Module, in_chans: int, img_size: int) -> nn.Module:
 
 def check_vit_name(name: str) -> None:
     """Refuse a name that is not a timm model, or a timm model that is not a ``VisionTransformer``."""
-    from timm.models.vision_transformer import VisionTransformer
-
     if not isinstance(name, str) or not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}; amod supports timm's VisionTransformer models "
                          "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
@@ -151,8 +141,8 @@ def _is_amod_file(path: Path) -> bool:
 def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
     """The model of a run, before any training.
 
-    ``cfg`` fields used: model, pretrained, checkpoint, the ARCH_OVERRIDES, drop_path, router,
-    capacity, layers, scale_output, isoflop, seed, skipped, merge_cost, merge_r.
+    ``cfg`` fields used: model, pretrained, checkpoint, the ARCH_OVERRIDES, drop_path, and the fields
+    that select the method (``amod.methods.method_from_run_fields``).
     """
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
@@ -173,17 +163,11 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     if h % ph or w % pw:
         raise ValueError(f"the input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; "
                          "change --img-size or --patch-size")
-    if getattr(cfg, "isoflop", False):
-        if cfg.router is None:
-            raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
-        return isoflop_baseline(model, cfg.capacity, layers=cfg.layers, router=cfg.router)
-    merge_cost, merge_r = getattr(cfg, "merge_cost", None), getattr(cfg, "merge_r", None)
-    if merge_cost is not None or merge_r is not None:
-        return apply_merging(model, r=merge_r, cost=merge_cost)
-    if cfg.router is not None:
-        if getattr(model, "amod_config", None) is not None:
-            raise ValueError("the checkpoint is already an MoD model; drop --router to keep its routing")
-        convert(model, router=cfg.router, capacity=cfg.capacity, layers=cfg.layers,
-                scale_output=cfg.scale_output, seed=cfg.seed, skipped=getattr(cfg, "skipped", "bypass"),
-                protect=getattr(cfg, "protect", DEFAULT_PROTECT))
-    return model
+    method = method_from_run_fields(cfg)
+    if isinstance(method, Dense):
+        return model  # a checkpoint keeps the method it was saved with
+    running = method_of(model)
+    if not isinstance(running, Dense):
+        raise ValueError(f"the checkpoint already runs {running.label()}; drop the method options "
+                         "(--router, --tome-cost, ...) to keep it")
+    return method.apply(model)

@@ -10,8 +10,14 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+import timm
 import torch
 from torch import nn
+
+from ..cost import flops
+from ..mod.convert import convert
+from ..ops import attention_scores_explicit, attention_with_scores
+from ..train.engine import autocast
 
 
 def _sync(device: torch.device) -> None:
@@ -50,8 +56,6 @@ def time_models(models: dict[str, nn.Module], x: torch.Tensor, repeats: int = 10
     for m in models.values():
         m.eval()
 
-    from .engine import autocast
-
     def call(m: nn.Module) -> Callable[[], Any]:
         def run() -> Any:
             with autocast(amp, x.device):
@@ -84,8 +88,6 @@ def _build_probe_target(spec: dict[str, Any], small: bool = False) -> Callable[[
         model = make_bench_model(spec["model"], spec.get("img_size"), spec.get("convert"))
         x = torch.randn(1 if small else spec["batch_size"], 3, *model.patch_embed.img_size)
         return lambda: model(x)
-    from .ops import attention_scores_explicit, attention_with_scores
-
     g = torch.Generator().manual_seed(0)
     shape = list(spec["shape"])
     if small:
@@ -121,7 +123,7 @@ def peak_memory_mb(spec: dict[str, Any]) -> float:
     peak; the figure is the rise of the resident-set high-water mark during the call.
     """
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    res = subprocess.run([sys.executable, "-c", "from amod.bench import _probe_main; _probe_main()"],
+    res = subprocess.run([sys.executable, "-c", "from amod.experiments.bench import _probe_main; _probe_main()"],
                          input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=600)
     if res.returncode != 0:
         raise RuntimeError(f"memory probe failed: {res.stderr.strip().splitlines()[-1:]}")
@@ -132,10 +134,6 @@ def peak_memory_mb(spec: dict[str, Any]) -> float:
 
 def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optional[dict[str, Any]]) -> nn.Module:
     """A timm model with random weights (timing does not depend on them), optionally converted."""
-    import timm
-
-    from .convert import convert
-
     torch.manual_seed(0)
     kwargs = {"img_size": img_size} if img_size else {}
     try:
@@ -156,8 +154,6 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
     ``speedup`` (measured), ``flop_speedup`` (ideal: dense MACs / MoD MACs) and ``efficiency``
     (their quotient), plus the settings.
     """
-    from .cost import flops
-
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     convert_kwargs = {"router": router, "capacity": capacity, "layers": layers}
     dense = make_bench_model(model, img_size, None).to(dev)

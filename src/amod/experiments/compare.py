@@ -26,47 +26,53 @@ from typing import Any, Optional
 
 import torch
 
-from . import engine, merge
+from ..cost import flops, validate_cost
+from ..files import torch_save, write_json, write_text
+from ..methods import Method, MoD, TokenMerging, cost_of
+from ..train import engine
+from ..train.checkpoint import check_dense_file, load
+from ..train.data import build_datasets
+from ..train.models import fit_to_data
+from ..train.run import RunConfig, run_dir_name
+from ..train.rundir import RunDirectory, check_output_dir
 from .bench import time_models
-from .checkpoint import check_dense_file, load
-from .config import DEFAULT_PROTECT, validate_cost
-from .convert import convert, set_capacity
-from .cost import capacity_for_cost, flops
-from .data import build_datasets
-from .demo import BASE, QUICK, pretrain_dense, run_once
-from .files import torch_save, write_json, write_text
-from .models import fit_to_data
 from .plots import accuracy_vs_cost_panels
+from .presets import BASE, QUICK, pretrain_dense, run_once
 from .probe import LinearProbe, features, fit_probe, mean_cosine
-from .run import RunConfig, run_dir_name
-from .rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")
 COST_TOLERANCE = 0.02  # a method whose closest cost is further off than this is flagged in the report
 
 
 @dataclass(frozen=True)
-class Method:
+class Entry:
+    """One method of the comparison: its name and the method, set to each cost point by ``at_cost``."""
+
     name: str
-    merge: bool = False  # ToMe instead of MoD
-    router: str = "attention"
-    layers: Any = None  # None: convert's default; "last-two-thirds": blocks depth // 3 .. depth - 1
-    skipped: str = "bypass"
-    protect: float = DEFAULT_PROTECT  # fold only
+    method: Method
+    layers: Optional[str] = None  # "last-two-thirds": blocks depth // 3 .. depth - 1 (a compare-only preset)
+
+    def at_cost(self, dense: torch.nn.Module, cost: float) -> Method:
+        """The method at the cost closest to ``cost`` x the dense model's MACs."""
+        method = self.method
+        if self.layers == "last-two-thirds":
+            depth = len(dense.blocks)
+            method = dataclasses.replace(method, layers=tuple(range(max(1, depth // 3), depth)))
+        return method.at_cost(dense, cost)
 
 
 METHODS = (
-    Method("ToMe", merge=True),
-    Method("A-MoD"),
-    Method("standard MoD", router="standard"),
-    Method("A-MoD kv", skipped="kv"),
-    Method("A-MoD merge", skipped="merge"),
-    Method("A-MoD merge, last 2/3", skipped="merge", layers="last-two-thirds"),
-    Method("A-MoD fold", skipped="fold"),
+    Entry("ToMe", TokenMerging()),
+    Entry("A-MoD", MoD()),
+    Entry("standard MoD", MoD(router="standard")),
+    Entry("A-MoD kv", MoD(skipped="kv")),
+    Entry("A-MoD merge", MoD(skipped="merge")),
+    Entry("A-MoD merge, last 2/3", MoD(skipped="merge"), layers="last-two-thirds"),
+    Entry("A-MoD fold", MoD(skipped="fold")),
     # controls of the fold mode: the same schedule and matching with nothing protected, and with a
     # random quarter protected; what is left of A-MoD fold's lead is the attention's doing
-    Method("fold, nothing protected", skipped="fold", protect=0.0),
-    Method("fold, random protected", router="random", skipped="fold"),
+    Entry("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
+    Entry("fold, random protected", MoD(router="random", skipped="fold")),
 )
 
 
@@ -85,8 +91,14 @@ class CompareConfig:
     batch_size: int = 128
     speed_batch: int = 256
     speed_repeats: int = 10
-    methods: tuple[Method, ...] = field(default=METHODS)
+    methods: tuple[Entry, ...] = field(default=METHODS)
     quick: bool = False
+
+    def as_quick(self) -> "CompareConfig":
+        """The same comparison in seconds (for tests): the demo's quick model and data, one epoch."""
+        return dataclasses.replace(self, epochs=1, train_limit=QUICK["train_limit"], val_limit=QUICK["val_limit"],
+                                   probe_train=min(self.probe_train, QUICK["train_limit"]), speed_batch=32,
+                                   speed_repeats=2, quick=True)
 
     def validate(self) -> "CompareConfig":
         """Check every setting before the first run starts; raises ValueError naming the setting."""
@@ -107,34 +119,6 @@ class CompareConfig:
         return self
 
 
-def resolve_layers(spec: Any, depth: int) -> Any:
-    """The compare-only preset ``last-two-thirds`` as block indices; other specs pass through."""
-    if spec == "last-two-thirds":
-        return list(range(max(1, depth // 3), depth))
-    return spec
-
-
-def matched_model(dense: torch.nn.Module, method: Method, cost: float) -> tuple[torch.nn.Module, dict[str, Any], float]:
-    """A copy of ``dense`` set up as ``method`` at the cost closest to ``cost`` x dense.
-
-    Returns the model, the RunConfig fields that rebuild it, and its cost as a share of dense.
-    """
-    model = copy.deepcopy(dense)
-    if method.merge:
-        schedule = merge.schedule_for_cost(dense, cost, tolerance=1.0)  # the closest; the report flags a miss
-        merge.apply(model, r=schedule)
-        setting: dict[str, Any] = {"merge_r": schedule}
-    else:
-        layers = resolve_layers(method.layers, len(dense.blocks))
-        convert(model, router=method.router, layers=layers, skipped=method.skipped, protect=method.protect)
-        set_capacity(model, capacity_for_cost(model, cost))
-        setting = {"router": method.router, "capacity": model.amod_config.capacity,
-                   "layers": model.amod_config.layers if layers is None else layers, "skipped": method.skipped}
-        if method.skipped == "fold":
-            setting["protect"] = method.protect
-    return model, setting, flops(model).ratio
-
-
 def run_compare(cfg: CompareConfig) -> Path:
     """Run every (cost, method) pair (reusing finished runs), time them, and write the report."""
     cfg.validate()
@@ -145,9 +129,6 @@ def run_compare(cfg: CompareConfig) -> Path:
 
 
 def _run_compare(cfg: CompareConfig, root: Path) -> Path:
-    if cfg.quick:
-        cfg = dataclasses.replace(cfg, train_limit=QUICK["train_limit"], val_limit=QUICK["val_limit"],
-                                  probe_train=min(cfg.probe_train, QUICK["train_limit"]))
     pretrained = Path(cfg.checkpoint) if cfg.checkpoint else None
     if pretrained is None:
         log.info("pretraining the demo's dense model (or reusing it)")
@@ -188,7 +169,7 @@ def _rebuild(dense: torch.nn.Module, row: dict[str, Any], device: torch.device) 
     """The model a row measured: its finetuned weights, or (probe protocol) the dense ones set up again."""
     if row.get("run"):
         return load(Path(row["run"]) / "model.safetensors", device)
-    return matched_model(dense, Method(**row["method_spec"]), row["cost_target"])[0].eval()
+    return row["method_obj"].apply(copy.deepcopy(dense)).eval()
 
 
 def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, val,
@@ -200,19 +181,20 @@ def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretr
     rows: list[dict[str, Any]] = []
     total, done = len(cfg.costs) * len(cfg.methods), 0
     for cost in cfg.costs:
-        for method in cfg.methods:
+        for entry in cfg.methods:
             done += 1
-            _, setting, ratio = matched_model(dense, method, cost)
-            out = root / f"cost{cost:g}" / run_dir_name(method.name)
-            log.info("[%d/%d] %s at cost %g (matched: %.3f of dense)", done, total, method.name, cost, ratio)
-            run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, **setting,
+            method = entry.at_cost(dense, cost)
+            ratio = cost_of(method, dense)
+            out = root / f"cost{cost:g}" / run_dir_name(entry.name)
+            log.info("[%d/%d] %s at cost %g (matched: %.3f of dense)", done, total, entry.name, cost, ratio)
+            run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, **method.run_fields(),
                                 epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,
                                 train_limit=cfg.train_limit, val_limit=cfg.val_limit, eval_before_training=True,
                                 out=str(out))
             run_once(run_cfg)
             metrics = engine.read_metrics(out / "metrics.jsonl")
-            rows.append({"method": method.name, "cost_target": cost, "cost": ratio, "zero_top1": metrics[0]["val_top1"],
-                         "top1": metrics[-1]["val_top1"], "setting": setting, "run": str(out)})
+            rows.append({"method": entry.name, "cost_target": cost, "cost": ratio, "zero_top1": metrics[0]["val_top1"],
+                         "top1": metrics[-1]["val_top1"], "setting": method.run_fields(), "run": str(out)})
     return rows, dense_acc
 
 
@@ -246,22 +228,24 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
     rows: list[dict[str, Any]] = []
     total, done = len(cfg.costs) * len(cfg.methods), 0
     for cost in cfg.costs:
-        for method in cfg.methods:
+        for entry in cfg.methods:
             done += 1
-            model, setting, ratio = matched_model(dense, method, cost)
+            method = entry.at_cost(dense, cost)
+            model = method.apply(copy.deepcopy(dense)).eval()
+            ratio = flops(model).ratio
             feats, labels = features(model, engine.image_batches(loader), device)
-            row = {"method": method.name, "method_spec": dataclasses.asdict(method), "cost_target": cost,
-                   "cost": ratio, "zero_top1": probe.accuracy(feats, labels), "top1": None,
-                   "cosine": mean_cosine(feats, cached["test"]), "setting": setting, "run": None}
+            row = {"method": entry.name, "method_obj": method, "cost_target": cost, "cost": ratio,
+                   "zero_top1": probe.accuracy(feats, labels), "top1": None,
+                   "cosine": mean_cosine(feats, cached["test"]), "setting": method.run_fields(), "run": None}
             log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f, cosine to dense %.4f", done, total,
-                     method.name, cost, ratio, row["zero_top1"], row["cosine"])
+                     entry.name, cost, ratio, row["zero_top1"], row["cosine"])
             rows.append(row)
     return rows, dense_acc
 
 
 def _setting_text(s: dict[str, Any]) -> str:
-    if "merge_r" in s:
-        return f"r = {s['merge_r']}"
+    if "tome_r" in s:
+        return f"r = {s['tome_r']}"
     layers = s["layers"]
     if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
         layers = f"{layers[0]}–{layers[-1]}"
@@ -313,7 +297,8 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
     write_text(report, "\n".join(lines))
     write_json(root / "compare.json",
                {"protocol": "probe" if probe_mode else "finetune", "img_size": img_size,
-                "dense": {"top1": dense_acc, "images_per_s": dense_ips, "checkpoint": str(pretrained)}, "rows": rows})
+                "dense": {"top1": dense_acc, "images_per_s": dense_ips, "checkpoint": str(pretrained)},
+                "rows": [{k: v for k, v in r.items() if k != "method_obj"} for r in rows]})
     print("\n".join(lines[4:4 + 2 + len(rows)]))
     log.info("report written to %s", report)
     return report

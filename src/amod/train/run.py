@@ -21,10 +21,12 @@ import torch
 import yaml
 from torch.nn.parallel import DistributedDataParallel
 
-from . import engine, files
+from .. import files
+from ..cost import flops, validate_cost
+from ..methods import Method, method_from_run_fields
+from ..mod.config import DEFAULT_PROTECT, validate_capacity, validate_protect, validate_skipped
+from . import engine
 from .checkpoint import save as save_model
-from .config import DEFAULT_PROTECT, validate_capacity, validate_cost, validate_protect, validate_skipped
-from .cost import flops
 from .data import DataInfo, build_datasets
 from .models import build_model
 from .rundir import RunDirectory, check_output_dir
@@ -61,8 +63,8 @@ class RunConfig:
     skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
     protect: float = DEFAULT_PROTECT  # fold: share of a fold block's patch tokens the router protects
     # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
-    merge_cost: Optional[float] = None
-    merge_r: Optional[Union[int, list[int]]] = None
+    tome_cost: Optional[float] = None
+    tome_r: Optional[Union[int, list[int]]] = None
     # data
     data: str = "fashion-mnist"
     train_limit: Optional[int] = None  # a fixed random subset of the training set
@@ -87,6 +89,8 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         """Check every field; raises ValueError naming the option and what is allowed. Returns self."""
         check_types(self, "options")
+        if self.layers is None:  # the default the method itself would take, written out in config.yaml
+            self.layers = "all" if self.skipped == "fold" else "alternate"
         if self.router is not None:
             self.capacity = validate_capacity(self.capacity)
         validate_skipped(self.skipped)
@@ -118,20 +122,25 @@ class RunConfig:
         if not (0 <= self.warmup_epochs < math.inf and 0 <= self.weight_decay < math.inf) \
                 or not 0 <= self.label_smoothing < 1:
             raise ValueError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
-        if (self.merge_cost is not None or self.merge_r is not None) and (self.router is not None or self.isoflop):
-            raise ValueError("token merging (--merge-cost/--merge-r) replaces MoD: drop --router/--isoflop")
-        if self.merge_cost is not None and self.merge_r is not None:
-            raise ValueError("give either --merge-cost or --merge-r, not both")
-        if self.merge_cost is not None:
-            validate_cost(self.merge_cost, "--merge-cost")
+        if (self.tome_cost is not None or self.tome_r is not None) and (self.router is not None or self.isoflop):
+            raise ValueError("token merging (--tome-cost/--tome-r) replaces MoD: drop --router/--isoflop")
+        if self.tome_cost is not None and self.tome_r is not None:
+            raise ValueError("give either --tome-cost or --tome-r, not both")
+        if self.tome_cost is not None:
+            validate_cost(self.tome_cost, "--tome-cost")
         if self.isoflop and self.router is None:
             raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
         if self.pretrained and self.checkpoint:
             raise ValueError("give either --pretrained or --checkpoint, not both")
         return self
 
+    def method(self) -> Method:
+        """The method these settings select (``amod.methods``)."""
+        return method_from_run_fields(self)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "RunConfig":
+        data = renamed_keys(data, source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -141,6 +150,27 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Keys renamed in a release, mapped for one more: old name -> new name (a warning says so).
+RENAMED = {"merge_cost": "tome_cost", "merge_r": "tome_r"}
+
+
+def renamed_keys(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """``data`` with deprecated keys under their new names (a config file or checkpoint written before)."""
+    old = [k for k in data if k in RENAMED]
+    if not old:
+        return data
+    for k in old:
+        if RENAMED[k] in data and data[RENAMED[k]] is not None and data[k] is not None:
+            raise ValueError(f"{source}: give {RENAMED[k]} or its old name {k}, not both")
+        if data[k] is not None:
+            log.warning("%s: %s is deprecated, use %s", source, k, RENAMED[k])
+    out = {k: v for k, v in data.items() if k not in RENAMED}
+    for k in old:
+        if data[k] is not None or RENAMED[k] not in out:
+            out[RENAMED[k]] = data[k]
+    return out
 
 
 def _flag(name: str) -> str:
@@ -190,6 +220,27 @@ def mod_options_without_router(given: dict[str, Any], router: Optional[str], iso
         if ignored:
             raise ValueError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to an "
                              "MoD model; add --router (attention, standard, ...) or leave it out")
+
+
+def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resume: bool = False,
+                       finetune: bool = False) -> RunConfig:
+    """A run's configuration from: defaults (or, with ``resume``, the run's own) <- the YAML file <- flags.
+
+    ``flags``: the options given on the command line, by field name. When resuming, anything given
+    again must agree with the run (checked in ``train``).
+    """
+    base = RunConfig(eval_before_training=finetune).to_dict()
+    yaml_values = renamed_keys(load_yaml_config(config), config) if config else {}
+    RunConfig.from_dict({**RunConfig().to_dict(), **yaml_values}, config or "options")  # its names and types
+    if resume:
+        out = flags.get("out", yaml_values.get("out", base["out"]))
+        base = engine.load_training_checkpoint(Path(out) / "checkpoint.pt")["config"]
+    base = {**renamed_keys(base, "checkpoint"), **yaml_values, **flags}
+    cfg = RunConfig.from_dict(base, config or "options")
+    if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
+        raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
+    mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
+    return cfg
 
 
 def run_dir_name(text: str) -> str:
@@ -282,7 +333,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         else:
             writer.truncate_after(state["epoch"])
     log.info("%s: %s on %s (%d train / %d val images), %.4f GMACs per image (%.3f of dense)", out,
-             _describe(cfg), info.name, len(train_ds), len(val_ds), cost.gmacs, cost.ratio)
+             cfg.method().label(), info.name, len(train_ds), len(val_ds), cost.gmacs, cost.ratio)
 
     bad_images = engine.BadImages(skip=cfg.skip_bad_images)
     val_loader = engine.make_loader(val_ds, cfg.eval_batch_size, False, cfg.seed, 0, dist_info, cfg.workers)
@@ -349,22 +400,13 @@ def _summary(cfg: RunConfig, out: Path, cost: Any, dist_info: engine.Dist, check
              skipped_images: int) -> dict[str, Any]:
     rows = engine.read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
     last = rows[-1] if rows else {}
-    summary = {"variant": _describe(cfg), "epochs": cfg.epochs, "macs": cost.macs, "flop_ratio": cost.ratio,
+    summary = {"variant": cfg.method().label(), "epochs": cfg.epochs, "macs": cost.macs, "flop_ratio": cost.ratio,
                "val_top1": last.get("val_top1"), "val_top5": last.get("val_top5"), "val_loss": last.get("val_loss"),
                "val_images": last.get("val_images"), "skipped_images": skipped_images,
                "out": str(out), "world_size": dist_info.world, "rank_weight_checksums": checksums}
     if dist_info.main:
         files.write_json(out / "summary.json", summary)
     return summary
-
-
-def _describe(cfg: RunConfig) -> str:
-    if cfg.merge_cost is not None or cfg.merge_r is not None:
-        return f"tome@{cfg.merge_cost:g}" if cfg.merge_cost is not None else f"tome r={cfg.merge_r}"
-    if cfg.router is None:
-        return "dense"
-    kind = "isoflop" if cfg.isoflop else cfg.router
-    return f"{kind}@{cfg.capacity:g}" + ("" if cfg.skipped == "bypass" or cfg.isoflop else f" skipped={cfg.skipped}")
 
 
 def _check_resumable(saved: RunConfig, now: RunConfig) -> None:

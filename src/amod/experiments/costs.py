@@ -1,0 +1,52 @@
+"""`amod flops`: the analytic cost of timm ViTs, dense, as MoD at several capacities, and with token merging."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import timm
+import torch
+
+from ..cost import CostReport, flops
+from ..methods import Dense, Method, MoD, TokenMerging
+from ..mod.config import validate_capacity
+from ..tome import schedule_for_cost
+
+
+def flops_methods(capacities: Sequence[float], router: str = "attention", layers=None, skipped: str = "bypass",
+                  tome_costs: Sequence[float] = ()) -> list[tuple[str, Method]]:
+    """(label, method) of every row: MoD at each capacity (dense at 1.0, unless the router has weights that
+    the dense model lacks), then token merging matched to each cost."""
+    rows: list[tuple[str, Method]] = []
+    for c in capacities:
+        c = validate_capacity(c)
+        dense = c >= 1.0 and router != "standard"
+        rows.append((f"{c:.3f}", Dense() if dense else MoD(router=router, capacity=c, layers=layers, skipped=skipped)))
+    rows += [(f"ToMe@{c:g}", TokenMerging(cost=c)) for c in tome_costs]
+    return rows
+
+
+def flops_table(models: Sequence[str], methods: Sequence[tuple[str, Method]],
+                img_size: Optional[int] = None) -> list[tuple[str, str, CostReport]]:
+    """(model, label, cost) for every model and method; costs need shapes only, so no weights are made."""
+    rows = []
+    for name in models:
+        if name not in timm.list_models():
+            raise ValueError(f"unknown timm model {name!r}")
+        for label, method in methods:
+            with torch.device("meta"):
+                model = timm.create_model(name, pretrained=False)
+                if isinstance(method, TokenMerging) and method.cost is not None:  # matched at the table's size
+                    model = TokenMerging(r=tuple(schedule_for_cost(model, method.cost, img_size))).apply(model)
+                else:
+                    model = method.apply(model)
+            rows.append((name, label, flops(model, img_size)))
+    return rows
+
+
+def format_flops_table(rows: Sequence[tuple[str, str, CostReport]]) -> list[str]:
+    """The table's lines."""
+    lines = [f"{'model':34s} {'img':>9s} {'capacity':>10s} {'GMACs':>8s} {'GFLOPs':>8s} {'vs dense':>8s} {'ideal x':>7s}"]
+    for name, label, r in rows:
+        lines.append(f"{name:34s} {r.img_size[0]:>4d}x{r.img_size[1]:<4d} {label:>10s} {r.gmacs:>8.3f} "
+                     f"{r.flops / 1e9:>8.3f} {r.ratio:>8.3f} {1 / r.ratio:>7.2f}")
+    return lines

@@ -1,0 +1,49 @@
+"""`amod eval`: accuracy, loss, cost and speed of a saved model on a validation set."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..cost import flops
+from ..mod.convert import set_capacity
+from ..train.checkpoint import load
+from ..train.data import build_datasets
+from ..train.engine import BadImages, Dist, evaluate, make_loader
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str  # model.safetensors of a run, or any amod.save file
+    data: str = "fashion-mnist"
+    img_size: Optional[int] = None  # must be the model's own input size
+    val_limit: Optional[int] = None
+    batch_size: int = 256
+    capacity: Optional[float] = None  # evaluate an MoD model at another capacity
+    amp: str = "off"
+    skip_bad_images: bool = False  # skip unreadable image files (and count them)
+
+
+def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
+    """Top-1/top-5, loss, images/s, MACs per image and unreadable images skipped, for ``cfg.checkpoint``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load(cfg.checkpoint, device)
+    if cfg.capacity is not None:
+        set_capacity(model, cfg.capacity)
+    native = model.patch_embed.img_size[0]
+    if cfg.img_size is not None and cfg.img_size != native:
+        raise ValueError(f"{cfg.checkpoint} takes {native}-px images, not {cfg.img_size}: drop --img-size, "
+                         "or finetune the model at that size first")
+    if model.num_classes == 0:
+        raise ValueError(f"{cfg.checkpoint} has no classifier (a backbone): finetune it with amod finetune, "
+                         "or compare reduced versions of it with amod compare's linear probe")
+    _, val, info = build_datasets(cfg.data, native, None, cfg.val_limit)
+    if info.num_classes > model.num_classes or info.in_chans != model.patch_embed.proj.in_channels:
+        raise ValueError(f"the model ({model.num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
+                         f"does not fit {info.name} ({info.num_classes} classes, {info.in_chans} channels)")
+    dist_info = Dist(device=device)
+    bad_images = BadImages(skip=cfg.skip_bad_images)
+    metrics = evaluate(model, make_loader(val, cfg.batch_size, False, 0, 0, dist_info), device, cfg.amp, dist_info,
+                       progress=progress, bad_images=bad_images)
+    return {**metrics, "macs": flops(model).macs, "skipped_images": len(bad_images.paths)}

@@ -1,0 +1,45 @@
+"""What the experiments share: the demo's small ViT and training budgets, the quick preset used by
+tests, and running (or reusing) one training run.
+
+``BASE`` is the embedded default model: a ViT on Fashion-MNIST (28 x 28, patch 4: 49 patches + CLS,
+6 blocks of width 64, 2 heads). ``QUICK`` shrinks every experiment to seconds; it is the one
+definition of quick mode, used by ``amod demo/study/compare --quick``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from ..train.run import RunConfig, train
+
+log = logging.getLogger("amod")
+
+BASE = dict(model="vit_tiny_patch16_224", patch_size=4, depth=6, embed_dim=64, num_heads=2, data="fashion-mnist")
+PRETRAIN = dict(epochs=8, batch_size=128, lr=4e-3, warmup_epochs=0.3)
+FINETUNE = dict(epochs=2, batch_size=128, lr=5e-4, warmup_epochs=0.2, train_limit=20000)
+CAPACITIES = (0.5, 0.125)
+QUICK = dict(depth=4, embed_dim=32, train_limit=512, val_limit=256, epochs=1)
+
+
+def run_once(cfg: RunConfig) -> dict[str, Any]:
+    """Train ``cfg`` unless its directory already holds the finished run; resume a killed one."""
+    out = Path(cfg.out)
+    summary = out / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("epochs") == cfg.epochs \
+            and (out / "model.safetensors").exists():
+        log.info("%s: finished earlier, reused", out)
+        return json.loads(summary.read_text())
+    return train(cfg, resume=(out / "checkpoint.pt").exists())
+
+
+def pretrain_dense(out: Path, data: str = "fashion-mnist", quick: bool = False, train_limit: Optional[int] = None,
+                   val_limit: Optional[int] = None) -> tuple[dict[str, Any], Path]:
+    """Pretrain the demo's dense ViT into ``out`` (or reuse it there); returns its summary and weights file."""
+    small = {k: QUICK[k] for k in ("depth", "embed_dim")} if quick else {}
+    cfg = RunConfig(**{**BASE, **small, "data": data}, **PRETRAIN, train_limit=train_limit, val_limit=val_limit,
+                    out=str(out))
+    if quick:
+        cfg.epochs = QUICK["epochs"]
+    return run_once(cfg), out / "model.safetensors"

@@ -1,0 +1,236 @@
+"""The method a model runs: dense, Mixture-of-Depths, the isoFLOP dense baseline of an MoD setup, or
+token merging.
+
+One class per method knows how to turn a dense timm ViT into itself (``apply``), its label, the
+run-configuration fields that select it, its checkpoint metadata, and how to set itself to a share
+of the dense model's MACs (``at_cost``). Run configurations, model building, checkpoints,
+``amod flops``, ``amod compare`` and ``amod study`` all go through these classes. A new method is
+one class plus its entry in ``METHODS``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
+
+from torch import nn
+
+from .arch import skeleton
+from .cost import flops
+from .mod.config import DEFAULT_PROTECT, MoDConfig
+from .mod.convert import capacity_for_cost, convert
+from .mod.isoflop import isoflop_baseline
+from . import tome
+
+Layers = Optional[Union[str, list[int], tuple[int, ...]]]
+
+
+class Method:
+    """Base class of the methods; subclasses are frozen dataclasses."""
+
+    kind: ClassVar[str]
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Turn the dense timm ViT ``model`` into this method (in place where possible); returns the model."""
+        raise NotImplementedError
+
+    def label(self) -> str:
+        """Short description, as in run summaries: ``dense``, ``attention@0.5``, ``tome@0.56``."""
+        raise NotImplementedError
+
+    def run_fields(self) -> dict[str, Any]:
+        """The ``RunConfig`` fields that select this method."""
+        raise NotImplementedError
+
+    def metadata(self) -> dict[str, str]:
+        """Entries of a checkpoint's metadata that rebuild this method (none for a dense model)."""
+        return {}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["Method"]:
+        """This method, if the checkpoint metadata ``meta`` names it."""
+        return None
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["Method"]:
+        """This method as ``model`` runs it, if it does."""
+        return None
+
+    def at_cost(self, dense: nn.Module, cost: float) -> "Method":
+        """A copy set to the cost closest to ``cost`` x the dense model's MACs (priced on a weightless copy)."""
+        return self
+
+
+@dataclass(frozen=True)
+class Dense(Method):
+    kind: ClassVar[str] = "dense"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def label(self) -> str:
+        return "dense"
+
+    def run_fields(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class MoD(Method):
+    """Mixture-of-Depths: ``amod.convert`` with these arguments."""
+
+    kind: ClassVar[str] = "mod"
+    router: str = "attention"
+    capacity: float = 0.5
+    layers: Layers = None  # None: "all" for skipped="fold", "alternate" otherwise
+    scale_output: Optional[bool] = None
+    seed: int = 0
+    skipped: str = "bypass"
+    protect: float = DEFAULT_PROTECT
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        return convert(model, router=self.router, capacity=self.capacity, layers=layers, scale_output=self.scale_output,
+                       seed=self.seed, skipped=self.skipped, protect=self.protect)
+
+    def label(self) -> str:
+        return f"{self.router}@{self.capacity:g}" + ("" if self.skipped == "bypass" else f" skipped={self.skipped}")
+
+    def run_fields(self) -> dict[str, Any]:
+        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        fields = {"router": self.router, "capacity": self.capacity, "layers": layers, "skipped": self.skipped}
+        if self.scale_output is not None:
+            fields["scale_output"] = self.scale_output
+        if self.skipped == "fold":
+            fields["protect"] = self.protect
+        return fields
+
+    def metadata(self) -> dict[str, str]:
+        return {"amod.mod": self.config().to_json()}
+
+    def config(self) -> MoDConfig:
+        """The ``MoDConfig`` of this method (layers must be resolved: take it from ``of_model``)."""
+        return MoDConfig(router=self.router, capacity=self.capacity, layers=list(self.layers or []),
+                         scale_output=bool(self.scale_output), seed=self.seed, skipped=self.skipped,
+                         protect=self.protect)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
+        if "amod.mod" not in meta:
+            return None
+        config = MoDConfig.from_dict(json.loads(meta["amod.mod"]))
+        return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers)})
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["MoD"]:
+        config = getattr(model, "amod_config", None)
+        if config is None:
+            return None
+        return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers)})
+
+    def at_cost(self, dense: nn.Module, cost: float) -> "MoD":
+        model = self.apply(skeleton(dense))
+        return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
+
+
+@dataclass(frozen=True)
+class IsoFLOP(Method):
+    """The dense baseline of an MoD setup: fewer blocks, the MoD model's cost (``amod.isoflop_baseline``)."""
+
+    kind: ClassVar[str] = "isoflop"
+    router: str = "attention"
+    capacity: float = 0.5
+    layers: Layers = "alternate"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        return isoflop_baseline(model, self.capacity, layers=layers or "alternate", router=self.router)
+
+    def label(self) -> str:
+        return f"isoflop@{self.capacity:g}"
+
+    def run_fields(self) -> dict[str, Any]:
+        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        return {"router": self.router, "capacity": self.capacity, "layers": layers, "isoflop": True}
+
+
+@dataclass(frozen=True)
+class TokenMerging(Method):
+    """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
+
+    kind: ClassVar[str] = "tome"
+    r: Optional[Union[int, tuple[int, ...]]] = None
+    cost: Optional[float] = None
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        r = list(self.r) if isinstance(self.r, tuple) else self.r
+        return tome.apply(model, r=r, cost=self.cost)
+
+    def label(self) -> str:
+        if self.cost is not None:
+            return f"tome@{self.cost:g}"
+        return f"tome r={list(self.r) if isinstance(self.r, tuple) else self.r}"
+
+    def run_fields(self) -> dict[str, Any]:
+        if self.cost is not None:
+            return {"tome_cost": self.cost}
+        return {"tome_r": list(self.r) if isinstance(self.r, tuple) else self.r}
+
+    def metadata(self) -> dict[str, str]:
+        return {"amod.merge": json.dumps({"schedule": list(self.r)})}  # the key predates amod.tome
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
+        if "amod.merge" not in meta:
+            return None
+        return cls(r=tuple(json.loads(meta["amod.merge"])["schedule"]))
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["TokenMerging"]:
+        merging = getattr(model, "amod_merge", None)
+        return None if merging is None else cls(r=tuple(merging.schedule))
+
+    def at_cost(self, dense: nn.Module, cost: float) -> "TokenMerging":
+        return TokenMerging(r=tuple(tome.schedule_for_cost(dense, cost, tolerance=1.0)))  # closest; a miss is flagged
+
+
+def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:
+    """``method``'s cost as a share of the dense model's MACs (priced on a weightless copy)."""
+    return flops(method.apply(skeleton(dense)), img_size).ratio
+
+
+# Every method amod knows; the first whose metadata or model matches is the one.
+METHODS: tuple[type[Method], ...] = (MoD, TokenMerging, IsoFLOP, Dense)
+
+
+def method_of(model: nn.Module) -> Method:
+    """The method ``model`` runs (``Dense`` for a dense or isoFLOP model)."""
+    for cls in METHODS:
+        method = cls.of_model(model)
+        if method is not None:
+            return method
+    return Dense()
+
+
+def method_from_metadata(meta: dict[str, str]) -> Method:
+    """The method a checkpoint's metadata names (``Dense`` when it names none)."""
+    for cls in METHODS:
+        method = cls.from_metadata(meta)
+        if method is not None:
+            return method
+    return Dense()
+
+
+def method_from_run_fields(fields: Any) -> Method:
+    """The method a run configuration selects (an object with ``RunConfig``'s fields)."""
+    if fields.tome_cost is not None or fields.tome_r is not None:
+        r = tuple(fields.tome_r) if isinstance(fields.tome_r, (list, tuple)) else fields.tome_r
+        return TokenMerging(r=r, cost=fields.tome_cost)
+    if fields.router is None:
+        return Dense()
+    layers = tuple(fields.layers) if isinstance(fields.layers, list) else fields.layers
+    if fields.isoflop:
+        return IsoFLOP(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
+    return MoD(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
+               seed=fields.seed, skipped=fields.skipped, protect=fields.protect)

@@ -1,0 +1,70 @@
+"""The isoFLOP baseline of an MoD setup: a dense ViT with fewer blocks that costs what the MoD model would."""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Union
+
+import numpy as np
+import timm
+from torch import nn
+
+from ..cost import flops
+from .convert import convert
+
+
+def isoflop_depth(model: nn.Module, mod_macs: int, img_size=None) -> int:
+    """The number of dense blocks whose cost is closest to ``mod_macs``."""
+    report = flops(model, img_size)
+    per_block = (report.dense_macs - report.embed_macs - report.head_macs) / len(model.blocks)
+    return max(1, round((mod_macs - report.embed_macs - report.head_macs) / per_block))
+
+
+def kept_block_indices(depth: int, new_depth: int) -> list[int]:
+    """Evenly spaced blocks from 0 to depth - 1 (first and last always kept)."""
+    if new_depth == 1:
+        return [0]
+    return [int(i) for i in np.round(np.linspace(0, depth - 1, new_depth)).astype(int)]
+
+
+def isoflop_baseline(
+    name_or_model: Union[str, nn.Module],
+    capacity: float,
+    layers="alternate",
+    router: str = "attention",
+    pretrained: bool = False,
+    img_size=None,
+    **create_kwargs,
+) -> nn.Module:
+    """A dense timm ViT with fewer blocks that costs what the MoD model would.
+
+    Depth: the number of dense blocks whose cost is closest to the MoD model's (same embedding and
+    head). Weights: the kept blocks are evenly spaced over the original depth, the first and last
+    always among them, so a pretrained model keeps its input and output stages. Warns when integer
+    depth cannot match the cost within 5 % (small models).
+
+    Args:
+        name_or_model: a timm model name (created with ``pretrained`` and ``create_kwargs``) or a
+            dense timm ViT (copied, not changed).
+        capacity, layers, router: the MoD setup to match (as in ``amod.convert``).
+        img_size: the input size at which costs are matched; defaults to the model's.
+    """
+    if isinstance(name_or_model, str):
+        dense = timm.create_model(name_or_model, pretrained=pretrained, **create_kwargs)
+    else:
+        if getattr(name_or_model, "amod_config", None) is not None:
+            raise ValueError("isoflop_baseline needs the dense model, not a converted one")
+        dense = copy.deepcopy(name_or_model)
+    mod = convert(copy.deepcopy(dense), router=router, capacity=capacity, layers=layers)
+    target = flops(mod, img_size).macs
+    depth = len(dense.blocks)
+    new_depth = min(depth, isoflop_depth(dense, target, img_size))
+    keep = kept_block_indices(depth, new_depth)
+    dense.blocks = nn.Sequential(*[dense.blocks[i] for i in keep])
+    got = flops(dense, img_size).macs
+    if abs(got - target) / target > 0.05:
+        warnings.warn(
+            f"isoFLOP baseline: {new_depth} dense blocks cost {got / target:.3f}x the MoD model; "
+            "integer depth cannot match closer at this size", stacklevel=2)
+    dense.amod_isoflop = {"kept_blocks": keep, "mod_macs": target, "macs": got}
+    return dense

@@ -1,0 +1,113 @@
+"""Token bookkeeping shared by every token reduction: gather, scatter, and merging by size-weighted average.
+
+Pure functions on tensors (plus one small state holder), no modules: each piece can be tested on its
+own. Shapes: B images, N tokens (p prefix tokens first, then n patch tokens), D channels.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def flat_index(index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """(B, M) per-image token indices -> (B * M,) row indices into the (B * N, D) flattened batch.
+
+    Whole-row copies by ``index_select``/``index_copy``/``index_add`` on the flattened batch are several
+    times faster on the CPU than ``gather``/``scatter`` with an index expanded over D.
+    """
+    offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1) * num_tokens
+    return (index + offsets).reshape(-1)
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B, N, D) tokens, (B, M) indices -> (B, M, D) gathered tokens."""
+    B, N, D = x.shape
+    return x.reshape(B * N, D).index_select(0, flat_index(index, N)).view(B, index.shape[1], D)
+
+
+def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A copy of x (B, N, D) with rows ``index`` (B, M) replaced by ``values`` (B, M, D).
+
+    Out of place, so autograd sees it and the untouched rows are bit-identical to x.
+    """
+    B, N, D = x.shape
+    return x.reshape(B * N, D).index_copy(0, flat_index(index, N), values.reshape(-1, D)).view(B, N, D)
+
+
+# ---------------------------------------------------------------- merging
+
+class MergeState:
+    """Token sizes (B, N, 1) shared by the blocks of one merged model during one forward."""
+
+    def __init__(self) -> None:
+        self.size: Optional[torch.Tensor] = None
+
+    def __repr__(self) -> str:
+        return f"MergeState(tokens={None if self.size is None else self.size.shape[1]})"
+
+
+def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ToMe's matching on patch tokens only.
+
+    Args:
+        metric: (B, n, c) features to compare (keys averaged over heads).
+        r: pairs to merge, at most n // 2 (with ``protected``: at most the unprotected A tokens).
+        protected: optional (B, n) bool; a protected token is neither merged away (as an A token) nor
+            merged into (as a B token).
+
+    Returns:
+        (unmerged, src, dst): indices into set A (even positions) of the A tokens kept, (B, a - r, 1),
+        and of those merged, (B, r, 1); and, for each merged A token, its partner's index in set B
+        (odd positions), (B, r, 1).
+    """
+    metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    a, b = metric[:, ::2], metric[:, 1::2]
+    scores = a @ b.transpose(-1, -2)  # (B, |A|, |B|) cosine similarities
+    if protected is not None:
+        scores = scores.masked_fill(protected[:, 1::2].unsqueeze(1), -math.inf)  # never into a protected B
+    node_max, node_idx = scores.max(dim=-1)
+    if protected is not None:
+        node_max = node_max.masked_fill(protected[:, ::2], -math.inf)  # a protected A token stays
+    edge_idx = node_max.argsort(dim=-1, descending=True)[..., None]
+    unmerged, src = edge_idx[:, r:], edge_idx[:, :r]
+    dst = node_idx[..., None].gather(1, src)
+    return unmerged, src, dst
+
+
+def _merge_sum(x: torch.Tensor, unmerged: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Set A's unmerged tokens, then set B with A's merged tokens added to their partners.
+
+    ``x``: (B, n, c) patch tokens, contiguous; set A = even positions, set B = odd positions.
+    """
+    B, n, c = x.shape
+    kept = gather_tokens(x, 2 * unmerged.squeeze(-1))  # A's index i is position 2i: no copy of A first
+    moved = gather_tokens(x, 2 * src.squeeze(-1))
+    b = x[:, 1::2].reshape(B * (n // 2), c)
+    b = b.index_add(0, flat_index(dst.squeeze(-1), n // 2), moved.reshape(-1, c)).view(B, n // 2, c)
+    return torch.cat([kept, b], dim=1)
+
+
+def merge_weighted(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int,
+                   num_prefix: int, protected: Optional[torch.Tensor] = None,
+                   keep_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge r pairs of patch tokens of ``x`` (B, N, D) by size-weighted average; prefix tokens stay.
+
+    ``protected``: optional (B, N - num_prefix) bool over the patch tokens (see ``bipartite_soft_matching``).
+    ``keep_order``: the tokens left stay in their order (ToMe puts set A's unmerged tokens first, then
+    set B); the next block's sets A and B then alternate over neighbouring tokens again.
+    Returns the merged tokens (B, N - r, D) and their sizes (B, N - r, 1).
+    """
+    p = num_prefix
+    unmerged, src, dst = bipartite_soft_matching(metric[:, p:], r, protected)
+    weighted = _merge_sum(x[:, p:] * size[:, p:], unmerged, src, dst)
+    new_size = _merge_sum(size[:, p:].contiguous(), unmerged, src, dst)
+    if keep_order:
+        B, n = x.shape[0], x.shape[1] - p
+        odd = torch.arange(1, n, 2, device=x.device).expand(B, -1)
+        order = torch.cat([2 * unmerged.squeeze(-1), odd], dim=1).argsort(dim=1)  # by position before the merge
+        weighted, new_size = gather_tokens(weighted, order), gather_tokens(new_size, order)
+    merged = weighted / new_size
+    return torch.cat([x[:, :p], merged.to(x.dtype)], 1), torch.cat([size[:, :p], new_size], 1)

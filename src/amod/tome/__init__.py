@@ -1,0 +1,11 @@
+"""Token merging (ToMe, Bolya et al., ICLR 2023): the training-free baseline amod is compared against.
+
+``amod.tome.apply(model, cost=0.56)`` (or ``r=8``, or one r per block) makes a dense timm ViT merge
+tokens in place; ``set_schedule`` changes the tokens merged per block; ``schedule_for_cost`` finds
+the schedule closest to a share of the dense MACs. See ``amod.tome.merging``.
+"""
+from .merging import (MergeAttention, MergeBlock, MergeConfig, apply, merge_block_macs, merge_macs, schedule_for_cost,
+                      set_schedule, token_counts)
+
+__all__ = ["apply", "set_schedule", "schedule_for_cost", "token_counts", "merge_macs", "merge_block_macs",
+           "MergeConfig", "MergeBlock", "MergeAttention"]
