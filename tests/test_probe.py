@@ -52,7 +52,22 @@ def test_compare_on_a_backbone_uses_the_probe_and_caches_the_dense_features(tmp_
     assert abs(fold["cost"] - 0.75) / 0.75 < 0.02 and fold["cosine"] > 0.5
     cache = list((tmp_path / "cmp").glob("dense_features_*.pt"))
     assert len(cache) == 1
+    # a comparison killed after its first measurement (the last line torn) resumes from there, and a
+    # rerun restricted with --methods reports those methods only, with the same numbers
+    done = list((tmp_path / "cmp").glob("probe_rows_*.jsonl"))
+    assert len(done) == 1 and len(done[0].read_text().splitlines()) == len(report["rows"])
+    first = done[0].read_text().splitlines()[0]
+    done[0].write_text(first + "\n" + '{"method": "A-MoD f')
     capsys.readouterr()
-    assert amod_main(argv) == 0  # a rerun takes the cached dense features and gives the same numbers
-    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"][0]["zero_top1"] == report["rows"][0]["zero_top1"]
+    assert amod_main(argv + ["--methods", "A-MoD fold", "ToMe"]) == 0
+    rerun = json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]
+    assert [r["method"] for r in rerun] == ["ToMe", "A-MoD fold"]  # in the report's usual order
+    before = {r["method"]: r for r in report["rows"]}
+    for r in rerun:
+        assert (r["zero_top1"], r["cosine"], r["cost"]) == pytest.approx(
+            (before[r["method"]]["zero_top1"], before[r["method"]]["cosine"], before[r["method"]]["cost"]))
     assert "probe top-1" in (tmp_path / "cmp" / "compare.md").read_text()
+    capsys.readouterr()
+    assert amod_main(argv + ["--methods", "ToMe", "nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method 'nonsense'" in err and err.count("\n") == 1

@@ -38,26 +38,20 @@ class Parser(argparse.ArgumentParser):
 
 # ---------------------------------------------------------------- flag types
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+positive_int = _int_at_least(1, "a positive integer")  # an argparse type
+nonnegative_int = _int_at_least(0, "an integer >= 0")
 
 
 def parse_layers(text: str):
@@ -318,6 +312,8 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=_default(CompareConfig, "lr"))
     p.add_argument("--speed-batch", type=positive_int, default=_default(CompareConfig, "speed_batch"))
     p.add_argument("--speed-repeats", type=positive_int, default=_default(CompareConfig, "speed_repeats"))
+    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                   help="compare only these methods (names as in the report, e.g. ToMe 'A-MoD fold'); default all")
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
 
@@ -325,7 +321,7 @@ def _compare(args: argparse.Namespace) -> int:
     cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
                         img_size=args.img_size, epochs=args.epochs, train_limit=args.train_limit,
                         probe_train=args.probe_train, val_limit=args.val_limit, lr=args.lr,
-                        speed_batch=args.speed_batch, speed_repeats=args.speed_repeats)
+                        speed_batch=args.speed_batch, speed_repeats=args.speed_repeats).only(args.methods)
     print(run_compare(cfg.as_quick() if args.quick else cfg))
     return 0
 

@@ -9,7 +9,8 @@ most closely: MoD methods by their capacity, ToMe by its merge schedule. Two pro
 - a backbone without one (``num_classes=0``, e.g. DINOv2): a linear probe is fitted once on the
   dense model's frozen features (CLS after the final norm) of a training subset, its L2 penalty
   chosen on a held-out part of it, and every reduced model is measured with that same probe (zero
-  training), with the mean cosine of its features to the dense ones. The dense features are cached.
+  training), with the mean cosine of its features to the dense ones. The dense features are cached,
+  and so is each finished (cost, method) measurement: a killed comparison resumes where it stopped.
 
 Then all models are timed (images/s, interleaved in one process), and ``compare.md``,
 ``compare.json`` and ``compare.png`` are written.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,17 +29,16 @@ from typing import Any, Optional
 import torch
 
 from ..cost import flops, validate_cost
-from ..files import torch_save, write_json, write_text
+from ..files import dumps, torch_save, write_json, write_text
 from ..methods import Method, MoD, TokenMerging, cost_of
 from ..train import engine
-from ..train.checkpoint import check_dense_file, load
+from ..train.checkpoint import load
 from ..train.data import build_datasets
 from ..train.models import fit_to_data
 from ..train.run import RunConfig, run_dir_name
-from ..train.rundir import RunDirectory, check_output_dir
 from .bench import time_models
 from .plots import accuracy_vs_cost_panels
-from .presets import BASE, QUICK, pretrain_dense, run_once
+from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
 from .probe import LinearProbe, features, fit_probe, mean_cosine
 
 log = logging.getLogger("amod")
@@ -94,6 +95,16 @@ class CompareConfig:
     methods: tuple[Entry, ...] = field(default=METHODS)
     quick: bool = False
 
+    def only(self, names: Optional[list[str]]) -> "CompareConfig":
+        """The same comparison restricted to the named methods (``Entry.name``), in their usual order."""
+        if not names:
+            return self
+        known = [e.name for e in self.methods]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
+        return dataclasses.replace(self, methods=tuple(e for e in self.methods if e.name in names))
+
     def as_quick(self) -> "CompareConfig":
         """The same comparison in seconds (for tests): the demo's quick model and data, one epoch."""
         return dataclasses.replace(self, epochs=1, train_limit=QUICK["train_limit"], val_limit=QUICK["val_limit"],
@@ -106,34 +117,19 @@ class CompareConfig:
             raise ValueError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
-        for name in ("epochs", "batch_size", "speed_batch", "speed_repeats", "probe_train"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("train_limit", "val_limit", "img_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        if self.checkpoint is not None:
-            check_dense_file(self.checkpoint)
+        check_settings(self, ("epochs", "batch_size", "speed_batch", "speed_repeats", "probe_train"),
+                       ("train_limit", "val_limit", "img_size"))
         return self
 
 
 def run_compare(cfg: CompareConfig) -> Path:
     """Run every (cost, method) pair (reusing finished runs), time them, and write the report."""
     cfg.validate()
-    root = check_output_dir(cfg.out)
-    build_datasets(cfg.data, None, None, None)  # the data must be there before the first run
-    with RunDirectory(root):
-        return _run_compare(cfg, root)
+    return run_in_directory(cfg.out, cfg.data, lambda root: _run_compare(cfg, root))
 
 
 def _run_compare(cfg: CompareConfig, root: Path) -> Path:
-    pretrained = Path(cfg.checkpoint) if cfg.checkpoint else None
-    if pretrained is None:
-        log.info("pretraining the demo's dense model (or reusing it)")
-        _, pretrained = pretrain_dense(root / "pretrain", cfg.data, cfg.quick,
-                                       cfg.train_limit if cfg.quick else None, cfg.val_limit)
+    pretrained = starting_checkpoint(cfg, root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dense = load(pretrained, device).eval()
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
@@ -198,12 +194,16 @@ def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretr
     return rows, dense_acc
 
 
+def _features_key(cfg: CompareConfig, dense: torch.nn.Module, pretrained: Path, train, val) -> str:
+    """What the dense features and every probe measurement depend on: weights, data, size, subsets."""
+    return hashlib.sha256(f"{Path(pretrained).resolve()}:{Path(pretrained).stat().st_mtime_ns}:{cfg.data}:"
+                          f"{dense.patch_embed.img_size}:{len(train)}:{len(val)}".encode()).hexdigest()[:16]
+
+
 def _dense_features(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, train, val,
                     device: torch.device) -> dict[str, torch.Tensor]:
     """The dense model's features of the probe's training subset and of the test set, cached under ``root``."""
-    key = hashlib.sha256(f"{Path(pretrained).resolve()}:{Path(pretrained).stat().st_mtime_ns}:{cfg.data}:"
-                         f"{dense.patch_embed.img_size}:{len(train)}:{len(val)}".encode()).hexdigest()[:16]
-    path = root / f"dense_features_{key}.pt"
+    path = root / f"dense_features_{_features_key(cfg, dense, pretrained, train, val)}.pt"
     if path.exists():
         log.info("dense features reused from %s", path)
         return torch.load(path, weights_only=True)
@@ -225,22 +225,47 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images (probe fitted on %d, L2 %g)", pretrained,
              dense.patch_embed.img_size[0], dense_acc, len(val), len(train), probe.l2)
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
+    # one measurement per line, appended as each finishes: a killed comparison resumes after the last one
+    done_path = root / f"probe_rows_{_features_key(cfg, dense, pretrained, train, val)}_{probe.l2:g}.jsonl"
+    finished = _finished_probe_rows(done_path)
     rows: list[dict[str, Any]] = []
     total, done = len(cfg.costs) * len(cfg.methods), 0
     for cost in cfg.costs:
         for entry in cfg.methods:
             done += 1
             method = entry.at_cost(dense, cost)
-            model = method.apply(copy.deepcopy(dense)).eval()
-            ratio = flops(model).ratio
-            feats, labels = features(model, engine.image_batches(loader), device)
-            row = {"method": entry.name, "method_obj": method, "cost_target": cost, "cost": ratio,
-                   "zero_top1": probe.accuracy(feats, labels), "top1": None,
-                   "cosine": mean_cosine(feats, cached["test"]), "setting": method.run_fields(), "run": None}
-            log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f, cosine to dense %.4f", done, total,
-                     entry.name, cost, ratio, row["zero_top1"], row["cosine"])
+            measured = finished.get((entry.name, cost, repr(method)))
+            if measured is None:
+                model = method.apply(copy.deepcopy(dense)).eval()
+                feats, labels = features(model, engine.image_batches(loader), device)
+                measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
+                            "cost": flops(model).ratio, "zero_top1": probe.accuracy(feats, labels),
+                            "cosine": mean_cosine(feats, cached["test"])}
+                with open(done_path, "a") as f:
+                    f.write(dumps(measured) + "\n")
+                how = ""
+            else:
+                how = " (measured before)"
+            row = {"method": entry.name, "method_obj": method, "cost_target": cost, "cost": measured["cost"],
+                   "zero_top1": measured["zero_top1"], "top1": None, "cosine": measured["cosine"],
+                   "setting": method.run_fields(), "run": None}
+            log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f, cosine to dense %.4f%s", done, total,
+                     entry.name, cost, row["cost"], row["zero_top1"], row["cosine"], how)
             rows.append(row)
     return rows, dense_acc
+
+
+def _finished_probe_rows(path: Path) -> dict[tuple[str, float, str], dict[str, Any]]:
+    """The measurements a previous, killed comparison finished (a torn last line is ignored)."""
+    finished: dict[tuple[str, float, str], dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                finished[(r["method"], float(r["cost_target"]), r["method_repr"])] = r
+            except (ValueError, KeyError, TypeError):
+                continue
+    return finished
 
 
 def _setting_text(s: dict[str, Any]) -> str:

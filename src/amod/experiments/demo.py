@@ -22,12 +22,10 @@ from ..files import write_json, write_text
 from ..methods import IsoFLOP, Method, MoD
 from ..train import engine
 from ..train.checkpoint import load
-from ..train.data import build_datasets
 from ..train.run import RunConfig
-from ..train.rundir import RunDirectory, check_output_dir
 from .bench import time_models
 from .plots import accuracy_vs_cost, accuracy_vs_epoch
-from .presets import BASE, CAPACITIES, FINETUNE, QUICK, pretrain_dense, run_once
+from .presets import BASE, CAPACITIES, FINETUNE, QUICK, pretrain_dense, run_in_directory, run_once
 
 log = logging.getLogger("amod")
 
@@ -47,10 +45,7 @@ def _slug(name: str) -> str:
 
 def run_demo(out: str, quick: bool = False) -> Path:
     """Run every step (reusing finished ones) and return the path of report.md."""
-    root = check_output_dir(out)
-    build_datasets(BASE["data"], None, None, None)  # the data must be there before the first run
-    with RunDirectory(root):
-        return _run_demo(root, quick)
+    return run_in_directory(out, BASE["data"], lambda root: _run_demo(root, quick))
 
 
 def _run_demo(root: Path, quick: bool) -> Path:

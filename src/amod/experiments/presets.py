@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
+from ..train.checkpoint import check_dense_file
+from ..train.data import build_datasets
 from ..train.run import RunConfig, train
+from ..train.rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")
+T = TypeVar("T")
 
 BASE = dict(model="vit_tiny_patch16_224", patch_size=4, depth=6, embed_dim=64, num_heads=2, data="fashion-mnist")
 PRETRAIN = dict(epochs=8, batch_size=128, lr=4e-3, warmup_epochs=0.3)
@@ -43,3 +47,41 @@ def pretrain_dense(out: Path, data: str = "fashion-mnist", quick: bool = False, 
     if quick:
         cfg.epochs = QUICK["epochs"]
     return run_once(cfg), out / "model.safetensors"
+
+
+def check_settings(cfg: Any, positive: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """The checks every multi-run configuration shares, before its first run: the ``positive`` fields are
+    integers >= 1, the ``optional`` ones too when given, ``lr`` > 0, and the checkpoint (if any) is a
+    readable amod file of a dense model. Raises ValueError naming the flag."""
+    for name in positive:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    for name in optional:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.checkpoint is not None:
+        check_dense_file(cfg.checkpoint)
+
+
+def starting_checkpoint(cfg: Any, root: Path) -> Path:
+    """The dense model a multi-run command starts from: ``cfg.checkpoint``, or the demo's, pretrained in
+    ``root/pretrain`` (or reused from there)."""
+    if cfg.checkpoint:
+        return Path(cfg.checkpoint)
+    log.info("pretraining the demo's dense model (or reusing it)")
+    _, pretrained = pretrain_dense(root / "pretrain", cfg.data, cfg.quick,
+                                   train_limit=cfg.train_limit if cfg.quick else None, val_limit=cfg.val_limit)
+    return pretrained
+
+
+def run_in_directory(out: str, data: str, body: Callable[[Path], T]) -> T:
+    """Check the output directory and the data before anything is written, then run ``body(root)`` while
+    holding the directory's lock (a multi-run command's root: its own log file, one process at a time)."""
+    root = check_output_dir(out)
+    build_datasets(data, None, None, None)  # the data must be there before the first run
+    with RunDirectory(root):
+        return body(root)

@@ -26,13 +26,12 @@ from ..files import atomic_write, dumps, write_text
 from ..methods import IsoFLOP, Method, MoD
 from ..mod.config import validate_capacity
 from ..train import engine
-from ..train.checkpoint import check_dense_file, load
+from ..train.checkpoint import load
 from ..train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
 from ..train.run import RunConfig, run_dir_name
-from ..train.rundir import RunDirectory, check_output_dir
 from .analysis import attention_stats, leave_one_out
 from .plots import accuracy_vs_epoch, routing_figure
-from .presets import BASE, pretrain_dense, run_once
+from .presets import BASE, check_settings, run_in_directory, run_once, starting_checkpoint
 from .stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
@@ -86,34 +85,18 @@ class StudyConfig:
             raise ValueError("give at least one --capacity")
         for c in self.capacities:
             validate_capacity(c)
-        for name in ("seeds", "epochs", "batch_size", "loo_images", "loo_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("train_limit", "val_limit"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
-        if self.checkpoint is not None:
-            check_dense_file(self.checkpoint)
+        check_settings(self, ("seeds", "epochs", "batch_size", "loo_images", "loo_tokens"), ("train_limit", "val_limit"))
         return self
 
 
 def run_study(cfg: StudyConfig) -> Path:
     """Run (or reuse) every run of the grid and write the report; returns the path of study.md."""
     cfg.validate()
-    root = check_output_dir(cfg.out)
-    build_datasets(cfg.data, None, None, None)  # the data must be there before the first run
-    with RunDirectory(root):
-        return _run_study(cfg, root)
+    return run_in_directory(cfg.out, cfg.data, lambda root: _run_study(cfg, root))
 
 
 def _run_study(cfg: StudyConfig, root: Path) -> Path:
-    pretrained = Path(cfg.checkpoint) if cfg.checkpoint else None
-    if pretrained is None:
-        log.info("pretraining the dense model (or reusing it)")
-        _, pretrained = pretrain_dense(root / "pretrain", cfg.data, cfg.quick,
-                                       train_limit=cfg.train_limit if cfg.quick else None, val_limit=cfg.val_limit)
+    pretrained = starting_checkpoint(cfg, root)
 
     _, val, info = build_datasets(cfg.data, None, None, cfg.val_limit)
     runs: dict[tuple[str, float], list[Path]] = {}
