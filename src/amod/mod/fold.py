@@ -19,7 +19,7 @@ are folded into, so the saving persists and compounds like token merging's:
 
 Prefix tokens (class, distillation, registers) never fold. Capacity is per fold block, so the number
 of patch tokens falls geometrically: C = 0.89 on all 12 blocks of a ViT-S at 112 px keeps
-64 → 57 → 51 → ... → 22 tokens. ``amod.set_capacity`` turns it at inference time.
+64 → 57 → 51 → ... → 19 patch tokens. ``amod.set_capacity`` turns it at inference time.
 """
 from __future__ import annotations
 
