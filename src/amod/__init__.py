@@ -9,12 +9,14 @@
 Sub-packages: ``amod.mod`` (routers, MoD and fold blocks, conversion), ``amod.tome`` (token merging,
 the baseline), ``amod.kernels`` (Triton score kernels), ``amod.train`` (data, engine, runs,
 checkpoints), ``amod.experiments`` (demo, compare, study, analyses, benchmarks). ``amod.methods``
-names what a model runs; ``amod.cost`` prices it; ``amod.ops`` is attention with A-MoD's scores.
+names what a model runs; ``amod.cost`` prices it; ``amod.ops`` is attention with A-MoD's scores;
+``amod.deploy`` exports a model to ONNX (``amod.export``) and checks it in ONNX Runtime.
 """
 import importlib
 
 from . import ops, pretrained, tome
 from .cost import CostReport, count_flops, flops
+from .deploy import export
 from .experiments import analysis, stats
 from .methods import Dense, IsoFLOP, Method, MoD, TokenMerging, method_of
 from .mod.config import MoDConfig
@@ -26,6 +28,7 @@ __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
     "flops", "count_flops", "capacity_for_cost", "tome", "isoflop_baseline", "save", "load", "pretrained",
     "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "method_of",
+    "export",
 ]
 __version__ = "0.1.0"
 

@@ -15,7 +15,8 @@ from safetensors import SafetensorError
 from yaml import YAMLError
 
 from .experiments.analyze import ANALYSES, AnalyzeConfig, run_analysis
-from .experiments.bench import run_bench
+from .deploy import EXPORTERS, export_checkpoint
+from .experiments.bench import RUNTIMES, run_bench
 from .experiments.compare import CompareConfig, run_compare
 from .experiments.costs import flops_methods, flops_table, format_flops_table
 from .experiments.demo import run_demo
@@ -72,6 +73,11 @@ def parse_schedule(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, got {text!r}") from None
     return values[0] if len(values) == 1 and "," not in text else values
+
+
+def parse_batch(text: str):
+    """``dynamic`` or a positive batch size."""
+    return text if text == "dynamic" else positive_int(text)
 
 
 def parse_bool(text: str) -> bool:
@@ -238,25 +244,65 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", choices=["off", "bf16"], default="off")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--compile", action="store_true",
+                   help="time both models under torch.compile (their eager forms in the same rounds)")
+    p.add_argument("--runtime", choices=list(RUNTIMES), default="torch",
+                   help="onnxruntime: export both models (amod export) and time them in ONNX Runtime on the CPU")
     p.add_argument("--json", action="store_true")
 
 
 def _bench(args: argparse.Namespace) -> int:
     result = run_bench(args.model, args.router, validate_capacity(args.capacity), args.layers, args.batch_size,
-                       args.img_size, args.repeats, args.warmup, args.amp, args.device, memory=not args.no_memory)
+                       args.img_size, args.repeats, args.warmup, args.amp, args.device, memory=not args.no_memory,
+                       compile=args.compile, runtime=args.runtime)
     if args.json:
         print(dumps(result))
         return 0
     d, m = result["dense"], result["mod"]
-    mem = lambda v: "n/a" if v is None else f"{v:.0f} MiB"  # noqa: E731
+    mem = lambda v: "" if v is None else f"  peak {v:.0f} MiB"  # noqa: E731
+    how = {"torch": "torch.compile" if args.compile else "eager PyTorch",
+           "onnxruntime": f"ONNX Runtime {result.get('onnxruntime', '')} ({result.get('exporter', '')} exporter)"}
     print(f"{args.model} {result['img_size'][0]}x{result['img_size'][1]} batch {args.batch_size} on {result['device']}"
-          f" ({result['threads']} threads), median of {args.repeats} interleaved runs after {args.warmup} warm-ups")
+          f" ({result['threads']} threads), {how[args.runtime]}, median of {args.repeats} interleaved runs after "
+          f"{args.warmup} warm-ups")
     print(f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}")
-    print(f"  dense (timm)        {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs  peak {mem(d['peak_mem_mb'])}")
-    print(f"  {args.router}@{args.capacity:<10g}   {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs  "
-          f"peak {mem(m['peak_mem_mb'])}")
-    print(f"  speed-up {result['speedup']:.3f}x  FLOP bound {result['flop_speedup']:.3f}x  "
-          f"efficiency {result['efficiency']:.3f}")
+    label = f"{args.router}@{args.capacity:g}"
+    print(f"  {'dense (timm)':20s} {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs{mem(d['peak_mem_mb'])}")
+    print(f"  {label:20s} {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs{mem(m['peak_mem_mb'])}")
+    if args.compile:
+        for name, text in (("dense", "dense eager"), ("mod", f"{label} eager")):
+            c = result["compile_speedup"][name]
+            print(f"  {text:20s} {result['eager'][name]['images_per_s']:9.1f} images/s  compiled/eager "
+                  f"{c['median']:.3f}x (rounds {c['q1']:.3f}-{c['q3']:.3f})")
+    p = result["paired_speedup"]
+    print(f"  speed-up {result['speedup']:.3f}x (round by round {p['median']:.3f}x, quartiles {p['q1']:.3f}-{p['q3']:.3f})"
+          f"  FLOP bound {result['flop_speedup']:.3f}x  efficiency {result['efficiency']:.3f}")
+    return 0
+
+
+def _export_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="any amod.save file (model.safetensors of a run)")
+    p.add_argument("--out", required=True, help="the .onnx file to write")
+    p.add_argument("--img-size", type=positive_int, default=None, help="input size (default the model's own)")
+    p.add_argument("--batch", type=parse_batch, default="dynamic", help="dynamic (default) or a fixed batch size")
+    p.add_argument("--opset", type=positive_int, default=None, help="ONNX opset (default the exporter's)")
+    p.add_argument("--exporter", choices=list(EXPORTERS), default=EXPORTERS[0],
+                   help="dynamo: torch.onnx.export(dynamo=True) (default; exports every amod model); "
+                        "torchscript: the legacy tracer")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _export(args: argparse.Namespace) -> int:
+    r = export_checkpoint(args.checkpoint, args.out, args.img_size, args.batch, args.opset, args.exporter)
+    if args.json:
+        print(dumps(r))
+        return 0
+    c = r["check"]
+    print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB): {r['method']}, {r['img_size'][0]}x{r['img_size'][1]} "
+          f"input, batch {r['batch']}, opset {r['opset']}, {r['exporter']} exporter")
+    print("  routing ops in the graph: " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()))
+    print(f"  checked in ONNX Runtime on {' + '.join(map(str, c['batches']))} {c['inputs']} images: max abs logit "
+          f"difference {c['max_abs_diff']:.2g} (allowed {c['tolerance']:g}), same top-1 on every image")
     return 0
 
 
@@ -375,6 +421,8 @@ COMMANDS: tuple[Command, ...] = (
             lambda args: _train(args, finetune=True)),
     Command("eval", "accuracy, loss, cost and speed of a saved model", _eval_flags, _eval),
     Command("bench", "images/s and peak memory: timm model vs its MoD conversion, interleaved", _bench_flags, _bench),
+    Command("export", "export a saved model to ONNX (dynamic batch), checked in ONNX Runtime", _export_flags,
+            _export),
     Command("analyze", "leave-one-out importance, routing pictures or attention statistics", _analyze_flags, _analyze),
     Command("study", "routers x capacities x seeds, with CIs, controls, leave-one-out and pictures", _study_flags,
             _study),
@@ -413,7 +461,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("amod: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError, SafetensorError, YAMLError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError, ImportError, SafetensorError,
+            YAMLError) as e:
         if args.debug:
             raise
         print(f"amod {args.command}: error: {_one_line(e)}", file=sys.stderr)

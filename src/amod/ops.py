@@ -10,6 +10,8 @@ exp(q_j . k_i * scale - lse_j) over queries j (paper Algorithm 1).
 CUDA - ``F.scaled_dot_product_attention`` for the output and the Triton kernels of
 ``amod.kernels.triton_scores`` for the scores (explicit attention where Triton is missing). When the
 scores must carry gradients (A-MoD with scaled outputs) the explicit path is used everywhere.
+Traced (ONNX export, ``torch.compile``: ``tracing()``) - the explicit formula, one graph of plain
+ops whose shapes follow the batch (the CPU path's tiles are planned in Python from the batch size).
 """
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+
+def tracing() -> bool:
+    """Whether this forward is being traced into a graph (ONNX export, ``torch.export``, ``torch.compile``)
+    rather than run eagerly: the code paths that plan work in Python then take a plain formulation."""
+    return torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
 
 
 def received_attention(attn: torch.Tensor) -> torch.Tensor:
@@ -227,7 +235,7 @@ def attention_with_scores(
     B, H, Nq, _ = q.shape
     if B * H * Nq == 0:  # nothing to attend: empty results of the right shapes
         return q.new_zeros(B, H, Nq, v.shape[-1]), torch.zeros(B, k.shape[2], dtype=torch.float32, device=q.device)
-    if scores_need_grad or (dropout_p > 0.0 and q.device.type == "cpu"):
+    if scores_need_grad or (dropout_p > 0.0 and q.device.type == "cpu") or (q.device.type == "cpu" and tracing()):
         return attention_scores_explicit(q, k, v, scale, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.device.type == "cuda":

@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Optional
 
@@ -145,30 +146,106 @@ def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optiona
     return model.eval()
 
 
+def paired_ratios(base: list[float], other: list[float]) -> dict[str, float]:
+    """Speed-up of ``other`` over ``base`` taken round by round (both timed in the same interleaved rounds):
+    median, quartiles, min and max of base[r] / other[r]. Each round's two runs share the machine's state
+    at that moment, so these ratios are steadier than a quotient of medians on a noisy machine."""
+    ratios = sorted(b / o for b, o in zip(base, other))
+    if not ratios:
+        raise ValueError("no rounds to compare")
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    return {"median": statistics.median(ratios), "q1": q[0], "q3": q[2], "min": ratios[0], "max": ratios[-1],
+            "rounds": len(ratios)}
+
+
+def onnx_sessions(models: dict[str, nn.Module], directory: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Export each model to ``directory`` with ``amod.export`` (checked, dynamic batch) and open an ONNX
+    Runtime session on it (idle threads sleep, so that interleaved timings do not disturb each other).
+    Returns the sessions and the export reports, by name."""
+    from ..deploy import export, onnx_session
+
+    sessions, reports = {}, {}
+    for name, m in models.items():
+        path = os.path.join(directory, f"{name}.onnx")
+        reports[name] = export(m, path, check_images=2)
+        sessions[name] = onnx_session(path, spinning=False)
+    return sessions, reports
+
+
+def session_callable(session: Any, x: torch.Tensor) -> Callable[[], Any]:
+    """A zero-argument callable running the ONNX Runtime ``session`` on the batch ``x``."""
+    feed = {session.get_inputs()[0].name: x.detach().cpu().numpy()}
+    return lambda: session.run(None, feed)
+
+
+RUNTIMES = ("torch", "onnxruntime")
+
+
 def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate", batch_size: int = 32,
               img_size: Optional[int] = None, repeats: int = 10, warmup: int = 3, amp: str = "off",
-              device: str = "auto", memory: bool = True) -> dict[str, Any]:
+              device: str = "auto", memory: bool = True, compile: bool = False, runtime: str = "torch"
+              ) -> dict[str, Any]:
     """Measure the unconverted timm model and its MoD conversion alternately in this process.
 
+    ``runtime="torch"``: eager PyTorch, or with ``compile`` both models under ``torch.compile`` (their
+    eager forms are timed in the same rounds, under ``eager``). ``runtime="onnxruntime"``: both models
+    exported with ``amod.export`` (checked) and run in ONNX Runtime on the CPU.
+
     Returns a dict with ``dense`` and ``mod`` (``images_per_s``, ``peak_mem_mb``, ``macs``),
-    ``speedup`` (measured), ``flop_speedup`` (ideal: dense MACs / MoD MACs) and ``efficiency``
-    (their quotient), plus the settings.
+    ``speedup`` (measured: quotient of the medians), ``paired_speedup`` (round by round, see
+    ``paired_ratios``), ``flop_speedup`` (ideal: dense MACs / MoD MACs) and ``efficiency``
+    (speedup / flop_speedup), plus the settings. Peak memory is measured for eager PyTorch only.
     """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if runtime == "onnxruntime":
+        if compile:
+            raise ValueError("--compile applies to the torch runtime; ONNX Runtime compiles the graph itself")
+        if device == "cuda" or amp != "off":
+            raise ValueError("the ONNX Runtime benchmark runs fp32 on the CPU: use --device cpu (or auto) and --amp off")
+        device = "cpu"
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     convert_kwargs = {"router": router, "capacity": capacity, "layers": layers}
     dense = make_bench_model(model, img_size, None).to(dev)
     mod = make_bench_model(model, img_size, convert_kwargs).to(dev)
     x = torch.randn(batch_size, 3, *dense.patch_embed.img_size, device=dev)
-    timed = time_models({"dense": dense, "mod": mod}, x, repeats=repeats, warmup=warmup, amp=amp)
     result: dict[str, Any] = {
         "model": model, "router": router, "capacity": capacity, "layers": layers, "batch_size": batch_size,
         "img_size": list(dense.patch_embed.img_size), "device": str(dev), "amp": amp, "repeats": repeats,
         "warmup": warmup, "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "runtime": runtime, "compile": compile,
     }
-    for name, m in (("dense", dense), ("mod", mod)):
+    eager = {"dense": dense, "mod": mod}
+    if runtime == "onnxruntime":
+        import onnxruntime
+
+        with tempfile.TemporaryDirectory(prefix="amod-bench-") as tmp:
+            sessions, reports = onnx_sessions(eager, tmp)
+        timed = time_callables({n: session_callable(s, x) for n, s in sessions.items()}, repeats, warmup, dev)
+        for t in timed.values():
+            t["images_per_s"] = batch_size / t["seconds"]
+        result["onnxruntime"] = onnxruntime.__version__
+        result["exporter"] = reports["mod"]["exporter"]
+        result["onnx_ops"] = {n: r["ops"] for n, r in reports.items()}
+    elif compile:
+        compiled = {n: torch.compile(m) for n, m in eager.items()}
+        with torch.no_grad():
+            for m in compiled.values():  # compile before timing
+                with autocast(amp, x.device):
+                    m(x)
+        timed = time_models({**compiled, "dense_eager": dense, "mod_eager": mod}, x, repeats=repeats,
+                            warmup=warmup, amp=amp)
+        result["eager"] = {n: {"images_per_s": timed[f"{n}_eager"]["images_per_s"],
+                               "seconds_per_batch": timed[f"{n}_eager"]["seconds"],
+                               "spread": timed[f"{n}_eager"]["spread"]} for n in eager}
+        result["compile_speedup"] = {n: paired_ratios(timed[f"{n}_eager"]["times"], timed[n]["times"])
+                                     for n in eager}
+    else:
+        timed = time_models(eager, x, repeats=repeats, warmup=warmup, amp=amp)
+    for name, m in eager.items():
         result[name] = {"images_per_s": timed[name]["images_per_s"], "seconds_per_batch": timed[name]["seconds"],
                         "spread": timed[name]["spread"], "macs": flops(m).macs, "peak_mem_mb": None}
-    if memory:
+    if memory and runtime == "torch" and not compile:
         for name, m, conv in (("dense", dense, None), ("mod", mod, convert_kwargs)):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -180,6 +257,8 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
                 result[name]["peak_mem_mb"] = peak_memory_mb({"kind": "model", "model": model, "img_size": img_size,
                                                               "convert": conv, "batch_size": batch_size})
     result["speedup"] = result["mod"]["images_per_s"] / result["dense"]["images_per_s"]
+    result["paired_speedup"] = paired_ratios(timed["dense"]["times"], timed["mod"]["times"])
     result["flop_speedup"] = result["dense"]["macs"] / result["mod"]["macs"]
     result["efficiency"] = result["speedup"] / result["flop_speedup"]
+    result["paired_efficiency"] = result["paired_speedup"]["median"] / result["flop_speedup"]
     return result

@@ -73,20 +73,58 @@ class StandardRouter(Router):
 class SeededDraws:
     """Mixin for routers that draw random numbers: a fresh generator per forward, seeded with
     (seed, call number), so two models converted with the same seed route identically, call for
-    call. ``calls`` is run state (saved in training checkpoints), not a weight."""
+    call. ``calls`` is run state (saved in training checkpoints), not a weight.
+
+    Frozen (``freeze_draws``, what ``amod.export`` does: a graph cannot hold the generator), the
+    router draws once, at its current call number, a table of ``rows`` x n numbers, and every later
+    forward reuses it: image b gets row b mod ``rows``. The first ``rows`` images get exactly the
+    draws an unfrozen forward at that call number gives them. The first frozen forward must run
+    eagerly (it draws the table); traced forwards then take the table as a constant.
+    """
 
     seed: int
     calls: int
+    amod_frozen_rows: Optional[int] = None  # set while frozen
+    amod_frozen: Optional[torch.Tensor] = None  # the frozen draws, (rows, n)
 
     def _init_draws(self, seed: int) -> None:
         self.seed = int(seed)
         self.calls = 0
 
-    def _next_generator(self, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device, call: int) -> torch.Generator:
         gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed * 1_000_003 + self.calls)
+        gen.manual_seed(self.seed * 1_000_003 + call)
+        return gen
+
+    def _next_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generator(device, self.calls)
         self.calls += 1
         return gen
+
+    def freeze_draws(self, rows: int) -> None:
+        """Reuse one call's draws from the next forward on (see the class docstring)."""
+        if rows < 1:
+            raise ValueError(f"rows must be at least 1, got {rows}")
+        self.amod_frozen_rows, self.amod_frozen = int(rows), None
+
+    def unfreeze_draws(self) -> None:
+        self.amod_frozen_rows = self.amod_frozen = None
+
+    def _uniform(self, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        """(B, n) float32 numbers uniform in [0, 1): this call's draws, or the frozen ones."""
+        if self.amod_frozen_rows is None:
+            return torch.rand(shape, generator=self._next_generator(device), device=device, dtype=torch.float32)
+        B, n = shape
+        table = self.amod_frozen
+        if table is None or table.shape[1] != n or table.device != device:
+            if torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling():
+                raise RuntimeError(f"{type(self).__name__} has no frozen draws for {n} tokens: run one eager "
+                                   "forward after freeze_draws before tracing the model")
+            table = torch.rand((self.amod_frozen_rows, n), generator=self._generator(device, self.calls),
+                               device=device, dtype=torch.float32)
+            self.amod_frozen = table
+        rows = torch.arange(B, device=device) % table.shape[0]
+        return table.index_select(0, rows)
 
 
 class RandomRouter(SeededDraws, Router):
@@ -97,8 +135,7 @@ class RandomRouter(SeededDraws, Router):
         self._init_draws(seed)
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
-        gen = self._next_generator(x_patch.device)
-        return torch.rand(x_patch.shape[:2], generator=gen, device=x_patch.device, dtype=torch.float32)
+        return self._uniform(x_patch.shape[:2], x_patch.device)
 
 
 class ShuffledAttentionRouter(SeededDraws, AttentionRouter):
@@ -113,8 +150,7 @@ class ShuffledAttentionRouter(SeededDraws, AttentionRouter):
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
         scores = super().score(x_patch, attention_scores)
-        gen = self._next_generator(scores.device)
-        perm = torch.rand(scores.shape, generator=gen, device=scores.device).argsort(dim=1)  # (B, n)
+        perm = self._uniform(scores.shape, scores.device).argsort(dim=1)  # (B, n)
         return scores.gather(1, perm)
 
 

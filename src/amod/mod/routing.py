@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from ..ops import tracing
+
 
 def num_kept(capacity: float, num_patches: int) -> int:
     """Number of patch tokens an MoD block processes: ceil(C * n), at least 1 (and at most n)."""
@@ -33,6 +35,10 @@ def select_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
 def skipped_tokens(patch_idx: torch.Tensor, num_patches: int) -> torch.Tensor:
     """The patch indices not in ``patch_idx`` (B, k), in ascending order: (B, n - k)."""
     B, k = patch_idx.shape
+    if tracing():  # the same indices without a boolean mask (whose result size a graph cannot know)
+        position = torch.arange(num_patches, device=patch_idx.device).expand(B, -1)
+        key = position.scatter(1, patch_idx, num_patches + patch_idx)  # kept patches sort after every skipped one
+        return key.topk(num_patches - k, dim=1, largest=False, sorted=True).values
     mask = torch.ones(B, num_patches, dtype=torch.bool, device=patch_idx.device).scatter_(1, patch_idx, False)
     return torch.arange(num_patches, device=patch_idx.device).expand(B, -1)[mask].view(B, num_patches - k)
 

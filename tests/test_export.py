@@ -1,0 +1,214 @@
+"""Deployment: ONNX export checked in ONNX Runtime (every router, skipped mode, token merging, dense), and
+torch.compile without graph breaks."""
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import images, make_model
+
+import amod
+from amod import cli
+from amod.mod import routing
+
+onnx = pytest.importorskip("onnx", reason="ONNX export needs the onnx extra: pip install 'amod[onnx]'")
+ort = pytest.importorskip("onnxruntime", reason="the export check needs the onnx extra: pip install 'amod[onnx]'")
+pytest.importorskip("onnxscript", reason="the dynamo exporter needs the onnx extra: pip install 'amod[onnx]'")
+
+from amod.deploy import onnx_session, op_counts, run_session  # noqa: E402
+from amod.experiments.bench import run_bench  # noqa: E402
+
+MODELS = {  # name: (convert kwargs, or "tome", or None for dense; depth)
+    "dense": (None, 4),
+    "attention": (dict(router="attention", capacity=0.5), 4),
+    "standard": (dict(router="standard", capacity=0.5), 4),
+    "random": (dict(router="random", capacity=0.5), 4),
+    "merge": (dict(router="attention", capacity=0.5, skipped="merge"), 4),
+    "kv": (dict(router="attention", capacity=0.5, skipped="kv"), 4),
+    "fold": (dict(router="attention", capacity=0.5, skipped="fold"), 3),
+    "tome": ("tome", 3),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    how, depth = MODELS[name]
+    model = make_model("vit", depth=depth)
+    if how == "tome":
+        return amod.tome.apply(model, r=3)
+    return model if how is None else amod.convert(model, **how)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_export_matches_pytorch_with_routing_ops_in_the_graph(name, tmp_path):
+    model = build(name)
+    path = tmp_path / "model.onnx"
+    r = amod.export(model, path)
+    assert r["exporter"] == "dynamo" and r["batch"] == "dynamic"
+    assert r["check"]["max_abs_diff"] <= 1e-4 and r["check"]["same_top1"]
+    assert r["check"]["batches"] == [8, 3]  # two batch sizes through one graph
+    assert path.is_file() and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+    ops = op_counts(path)
+    assert dict(ops) and r["ops"] == {op: ops.get(op, 0) for op in r["ops"]}
+    if name != "dense":  # routing stays in the graph: the runtime skips the work too
+        assert ops["TopK"] > 0
+        assert ops["Gather"] + ops["GatherElements"] > 0
+    if name in ("attention", "standard", "random", "merge", "kv"):
+        assert ops["ScatterElements"] + ops["ScatterND"] > 0
+
+
+def test_dynamic_batch_and_the_model_is_left_as_it_was(tmp_path):
+    model = amod.convert(make_model("vit"), router="attention", capacity=0.3, layers=[1, 2, 3])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "m.onnx"
+    amod.export(model, path)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    session = onnx_session(path)
+    assert session.get_inputs()[0].shape[0] != 8  # a named, dynamic dimension
+    with torch.no_grad():
+        for batch in (1, 5):
+            x = images(model, batch, seed=batch)
+            got, ref = run_session(session, x), model(x)
+            assert got.shape == (batch, 10)
+            assert (got - ref).abs().max() < 1e-4
+            assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_fixed_batch(tmp_path):
+    r = amod.export(build("attention"), tmp_path / "m.onnx", batch=2)
+    assert r["check"]["batches"] == [2]
+    assert onnx_session(tmp_path / "m.onnx").get_inputs()[0].shape[0] == 2
+
+
+def test_random_router_exports_the_draws_of_one_call(tmp_path):
+    model = build("random")
+    routers = [b.router for _, b in amod.mod_blocks(model)]
+    for r in routers:
+        r.calls = 5
+    amod.export(model, tmp_path / "m.onnx")
+    assert [r.calls for r in routers] == [5, 5] and all(r.amod_frozen_rows is None for r in routers)
+    x = images(model, 4)
+    with torch.no_grad():
+        ref = model(x)  # an unfrozen forward at call 5: the draws the graph holds
+    got = run_session(onnx_session(tmp_path / "m.onnx"), x)
+    assert (got - ref).abs().max() < 1e-4
+
+
+def test_traced_skipped_tokens_match_the_eager_ones(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    patch_idx = torch.stack([torch.randperm(20, generator=g)[:7].sort().values for _ in range(3)])
+    eager = routing.skipped_tokens(patch_idx, 20)
+    monkeypatch.setattr(routing, "tracing", lambda: True)
+    assert torch.equal(routing.skipped_tokens(patch_idx, 20), eager)
+
+
+def test_unsupported_op_fails_in_one_line_naming_it_and_leaves_no_file(tmp_path):
+    class KthHead(torch.nn.Module):
+        def forward(self, x):
+            return torch.kthvalue(x, 2, dim=-1, keepdim=True).values.expand(-1, 10)
+
+    model = make_model("vit")
+    model.head = KthHead()
+    path = tmp_path / "m.onnx"
+    with pytest.raises(RuntimeError, match=r"cannot export the op aten\.kthvalue") as e:
+        amod.export(model, path)
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_check_leaves_no_file(tmp_path, monkeypatch):
+    import amod.deploy as deploy
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the exported model does not match PyTorch")
+
+    (tmp_path / "m.onnx").write_bytes(b"previous")
+    monkeypatch.setattr(deploy, "check_onnx", fail)
+    with pytest.raises(RuntimeError, match="does not match"):
+        amod.export(make_model("vit"), tmp_path / "m.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    assert (tmp_path / "m.onnx").read_bytes() == b"previous"  # the old file is kept
+
+
+def test_cli_exports_a_checkpoint_and_says_which_exporter(tmp_path, capsys):
+    ckpt = amod.save(amod.convert(make_model("vit", depth=2), router="attention", capacity=0.5, skipped="fold"),
+                     tmp_path / "model.safetensors")
+    out = tmp_path / "model.onnx"
+    assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["exporter"] == "dynamo" and r["method"] == "attention@0.5 skipped=fold" and out.is_file()
+    assert r["check"]["same_top1"] and r["check"]["max_abs_diff"] <= 1e-4
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    code = cli.main(["export", "--checkpoint", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "m.onnx")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("amod export: error:") and err.count("\n") == 1
+    assert "does not exist" in err and list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--checkpoint", "x", "--out", "y", "--batch", "0"])
+    assert e.value.code == 2
+
+
+def small_bench_models(monkeypatch):
+    """run_bench on two-block models: the benchmark's plumbing, not its numbers."""
+    import amod.experiments.bench as bench
+
+    def make(name, img_size, convert_kwargs):
+        model = make_model("vit", depth=2)
+        return amod.convert(model, **convert_kwargs) if convert_kwargs else model
+
+    monkeypatch.setattr(bench, "make_bench_model", make)
+
+
+def test_bench_onnxruntime_reports_the_promised_keys(monkeypatch):
+    small_bench_models(monkeypatch)
+    r = run_bench("vit_tiny_patch16_224", "attention", 0.5, layers=[1], batch_size=2, repeats=2, warmup=1,
+                  runtime="onnxruntime")
+    assert r["runtime"] == "onnxruntime" and r["exporter"] == "dynamo"
+    assert r["dense"]["images_per_s"] > 0 and r["mod"]["images_per_s"] > 0
+    assert r["efficiency"] == pytest.approx(r["speedup"] / r["flop_speedup"])
+    assert r["onnx_ops"]["mod"]["TopK"] > 0
+    with pytest.raises(ValueError, match="compile"):
+        run_bench("vit_tiny_patch16_224", "attention", 0.5, runtime="onnxruntime", compile=True)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+COMPILED = ["attention", "merge", "kv", "fold", "tome"]
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiles_without_graph_breaks_and_matches_eager(name):
+    import torch._dynamo
+
+    model = build(name)
+    x = images(model, 4)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        assert (compiled(x) - model(x)).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_inductor_compiles_amod_and_matches_eager():
+    model = build("attention")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)
+        x = images(model, 4)
+        assert (compiled(x) - model(x)).abs().max() < 1e-5
+
+
+def test_bench_compile_times_compiled_and_eager(monkeypatch):
+    small_bench_models(monkeypatch)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    r = run_bench("vit_tiny_patch16_224", "attention", 0.5, layers=[1], batch_size=2, repeats=2, warmup=1,
+                  compile=True)
+    assert r["compile"] and set(r["eager"]) == {"dense", "mod"} and r["compile_speedup"]["mod"]["median"] > 0
+    assert r["mod"]["peak_mem_mb"] is None
