@@ -358,7 +358,8 @@ def forward_record(model: nn.Module, x: torch.Tensor, device: torch.device, amp:
                    ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """Logits (float32, CPU) and each MoD block's kept patch indices of one forward of a copy on ``device``."""
     m = copy.deepcopy(model).to(device).eval()
-    routed = is_routed(m)
+    # fold blocks change the tokens' identity as they fold: nothing to record, the logits are compared
+    routed = is_routed(m) and amod.get_config(m).skipped != "fold"
     if routed:
         amod.set_recording(m)
     with torch.no_grad(), autocast(amp, device):
@@ -385,7 +386,11 @@ def compare_devices(model: nn.Module, x: torch.Tensor, device: torch.device, ref
     err = rel_to_max(logits, ref_logits.double())
     same, overlap = kept_agreement(kept, ref_kept)
     routed = is_routed(model)
-    if amp == "off":
+    # a fold model's matching is discrete: near-ties flip with rounding (on the CPU alone, a 1e-5
+    # input perturbation of the random-weight DeiT-S moves its logits by 0.08), so a CUDA forward is
+    # held to the routed-model tolerance in fp32 too
+    folds = routed and amod.get_config(model).skipped == "fold"
+    if amp == "off" and not folds:
         passed = err <= MODEL_FP32_TOL and same is not False
     else:
         passed = (err <= (MODEL_ROUTED_BF16_TOL if routed else MODEL_DENSE_BF16_TOL)

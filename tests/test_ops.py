@@ -81,6 +81,19 @@ for b, h, n, m, d, dtype in [(1, 2, 5, 5, 32, torch.float32), (2, 3, 70, 70, 64,
     ref = ((q.double() @ k.double().transpose(-1, -2)) * d ** -0.5).softmax(-1).sum((1, 2)) / (h * n)
     assert got.shape == (b, m)
     worst = max(worst, ((got - ref).abs() / ref).max().item())
+# timm's q and k: strided views of one qkv tensor, read in place; and a logsumexp given by the caller
+# (as the fused CUDA kernels return it, padded past Nq), which skips the row pass
+g = torch.Generator().manual_seed(1)
+b, h, n, d = 2, 3, 37, 32
+qkv = torch.randn(b, n, 3, h, d, generator=g).mul(2).permute(2, 0, 3, 1, 4)
+q, k = qkv[0], qkv[1]
+assert not q.is_contiguous()
+logits = (q.double() @ k.double().transpose(-1, -2)) * d ** -0.5
+ref = logits.softmax(-1).sum((1, 2)) / (h * n)
+lse = torch.cat([logits.logsumexp(-1).float(), torch.full((b, h, 11), float("nan"))], dim=2)
+for given in (None, lse):
+    got = received_attention_triton(q, k, d ** -0.5, block_m=16, block_n=16, lse=given).double()
+    worst = max(worst, ((got - ref).abs() / ref).max().item())
 print(worst)
 """
     import os

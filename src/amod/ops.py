@@ -187,6 +187,21 @@ def _attention_scores_onepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(B, H, Nq, -1), acc.view(B, H, Nk).sum(dim=1) / (H * Nq)
 
 
+def _cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                             ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The attention output and each query row's logsumexp (B, H, >= Nq) from one of PyTorch's fused
+    CUDA kernels (flash for fp16/bf16, memory-efficient otherwise; both have a backward), or None where
+    neither takes the inputs. The scores then need only the column pass."""
+    try:
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and v.shape[-1] == q.shape[-1]:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+        else:
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return res[0], res[1]
+
+
 def _triton_scores():
     """The Triton score kernel, or None where Triton is not installed (an optional, heavy import)."""
     try:
@@ -242,6 +257,10 @@ def attention_with_scores(
         kernel = _triton_scores()
         if kernel is None:  # no Triton: correct, but forms the matrix
             return attention_scores_explicit(q, k, v, scale, dropout_p)
+        fused = _cuda_attention_with_lse(q, k, v, scale) if dropout_p == 0.0 else None
+        if fused is not None:  # the kernel's logsumexp: the score kernel's row pass is not needed
+            out, lse = fused
+            return out, kernel(q, k, scale, lse=lse)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
         return out, kernel(q, k, scale)
     if q.device.type != "cpu":
