@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..cost import flops
+from ..deploy import export, onnx_session
 from ..mod.convert import convert
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import autocast
@@ -162,8 +163,6 @@ def onnx_sessions(models: dict[str, nn.Module], directory: str) -> tuple[dict[st
     """Export each model to ``directory`` with ``amod.export`` (checked, dynamic batch) and open an ONNX
     Runtime session on it (idle threads sleep, so that interleaved timings do not disturb each other).
     Returns the sessions and the export reports, by name."""
-    from ..deploy import export, onnx_session
-
     sessions, reports = {}, {}
     for name, m in models.items():
         path = os.path.join(directory, f"{name}.onnx")
