@@ -278,6 +278,11 @@ def is_routed(model: nn.Module) -> bool:
     return True
 
 
+def folds(model: nn.Module) -> bool:
+    """Whether ``model`` is an MoD model with ``skipped="fold"`` (its tokens change identity as they fold)."""
+    return is_routed(model) and amod.get_config(model).skipped == "fold"
+
+
 def describe(model: nn.Module) -> str:
     """The setting of a dense, MoD or ToMe model, for the report."""
     if is_routed(model):
@@ -358,8 +363,7 @@ def forward_record(model: nn.Module, x: torch.Tensor, device: torch.device, amp:
                    ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """Logits (float32, CPU) and each MoD block's kept patch indices of one forward of a copy on ``device``."""
     m = copy.deepcopy(model).to(device).eval()
-    # fold blocks change the tokens' identity as they fold: nothing to record, the logits are compared
-    routed = is_routed(m) and amod.get_config(m).skipped != "fold"
+    routed = is_routed(m) and not folds(m)  # a fold model has no kept indices to record
     if routed:
         amod.set_recording(m)
     with torch.no_grad(), autocast(amp, device):
@@ -389,8 +393,7 @@ def compare_devices(model: nn.Module, x: torch.Tensor, device: torch.device, ref
     # a fold model's matching is discrete: near-ties flip with rounding (on the CPU alone, a 1e-5
     # input perturbation of the random-weight DeiT-S moves its logits by 0.08), so a CUDA forward is
     # held to the routed-model tolerance in fp32 too
-    folds = routed and amod.get_config(model).skipped == "fold"
-    if amp == "off" and not folds:
+    if amp == "off" and not folds(model):
         passed = err <= MODEL_FP32_TOL and same is not False
     else:
         passed = (err <= (MODEL_ROUTED_BF16_TOL if routed else MODEL_DENSE_BF16_TOL)

@@ -85,6 +85,11 @@ def run_session(session, x: torch.Tensor) -> torch.Tensor:
 
 def op_counts(path: PathLike) -> Counter:
     """How often each op type occurs in the ONNX file's graph (functions and subgraphs included)."""
+    return _graph_summary(path)[0]
+
+
+def _graph_summary(path: PathLike) -> tuple[Counter, int]:
+    """(op counts, default-domain opset) of an ONNX file, read once."""
     onnx = _require("onnx")
     model = onnx.load(str(path), load_external_data=False)
     counts: Counter = Counter()
@@ -101,7 +106,7 @@ def op_counts(path: PathLike) -> Counter:
     walk(model.graph.node)
     for fn in model.functions:
         walk(fn.node)
-    return counts
+    return counts, next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 # ---------------------------------------------------------------- tracing set-up
@@ -305,7 +310,7 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
                 raise _export_error(e, exporter, label) from e
             if not tmp.is_file():
                 raise RuntimeError(f"the {exporter} ONNX exporter wrote no file for {label}")
-            ops, written = op_counts(tmp), _opset_of(tmp)
+            ops, written = _graph_summary(tmp)
             if opset is not None and written != opset:
                 raise RuntimeError(f"the {exporter} ONNX exporter wrote opset {written}, not the {opset} asked for "
                                    f"(it converts to older opsets only where onnx's version converter can)")
@@ -328,12 +333,6 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
         raise
     result["bytes"] = path.stat().st_size
     return result
-
-
-def _opset_of(path: Path) -> int:
-    onnx = _require("onnx")
-    m = onnx.load(str(path), load_external_data=False)
-    return next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[int] = None,

@@ -24,7 +24,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -175,23 +175,27 @@ def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretr
     dense_acc = engine.evaluate(dense, loader, device, progress=False)["top1"]
     log.info("dense model %s: val top-1 %.4f on %d images", pretrained, dense_acc, len(val))
     rows: list[dict[str, Any]] = []
-    total, done = len(cfg.costs) * len(cfg.methods), 0
-    for cost in cfg.costs:
-        for entry in cfg.methods:
-            done += 1
-            method = entry.at_cost(dense, cost)
-            ratio = cost_of(method, dense)
-            out = root / f"cost{cost:g}" / run_dir_name(entry.name)
-            log.info("[%d/%d] %s at cost %g (matched: %.3f of dense)", done, total, entry.name, cost, ratio)
-            run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, **method.run_fields(),
-                                epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,
-                                train_limit=cfg.train_limit, val_limit=cfg.val_limit, eval_before_training=True,
-                                out=str(out))
-            run_once(run_cfg)
-            metrics = engine.read_metrics(out / "metrics.jsonl")
-            rows.append({"method": entry.name, "cost_target": cost, "cost": ratio, "zero_top1": metrics[0]["val_top1"],
-                         "top1": metrics[-1]["val_top1"], "setting": method.run_fields(), "run": str(out)})
+    for done, total, cost, entry, method in _grid(cfg, dense):
+        ratio = cost_of(method, dense)
+        out = root / f"cost{cost:g}" / run_dir_name(entry.name)
+        log.info("[%d/%d] %s at cost %g (matched: %.3f of dense)", done, total, entry.name, cost, ratio)
+        run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, **method.run_fields(),
+                            epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,
+                            train_limit=cfg.train_limit, val_limit=cfg.val_limit, eval_before_training=True,
+                            out=str(out))
+        run_once(run_cfg)
+        metrics = engine.read_metrics(out / "metrics.jsonl")
+        rows.append({"method": entry.name, "cost_target": cost, "cost": ratio, "zero_top1": metrics[0]["val_top1"],
+                     "top1": metrics[-1]["val_top1"], "setting": method.run_fields(), "run": str(out)})
     return rows, dense_acc
+
+
+def _grid(cfg: CompareConfig, dense: torch.nn.Module) -> Iterator[tuple[int, int, float, Entry, Method]]:
+    """Every (cost, method) pair in report order, numbered from 1: (number, total, cost, entry, method at cost)."""
+    total = len(cfg.costs) * len(cfg.methods)
+    pairs = ((cost, entry) for cost in cfg.costs for entry in cfg.methods)
+    for done, (cost, entry) in enumerate(pairs, start=1):
+        yield done, total, cost, entry, entry.at_cost(dense, cost)
 
 
 def _features_key(cfg: CompareConfig, dense: torch.nn.Module, pretrained: Path, train, val) -> str:
@@ -200,10 +204,10 @@ def _features_key(cfg: CompareConfig, dense: torch.nn.Module, pretrained: Path, 
                           f"{dense.patch_embed.img_size}:{len(train)}:{len(val)}".encode()).hexdigest()[:16]
 
 
-def _dense_features(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, train, val,
+def _dense_features(root: Path, key: str, dense: torch.nn.Module, train, val,
                     device: torch.device) -> dict[str, torch.Tensor]:
     """The dense model's features of the probe's training subset and of the test set, cached under ``root``."""
-    path = root / f"dense_features_{_features_key(cfg, dense, pretrained, train, val)}.pt"
+    path = root / f"dense_features_{key}.pt"
     if path.exists():
         log.info("dense features reused from %s", path)
         return torch.load(path, weights_only=True)
@@ -219,39 +223,36 @@ def _dense_features(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pret
 def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, train, val,
                 device: torch.device) -> tuple[list[dict[str, Any]], float]:
     """Zero-training probe accuracy and feature cosine of every (cost, method)."""
-    cached = _dense_features(cfg, root, dense, pretrained, train, val, device)
+    key = _features_key(cfg, dense, pretrained, train, val)
+    cached = _dense_features(root, key, dense, train, val, device)
     probe: LinearProbe = fit_probe(cached["train"], cached["train_labels"])
     dense_acc = probe.accuracy(cached["test"], cached["test_labels"])
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images (probe fitted on %d, L2 %g)", pretrained,
              dense.patch_embed.img_size[0], dense_acc, len(val), len(train), probe.l2)
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
     # one measurement per line, appended as each finishes: a killed comparison resumes after the last one
-    done_path = root / f"probe_rows_{_features_key(cfg, dense, pretrained, train, val)}_{probe.l2:g}.jsonl"
+    done_path = root / f"probe_rows_{key}_{probe.l2:g}.jsonl"
     finished = _finished_probe_rows(done_path)
     rows: list[dict[str, Any]] = []
-    total, done = len(cfg.costs) * len(cfg.methods), 0
-    for cost in cfg.costs:
-        for entry in cfg.methods:
-            done += 1
-            method = entry.at_cost(dense, cost)
-            measured = finished.get((entry.name, cost, repr(method)))
-            if measured is None:
-                model = method.apply(copy.deepcopy(dense)).eval()
-                feats, labels = features(model, engine.image_batches(loader), device)
-                measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
-                            "cost": flops(model).ratio, "zero_top1": probe.accuracy(feats, labels),
-                            "cosine": mean_cosine(feats, cached["test"])}
-                with open(done_path, "a") as f:
-                    f.write(dumps(measured) + "\n")
-                how = ""
-            else:
-                how = " (measured before)"
-            row = {"method": entry.name, "method_obj": method, "cost_target": cost, "cost": measured["cost"],
-                   "zero_top1": measured["zero_top1"], "top1": None, "cosine": measured["cosine"],
-                   "setting": method.run_fields(), "run": None}
-            log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f, cosine to dense %.4f%s", done, total,
-                     entry.name, cost, row["cost"], row["zero_top1"], row["cosine"], how)
-            rows.append(row)
+    for done, total, cost, entry, method in _grid(cfg, dense):
+        measured = finished.get((entry.name, cost, repr(method)))
+        if measured is None:
+            model = method.apply(copy.deepcopy(dense)).eval()
+            feats, labels = features(model, engine.image_batches(loader), device)
+            measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
+                        "cost": flops(model).ratio, "zero_top1": probe.accuracy(feats, labels),
+                        "cosine": mean_cosine(feats, cached["test"])}
+            with open(done_path, "a") as f:
+                f.write(dumps(measured) + "\n")
+            how = ""
+        else:
+            how = " (measured before)"
+        row = {"method": entry.name, "method_obj": method, "cost_target": cost, "cost": measured["cost"],
+               "zero_top1": measured["zero_top1"], "top1": None, "cosine": measured["cosine"],
+               "setting": method.run_fields(), "run": None}
+        log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f, cosine to dense %.4f%s", done, total,
+                 entry.name, cost, row["cost"], row["zero_top1"], row["cosine"], how)
+        rows.append(row)
     return rows, dense_acc
 
 
