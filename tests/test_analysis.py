@@ -114,3 +114,23 @@ def test_cli_analyze_writes_json_and_pictures(tmp_path, analysis):
         assert set(data["layers"]) == {"1"} and len(data["importance"]["1"][0]) == 5
     else:
         assert set(data) == {"0", "1", "2"}
+
+
+@pytest.mark.parametrize("analysis, words", [("loo", "leave-one-out needs an MoD model with skipped bypass, merge or kv"),
+                                             ("routing", "analyze routing needs an MoD model with skipped bypass")])
+def test_cli_analyze_says_plainly_why_a_fold_model_cannot_be_analysed(tmp_path, capsys, analysis, words):
+    import timm
+
+    from amod.cli import main
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=28, patch_size=7, in_chans=1,
+                              num_classes=10, depth=2, embed_dim=32, num_heads=2)
+    path = amod.save(amod.convert(model, capacity=0.8, skipped="fold"), tmp_path / "fold.safetensors")
+    out = tmp_path / "analysis"
+    assert main(["analyze", analysis, "--checkpoint", str(path), "--images", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "is a fold model" in err, err
+    assert not out.exists()
+    if analysis == "loo":  # the library says the same
+        with pytest.raises(ValueError, match="is a fold model"):
+            leave_one_out(amod.load(path), torch.zeros(1, 1, 28, 28), torch.zeros(1, dtype=torch.long))

@@ -57,3 +57,29 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
     truncated.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(ValueError, match="truncated.safetensors"):
         amod.load(truncated)
+
+
+def test_a_newer_format_two_methods_and_a_wrong_shape_are_refused_naming_the_file(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    good = amod.save(make_model("vit"), tmp_path / "good.safetensors")
+    with safe_open(str(good), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+    def variant(name: str, meta: dict = meta, tensors: dict = tensors):
+        save_file(tensors, str(tmp_path / name), metadata=meta)
+        return tmp_path / name
+
+    with pytest.raises(ValueError, match=r"newer\.safetensors is in amod file format '2'; this amod reads format 1"):
+        amod.load(variant("newer.safetensors", {**meta, "amod.format": "2"}))
+    both = {**meta, "amod.mod": amod.MoDConfig(layers=[1, 3]).to_json(), "amod.merge": '{"schedule": [2, 2, 2, 2]}'}
+    with pytest.raises(ValueError, match=r"both\.safetensors names two methods \(amod\.mod and amod\.merge"):
+        amod.load(variant("both.safetensors", both))
+    with pytest.raises(ValueError, match=r"shaped\.safetensors does not fit .* pos_embed is \(1, 5, 192\) in the file"):
+        amod.load(variant("shaped.safetensors", tensors={**tensors, "pos_embed": torch.zeros(1, 5, 192)}))
+    # what older amod versions wrote still loads: no format entry, and token merging under "amod.merge"
+    old = {k: v for k, v in meta.items() if k != "amod.format"}
+    assert amod.load(variant("old.safetensors", old)).num_classes == 10
+    merged = amod.load(amod.save(amod.tome.apply(make_model("vit"), r=2), tmp_path / "tome.safetensors"))
+    assert merged.amod_merge.schedule == [2, 2, 2, 2]

@@ -85,3 +85,44 @@ def test_cli_flops_prints_the_table_and_fails_cleanly():
     ratios = [float(line.split()[-2]) for line in run.stdout.splitlines() if line.startswith("deit_tiny")]
     assert "ToMe@0.56" in run.stdout and abs(ratios[1] - 0.56) <= 0.02 * 0.56
     assert ratios[0] > 0.739  # the merge mode's similarities cost more than bypass at C = 0.5 (0.739)
+
+
+def test_a_fold_capacity_below_what_the_matching_can_reach_is_named_and_priced_as_the_floor():
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"skipped='fold' cannot go below capacity 0\.714 .* at 32x32 px"):
+        fold = amod.convert(make_model("vit"), capacity=0.2, skipped="fold")
+    lowest = amod.lowest_capacity(fold)
+    assert lowest == 0.714
+    floor = amod.flops(fold, capacity=lowest).macs
+    assert [amod.flops(fold, capacity=c).macs for c in (0.1, 0.2, 0.5, 0.7)] == [floor] * 4  # all run as the floor
+    assert amod.flops(fold, capacity=lowest + 0.001).macs > floor  # above it every step counts
+    assert amod.capacity_for_cost(fold, 0.2) == lowest  # a cost below reach gets the floor, its cost shows the miss
+    with pytest.warns(UserWarning, match="cannot go below capacity 0.714"):
+        amod.set_capacity(fold, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reachable capacities and the other modes say nothing
+        amod.set_capacity(fold, lowest)
+        amod.convert(make_model("vit"), capacity=0.9, skipped="fold")
+        amod.convert(make_model("vit"), capacity=0.1, skipped="kv")
+    assert amod.lowest_capacity(amod.convert(make_model("vit"), capacity=0.5)) == 1 / 16  # one token of 16
+
+
+def test_cli_flops_and_train_say_where_fold_capacity_stops(tmp_path, capsys):
+    from amod.cli import main
+
+    assert main(["flops", "vit_tiny_patch16_224", "--skipped", "fold", "--capacity", "0.2", "0.5", "0.9"]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert notes == ["note: vit_tiny_patch16_224 at 224x224: skipped=fold reaches no capacity below 0.727 (a fold block "
+                     "removes at most about half of its patch tokens, less the 25% it protects); capacity 0.200, 0.500 "
+                     "cost what 0.727 costs"]
+    fold = amod.convert(timm.create_model("vit_tiny_patch16_224", pretrained=False), capacity=0.727, skipped="fold")
+    ratios = [line.split()[-2] for line in out.splitlines() if line.startswith("vit_tiny")]
+    assert ratios[:2] == [f"{amod.flops(fold).ratio:.3f}"] * 2
+    argv = ["train", "--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
+            "--num-heads", "2", "--router", "attention", "--skipped", "fold", "--capacity", "0.2", "--train-limit",
+            "64", "--val-limit", "64", "--epochs", "1", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and warned[0].startswith("amod train: warning: skipped='fold' cannot go below capacity")

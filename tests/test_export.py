@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +155,80 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["export", "--checkpoint", "x", "--out", "y", "--batch", "0"])
     assert e.value.code == 2
+
+
+def _no_export(*args, **kwargs):
+    raise AssertionError("a refused export must not reach the exporter")
+
+
+def test_cli_export_refuses_its_own_checkpoint_and_replaces_a_file_only_with_force(tmp_path, capsys, monkeypatch):
+    import amod.deploy as deploy
+
+    ckpt = amod.save(make_model("vit", depth=1), tmp_path / "model.safetensors")
+    weights = ckpt.read_bytes()
+    (tmp_path / "link.safetensors").symlink_to(ckpt)
+    monkeypatch.setattr(deploy, "_torch_export", _no_export)
+    for out in (ckpt, tmp_path / "." / "model.safetensors", tmp_path / "link.safetensors"):
+        for force in ([], ["--force"]):
+            code = cli.main(["export", "--checkpoint", str(ckpt), "--out", str(out), *force])
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1 and "is the checkpoint being exported" in err, err
+    assert ckpt.read_bytes() == weights
+    existing = tmp_path / "m.onnx"
+    existing.write_bytes(b"previous")
+    code = cli.main(["export", "--checkpoint", str(ckpt), "--out", str(existing)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "already exists; add --force to replace it" in err, err
+    assert existing.read_bytes() == b"previous"
+    monkeypatch.undo()
+    assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(existing), "--force", "--json"]) == 0
+    assert onnx.load(str(existing)).graph.node and json.loads(capsys.readouterr().out)["path"] == str(existing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.safetensors", "m.onnx", "model.safetensors"]
+
+
+def test_cli_export_refuses_a_read_only_directory_before_any_work(tmp_path, capsys, monkeypatch):
+    import amod.deploy as deploy
+
+    ckpt = amod.save(make_model("vit", depth=1), tmp_path / "model.safetensors")
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    real_access = deploy.os.access
+    monkeypatch.setattr(deploy.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    monkeypatch.setattr(deploy, "_torch_export", _no_export)
+    monkeypatch.setattr(deploy, "load", _no_export)  # refused before the checkpoint is even read
+    code = cli.main(["export", "--checkpoint", str(ckpt), "--out", str(locked / "m.onnx")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"{locked} is not writable" in err, err
+    assert list(locked.iterdir()) == []
+
+
+def test_sigterm_during_an_export_leaves_no_temporary_file(tmp_path):
+    ckpt = amod.save(make_model("vit", depth=1), tmp_path / "model.safetensors")
+    script = textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        import amod.deploy as deploy
+        from amod.cli import main
+
+        def slow(model, x, path, *args):  # an exporter busy writing its file
+            Path(path).write_bytes(b"half an ONNX file")
+            print("writing", flush=True)
+            time.sleep(120)
+
+        deploy._torch_export = slow
+        main(["export", "--checkpoint", sys.argv[1], "--out", sys.argv[2]])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(ckpt), str(tmp_path / "m.onnx")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGTERM  # it still ends as SIGTERM ends a process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
 def small_bench_models(monkeypatch):

@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", 
         "--num-heads", "2", "--val-limit", "128", "--batch-size", "64"]
 TINY_CFG = dict(model="vit_tiny_patch16_224", patch_size=7, depth=2, embed_dim=32, num_heads=2, val_limit=128,
                 batch_size=64)
+SHORT = ["--epochs", "1", "--train-limit", "64", "--val-limit", "64"]  # a run that would start, kept short
 
 
 def strict_json(text: str):
@@ -105,6 +107,16 @@ BAD_INVOCATIONS = [
     (["analyze", "routing", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze routing needs an MoD model"),
     (["analyze", "loo", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze loo needs an MoD model"),
     (["study", "--checkpoint", "{c}/mod.safetensors", "--out", "{t}/s"], "is an MoD or token-merging model"),
+    (["study", "--quick", "--capacity", "0", "--out", "{t}/s"], "capacity must be in (0, 1]"),
+    # a model saved by amod keeps its architecture: other values are refused, not ignored
+    (["finetune", "--checkpoint", "{c}/mod.safetensors", "--depth", "4", *SHORT, "--out", "{t}/r"],
+     "--depth 4 does not match"),
+    (["finetune", "--checkpoint", "{c}/dense.safetensors", "--embed-dim", "64", *SHORT, "--out", "{t}/r"],
+     "--embed-dim 64 does not match"),
+    (["finetune", "--checkpoint", "{c}/dense.safetensors", "--model", "deit_tiny_patch16_224", *SHORT, "--out",
+      "{t}/r"], "--model deit_tiny_patch16_224 does not match"),
+    (["finetune", "--checkpoint", "{c}/dense.safetensors", "--drop-path", "0.1", *SHORT, "--out", "{t}/r"],
+     "--drop-path"),
 ]
 
 
@@ -119,6 +131,17 @@ def test_a_bad_invocation_gives_one_line_a_nonzero_exit_and_no_files(argv, messa
     assert len(err.splitlines()) == 1 and message in err, err
     assert err.startswith(f"amod {argv[0]}: error:")
     assert tree(tmp_path) == before_t and tree(checkpoints) == before_c, "a refused command must not create files"
+
+
+@pytest.mark.parametrize("command", ["train", "study"])
+def test_an_empty_output_directory_is_refused(command, tmp_path, monkeypatch, capsys):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # '' would be the current directory
+    extra = [*TINY, *SHORT] if command == "train" else ["--quick"]
+    code, err = run_in_process([command, *extra, "--out", ""], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "--out is empty" in err, err
+    assert list(cwd.iterdir()) == []
 
 
 def test_a_read_only_output_directory_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -199,6 +222,17 @@ def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(t
     assert res.returncode == 0, res.stderr
 
 
+def test_resuming_with_more_epochs_is_refused_and_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "r"
+    code, err = run_in_process(["train", *TINY, "--train-limit", "128", "--epochs", "1", "--out", str(out)], capsys)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"}
+    code, err = run_in_process(["train", "--resume", "--epochs", "2", "--out", str(out)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "cannot resume with --epochs 2" in err and "made for 1 epoch" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"} == before
+
+
 # ---------------------------------------------------------------- full disks
 
 def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -252,6 +286,67 @@ def test_training_on_a_full_disk_stops_with_one_line_and_no_temporary_file(tmp_p
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "model.safetensors", "checkpoint.pt"])
+def test_a_full_disk_in_epoch_2_leaves_the_run_at_epoch_1(name, tmp_path, monkeypatch):
+    real_write = files._RecordingWriter.write
+    writers = []  # every writer of <name>.tmp so far: one per epoch
+
+    def write(self, data):
+        if Path(self.f.name).name == name + ".tmp":
+            if not any(w is self for w in writers):
+                writers.append(self)
+            if len(writers) == 2:
+                self.error = OSError(errno.ENOSPC, "No space left on device")
+                raise self.error
+        return real_write(self, data)
+
+    monkeypatch.setattr(files._RecordingWriter, "write", write)
+    out = tmp_path / "r"
+    cfg = RunConfig(**TINY_CFG, train_limit=128, epochs=2, out=str(out))
+    with pytest.raises(files.DiskFullError, match=re.escape(f"no space left on device while writing {out / name}")):
+        train(cfg)
+    monkeypatch.undo()
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert ckpt["epoch"] == 1
+    assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+    assert len((out / "metrics.csv").read_text().splitlines()) == 2
+    weights = amod.load(out / "model.safetensors").state_dict()
+    assert all(torch.equal(weights[k], ckpt["model"][k]) for k in weights), "model.safetensors is not epoch 1"
+    assert not list(out.glob("*.tmp"))
+    train(cfg, resume=True)
+    assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_completely_full_disk_names_the_lock_file(tmp_path, monkeypatch):
+    import amod.train.rundir as rundir
+
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "write", no_space)
+    with pytest.raises(files.DiskFullError, match=re.escape(f"while writing {tmp_path / 'run' / '.amod.lock'}")):
+        with rundir.RunDirectory(tmp_path / "run"):
+            pass
+    monkeypatch.undo()
+    disk = tmp_path / "disk"
+    if not _small_tmpfs(disk, "64k"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
+    try:
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the disk to the last byte
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        res = amod_cli("train", *TINY, *SHORT, "--out", str(disk / "run"))
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert f"no space left on device while writing {disk / 'run' / '.amod.lock'}" in res.stderr
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 # ---------------------------------------------------------------- diverging runs, strict JSON
 
 def test_a_diverging_run_stops_with_a_clear_message_and_no_nan_in_any_file(tmp_path):
@@ -286,6 +381,19 @@ def test_the_last_finite_checkpoint_is_kept_when_a_later_epoch_diverges(tmp_path
 def test_json_is_strict():
     assert files.dumps({"a": float("nan"), "b": [float("inf"), 1.5], "c": torch.tensor(2.0).numpy()}) == \
         '{"a": null, "b": [null, 1.5], "c": 2.0}'
+
+
+def test_metrics_csv_leaves_a_non_finite_value_empty_as_the_json_writes_null(tmp_path):
+    import csv
+
+    from amod.train.engine import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write({"epoch": 0, "val_loss": float("nan"), "val_top1": 0.1})
+    writer.write({"epoch": 1, "val_loss": float("inf"), "val_top1": 0.5, "lr": 1e-3})
+    assert [strict_json(line)["val_loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [None, None]
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(r["epoch"], r["val_loss"], r["val_top1"], r["lr"]) for r in rows] == [("0", "", "0.1", ""), ("1", "", "0.5", "0.001")]
 
 
 # ---------------------------------------------------------------- unreadable images
@@ -338,6 +446,21 @@ def test_unreadable_images_are_named_or_skipped_and_counted(image_folder, tmp_pa
     assert out["images"] == 24 and out["skipped_images"] == 3
 
 
+def test_skipping_every_training_image_gives_one_line(image_folder, tmp_path, capsys):
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(image_folder / "val", root / "val")
+    for c in range(3):  # the same classes, every training image unreadable
+        (root / "train" / f"class{c}").mkdir(parents=True)
+        (root / "train" / f"class{c}" / "bad.jpg").write_bytes(b"")
+    code, err = run_in_process(["train", *FOLDER_MODEL, "--data", f"imagefolder:{root}", "--epochs", "1",
+                                "--skip-bad-images", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2, err
+    last = err.splitlines()[-1]
+    assert last.startswith("amod train: error:") and "no training image could be read" in last, err
+
+
 # ---------------------------------------------------------------- permissions
 
 def test_run_files_get_the_umask_permissions(tmp_path):
@@ -348,3 +471,113 @@ def test_run_files_get_the_umask_permissions(tmp_path):
         os.umask(old)
     for name in ("model.safetensors", "checkpoint.pt", "summary.json", "metrics.jsonl", "config.yaml"):
         assert (tmp_path / "r" / name).stat().st_mode & 0o777 == 0o644, name
+
+
+# ---------------------------------------------------------------- runs from a checkpoint
+
+def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architecture(checkpoints, tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "ft"
+    code, err = run_in_process(["finetune", "--checkpoint", str(checkpoints / "mod.safetensors"), *SHORT,
+                                "--batch-size", "32", "--out", str(out)], capsys)
+    assert code == 0, err
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert (config["router"], config["capacity"], config["layers"]) == ("attention", 0.5, [1])
+    assert (config["model"], config["patch_size"], config["depth"], config["embed_dim"], config["num_heads"]) == \
+        ("vit_tiny_patch16_224", 7, 2, 32, 2)
+    assert strict_json((out / "summary.json").read_text())["variant"] == "attention@0.5"
+    assert "attention@0.5 on fashion-mnist" in (out / "train.log").read_text()
+    assert amod.methods.method_of(amod.load(out / "model.safetensors")).label() == "attention@0.5"
+    # the same method given again is the checkpoint's own; resuming the run changes nothing
+    code, err = run_in_process(["train", "--resume", "--out", str(out)], capsys)
+    assert code == 0, err
+
+
+# ---------------------------------------------------------------- no network
+
+def test_pretrained_weights_without_a_network_fail_fast_with_one_line(tmp_path):
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "PYTHONUNBUFFERED": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    start = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "amod", "finetune", "--pretrained", "--model", "vit_tiny_patch16_224",
+                          "--img-size", "32", *SHORT, "--out", str(tmp_path / "r")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    took = time.perf_counter() - start
+    assert res.returncode == 2, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Retrying" not in res.stderr, res.stderr
+    assert "cannot download the pretrained weights of vit_tiny_patch16_224" in res.stderr
+    assert took < 60, f"took {took:.0f} s"
+    assert not (tmp_path / "r").exists()
+
+
+def test_cached_pretrained_weights_need_no_network(tmp_path):
+    from safetensors.torch import save_file
+
+    repo = timm.models.get_pretrained_cfg("vit_tiny_patch16_224").hf_hub_id
+    cache = tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}"
+    (cache / "refs").mkdir(parents=True)
+    (cache / "refs" / "main").write_text("0" * 40)
+    (cache / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    torch.manual_seed(0)
+    weights = timm.create_model("vit_tiny_patch16_224", pretrained=False).state_dict()
+    save_file(weights, str(cache / "snapshots" / ("0" * 40) / "model.safetensors"))
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "PYTHONUNBUFFERED": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    res = subprocess.run([sys.executable, "-m", "amod", "finetune", "--pretrained", "--model", "vit_tiny_patch16_224",
+                          "--img-size", "32", *SHORT, "--batch-size", "32", "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "Retrying" not in res.stderr
+
+
+# ---------------------------------------------------------------- compare and bench: inputs checked first
+
+COMPARE_SHORT = ["--quick", "--methods", "ToMe", "--cost", "0.75"]  # what the refused command would have run
+INPUT_MISMATCHES = [
+    (["compare", "--checkpoint", "{c}/dense.safetensors", "--img-size", "32", *COMPARE_SHORT, "--out", "{t}/c"],
+     "--img-size 32: {c}/dense.safetensors has a classifier and is compared at its own input size, 28x28 px"),
+    (["compare", "--img-size", "32", *COMPARE_SHORT, "--out", "{t}/c"],
+     "--img-size 32: the demo's model has a classifier and is compared at its own input size, 28 px"),
+    (["compare", "--checkpoint", "{c}/dense.safetensors", "--data", "imagefolder:{f}", *COMPARE_SHORT, "--out",
+      "{t}/c"], "{c}/dense.safetensors takes 1-channel images and imagefolder:{f} has 3 channels"),
+    (["bench", "--model", "resnet18", "--img-size", "32"],
+     "resnet18 is a ResNet; amod supports timm's VisionTransformer models"),
+]
+
+
+@pytest.mark.parametrize("argv, message", INPUT_MISMATCHES, ids=[f"{a[0]}#{i}" for i, (a, _) in enumerate(INPUT_MISMATCHES)])
+def test_images_the_model_cannot_take_are_refused_before_any_work(argv, message, checkpoints, image_folder, tmp_path,
+                                                                  capsys):
+    argv = [a.format(c=checkpoints, t=tmp_path, f=image_folder) for a in argv]
+    before_t, before_c = tree(tmp_path), tree(checkpoints)
+    code, err = run_in_process(argv, capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"amod {argv[0]}: error: {message.format(c=checkpoints, f=image_folder)}"), err
+    assert tree(tmp_path) == before_t and tree(checkpoints) == before_c
+
+
+def test_compare_finetunes_at_the_models_own_size_not_the_datas(tmp_path, capsys):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c in range(3):
+            (tmp_path / "data" / split / f"class{c}").mkdir(parents=True)
+            for i in range(4):
+                pixels = (torch.rand(40, 40, 3, generator=g) * 255).byte().numpy()
+                Image.fromarray(pixels).save(tmp_path / "data" / split / f"class{c}" / f"{i}.png")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                              embed_dim=32, num_heads=2, num_classes=3)
+    ckpt = amod.save(model, tmp_path / "dense.safetensors")
+    code, err = run_in_process(["compare", "--checkpoint", str(ckpt), "--data", f"imagefolder:{tmp_path / 'data'}",
+                                "--methods", "ToMe", "--cost", "0.75", "--epochs", "1", "--train-limit", "12",
+                                "--speed-batch", "4", "--speed-repeats", "1", "--out", str(tmp_path / "c")], capsys)
+    assert code == 0, err
+    rows = json.loads((tmp_path / "c" / "compare.json").read_text())["rows"]
+    run = Path(rows[0]["run"])
+    import yaml
+
+    assert yaml.safe_load((run / "config.yaml").read_text())["img_size"] == 32  # the data's own would be 224
+    assert amod.load(run / "model.safetensors").patch_embed.img_size == (32, 32)

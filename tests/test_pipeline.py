@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -55,30 +54,67 @@ def test_training_lowers_the_loss_and_eval_agrees(tmp_path):
         num_classes=10)).macs
 
 
-def test_kill_and_resume_ends_with_the_same_metrics(tmp_path):
-    args = [*TINY, "--train-limit", "3000", "--epochs", "3", "--router", "random", "--capacity", "0.5",
-            "--drop-path", "0.1", "--seed", "7"]
-    full = amod_cli("train", *args, "--out", str(tmp_path / "full"))
-    assert full.returncode == 0, full.stderr
+# A training run that kills itself (SIGKILL: no clean-up) just before or just after the COUNT-th time a
+# file named NAME is renamed into place, i.e. at a chosen write of a chosen epoch. Written next to the
+# test and run as `python kill_at.py before|after NAME COUNT amod-arguments...`.
+KILL_AT = '''
+import os, signal, sys
+from pathlib import Path
 
+when, name, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+real_replace, seen = os.replace, []
+
+
+def replace(src, dst, *args, **kwargs):
+    if Path(dst).name == name:
+        seen.append(dst)
+    hit = Path(dst).name == name and len(seen) == count
+    if hit and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst, *args, **kwargs)
+    if hit and when == "after":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.replace = replace  # every file amod writes is renamed into place (amod.files)
+from amod.cli import main
+
+sys.exit(main(sys.argv[4:]))
+'''
+KILL_ARGS = [*TINY, "--train-limit", "512", "--epochs", "3", "--router", "random", "--capacity", "0.5",
+             "--drop-path", "0.1", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    res = amod_cli("train", *KILL_ARGS, "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run, when):
+    """Killed between writing the metrics row of epoch 2 and its checkpoint, or right after the checkpoint."""
+    script = tmp_path / "kill_at.py"
+    script.write_text(KILL_AT)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "amod", "train", *args, "--out", str(killed)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (killed / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done = read_metrics(killed / "metrics.jsonl")
-    assert 1 <= len(done) < 3, "the run should have been killed after epoch 1 and before the end"
+    res = subprocess.run([sys.executable, str(script), when, "checkpoint.pt", "2", "train", *KILL_ARGS,
+                          "--out", str(killed)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert torch.load(killed / "checkpoint.pt", weights_only=True)["epoch"] == (1 if when == "before" else 2)
+    # each epoch's row is written before its checkpoint: the metrics are never behind the checkpoint
+    assert [r["epoch"] for r in read_metrics(killed / "metrics.jsonl")] == [1, 2]
     res = amod_cli("train", "--resume", "--out", str(killed))
     assert res.returncode == 0, res.stderr
-    assert without_timings(read_metrics(killed / "metrics.jsonl")) == without_timings(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    full = uninterrupted_run
+    assert without_timings(read_metrics(killed / "metrics.jsonl")) == without_timings(read_metrics(full / "metrics.jsonl"))
+    assert (killed / "metrics.csv").read_text().count("\n") == (full / "metrics.csv").read_text().count("\n") == 4
     a = amod.load(killed / "model.safetensors").state_dict()
-    b = amod.load(tmp_path / "full" / "model.safetensors").state_dict()
+    b = amod.load(full / "model.safetensors").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # a finished run is not silently restarted
-    again = amod_cli("train", *args, "--out", str(killed))
+    again = amod_cli("train", *KILL_ARGS, "--out", str(killed))
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
@@ -94,6 +130,25 @@ def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
     # validation split across both ranks and summed, each image counted once (127 is odd: no padding)
     assert len(rows) == 2 and rows[-1]["val_images"] == 127 and summary["val_images"] == 127
+
+
+def test_torchrun_with_fewer_training_images_than_processes_gives_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "amod", "train", *TINY, "--train-limit", "1", "--epochs", "1", "--out", str(tmp_path / "ddp")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode != 0
+    assert "ZeroDivisionError" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("amod train: error:")]
+    assert errors and all("1 training image for 2 processes" in line for line in errors), res.stderr[-3000:]
+    assert not (tmp_path / "ddp" / "checkpoint.pt").exists()
+
+
+def test_every_process_gets_a_batch_when_its_share_is_smaller_than_the_batch_size():
+    from amod.train.engine import Dist, make_loader
+
+    data = torch.utils.data.TensorDataset(torch.zeros(100, 1))  # 50 images per process, batches of 64
+    for rank in (0, 1):
+        assert len(make_loader(data, 64, True, 0, 1, Dist(rank, 2))) == 1
 
 
 @pytest.mark.parametrize(

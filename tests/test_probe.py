@@ -71,3 +71,38 @@ def test_compare_on_a_backbone_uses_the_probe_and_caches_the_dense_features(tmp_
     assert amod_main(argv + ["--methods", "ToMe", "nonsense"]) == 2
     err = capsys.readouterr().err
     assert "unknown method 'nonsense'" in err and err.count("\n") == 1
+
+
+def test_a_corrupt_or_foreign_dense_features_file_is_computed_again_with_a_warning_naming_it(tmp_path, caplog):
+    import logging
+
+    from amod.experiments.compare import _dense_features
+    from amod.train.data import TensorImages
+
+    torch.manual_seed(0)
+    backbone = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=28, patch_size=7, depth=1,
+                                 embed_dim=32, num_heads=2, num_classes=0, in_chans=1).eval()
+    images = (torch.rand(18, 28, 28) * 255).to(torch.uint8)
+    train = TensorImages(images[:12], torch.arange(12) % 3, False, 28)
+    val = TensorImages(images[12:], torch.arange(6) % 3, False, 28)
+    cpu = torch.device("cpu")
+    fresh = _dense_features(tmp_path, "k", backbone, train, val, cpu)
+    path = tmp_path / "dense_features_k.pt"
+    good = path.read_bytes()
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "foreign.pt")
+    torch.save({**fresh, "test": fresh["test"][:2], "test_labels": fresh["test_labels"][:2]}, tmp_path / "other.pt")
+    bad_files = {"garbage": b"not a torch file", "torn": good[: len(good) // 2],
+                 "foreign": (tmp_path / "foreign.pt").read_bytes(), "other sizes": (tmp_path / "other.pt").read_bytes()}
+    log = logging.getLogger("amod")  # amod's CLI stops it propagating to the root logger
+    log.addHandler(caplog.handler)
+    try:
+        for what, data in bad_files.items():
+            path.write_bytes(data)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="amod"):
+                again = _dense_features(tmp_path, "k", backbone, train, val, cpu)
+            assert all(torch.equal(again[k], fresh[k]) for k in fresh), what
+            assert f"{path} cannot be reused" in caplog.text and "computing the dense features again" in caplog.text
+            assert all(torch.equal(v, fresh[k]) for k, v in torch.load(path, weights_only=True).items()), what
+    finally:
+        log.removeHandler(caplog.handler)

@@ -20,14 +20,15 @@ from .deploy import export
 from .experiments import analysis, stats
 from .methods import Dense, IsoFLOP, Method, MoD, TokenMerging, method_of
 from .mod.config import MoDConfig
-from .mod.convert import capacity_for_cost, convert, get_config, mod_blocks, set_capacity, set_recording
+from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
+                           set_recording)
 from .mod.isoflop import isoflop_baseline
 from .train.checkpoint import load, save
 
 __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
-    "flops", "count_flops", "capacity_for_cost", "tome", "isoflop_baseline", "save", "load", "pretrained",
-    "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "method_of",
+    "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
+    "pretrained", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "method_of",
     "export",
 ]
 __version__ = "0.1.0"

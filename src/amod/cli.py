@@ -8,8 +8,10 @@ import argparse
 import logging
 import os
 import sys
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from safetensors import SafetensorError
 from yaml import YAMLError
@@ -18,7 +20,7 @@ from .experiments.analyze import ANALYSES, AnalyzeConfig, run_analysis
 from .deploy import EXPORTERS, export_checkpoint
 from .experiments.bench import RUNTIMES, run_bench
 from .experiments.compare import CompareConfig, run_compare
-from .experiments.costs import flops_methods, flops_table, format_flops_table
+from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table
 from .experiments.demo import run_demo
 from .experiments.evaluate import EvalConfig, evaluate_checkpoint
 from .experiments.study import StudyConfig, run_study
@@ -142,6 +144,8 @@ def _flops(args: argparse.Namespace) -> int:
     layers = args.layers or ("all" if args.skipped == "fold" else "alternate")
     print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
     print("\n".join(format_flops_table(flops_table(args.models, methods, args.img_size))))
+    for note in floor_notes(args.models, methods, args.img_size):
+        print(note)
     return 0
 
 
@@ -283,6 +287,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _export_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="any amod.save file (model.safetensors of a run)")
     p.add_argument("--out", required=True, help="the .onnx file to write")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--img-size", type=positive_int, default=None, help="input size (default the model's own)")
     p.add_argument("--batch", type=parse_batch, default="dynamic", help="dynamic (default) or a fixed batch size")
     p.add_argument("--opset", type=positive_int, default=None, help="ONNX opset (default the exporter's)")
@@ -293,7 +298,8 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    r = export_checkpoint(args.checkpoint, args.out, args.img_size, args.batch, args.opset, args.exporter)
+    r = export_checkpoint(args.checkpoint, args.out, args.img_size, args.batch, args.opset, args.exporter,
+                          force=args.force)
     if args.json:
         print(dumps(r))
         return 0
@@ -452,12 +458,33 @@ def _one_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
+@contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """amod's own warnings (e.g. a fold capacity below its floor) as one line, ``amod COMMAND: warning: ...``;
+    other packages' warnings as Python shows them."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if os.path.abspath(filename).startswith(package):
+            print(f"amod {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     run = next(c.run for c in COMMANDS if c.name == args.command)
     _setup_logging()
     try:
-        return run(args) or 0
+        with _warnings_as_lines(args.command):
+            return run(args) or 0
     except KeyboardInterrupt:
         print("amod: interrupted", file=sys.stderr)
         return 130

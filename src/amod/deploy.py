@@ -23,6 +23,8 @@ import copy
 import logging
 import os
 import re
+import signal
+import threading
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -246,6 +248,51 @@ def check_onnx(path: PathLike, model: nn.Module, inputs: list[torch.Tensor], tol
 
 # ---------------------------------------------------------------- export
 
+def check_output_file(path: PathLike) -> Path:
+    """Return ``path`` if an ONNX file can be written there (its directory exists and is writable); else
+    raise, naming the path. Nothing is created."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give the .onnx file to write")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"the directory of {path} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK):  # the file is written beside it, then renamed
+        raise PermissionError(f"cannot write {path}: {path.parent} is not writable")
+    return path
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during an export (raised so that the temporary file is removed on the way out)."""
+
+
+@contextmanager
+def _sigterm_cleans_up() -> Iterator[None]:
+    """Turn SIGTERM into ``_Terminated`` inside the block, so that ``finally``/``except`` clauses run; once
+    they have, the signal is delivered again to the handler that was there before (by default the
+    process ends, as it would have). Only the main thread can set a handler; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:  # SIGTERM ignored: nothing to clean up after
+        yield
+        return
+
+    def terminated(signum, frame) -> None:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        raise RuntimeError("the export was stopped by SIGTERM; nothing was written") from None  # a handler that returns
+    finally:
+        if signal.getsignal(signal.SIGTERM) is terminated:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
            batch: Union[str, int] = "dynamic", opset: Optional[int] = None, exporter: str = DEFAULT_EXPORTER,
            check: bool = True, check_images: int = CHECK_IMAGES) -> dict[str, Any]:
@@ -254,7 +301,8 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     Args:
         model: a timm ViT, dense or amod-converted (MoD with any router and skipped mode, token merging);
             left as it is (a float32 CPU copy is exported).
-        path: the ``.onnx`` file; written under a temporary name, renamed into place after the check.
+        path: the ``.onnx`` file; written under a temporary name, renamed into place after the check (an
+            existing file is replaced). The temporary file is removed on any failure, and on SIGTERM.
         img_size: input size to export at (the position embedding is resampled when it differs from the
             model's own); default the model's.
         batch: ``"dynamic"`` (a batch dimension of any size) or a fixed batch size.
@@ -285,11 +333,7 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
         raise ValueError("a dynamic-batch check needs at least 2 images")
     for extra in ("onnx", "onnxruntime") if check else ("onnx",):
         _require(extra)
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory; give the .onnx file to write")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"the directory of {path} does not exist")
+    path = check_output_file(path)
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise TypeError(f"amod.export takes a timm VisionTransformer, got {type(model).__name__}")
     model = copy.deepcopy(model).cpu().float().eval()
@@ -299,44 +343,56 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     n = check_images if dynamic else batch
     example, source = check_inputs(model, n)
     tmp = path.with_name(path.name + ".tmp")
-    try:
-        with frozen_draws(model, example):
-            try:
-                with torch.no_grad():
-                    _torch_export(model, example, tmp, exporter, dynamic, opset)
-            except (ImportError, KeyboardInterrupt):
-                raise
-            except Exception as e:
-                raise _export_error(e, exporter, label) from e
-            if not tmp.is_file():
-                raise RuntimeError(f"the {exporter} ONNX exporter wrote no file for {label}")
-            ops, written = _graph_summary(tmp)
-            if opset is not None and written != opset:
-                raise RuntimeError(f"the {exporter} ONNX exporter wrote opset {written}, not the {opset} asked for "
-                                   f"(it converts to older opsets only where onnx's version converter can)")
-            result: dict[str, Any] = {
-                "path": str(path), "exporter": exporter, "opset": written, "batch": batch,
-                "img_size": list(pair(model.patch_embed.img_size)), "method": label,
-                "ops": {op: ops.get(op, 0) for op in ROUTING_OPS}, "nodes": sum(ops.values()),
-            }
-            if check:
-                batches = [example, example[:3] if n > 3 else example[:1]] if dynamic else [example]
+    with _sigterm_cleans_up():
+        try:
+            with frozen_draws(model, example):
                 try:
-                    result["check"] = {**check_onnx(tmp, model, batches), "inputs": source}
-                except RuntimeError as e:
-                    if exporter == "torchscript":  # it mistranslates some of amod's index ops (merge, fold)
-                        raise RuntimeError(f"{e}; the dynamo exporter (the default) exports every amod model") from None
+                    with torch.no_grad():
+                        _torch_export(model, example, tmp, exporter, dynamic, opset)
+                except (ImportError, KeyboardInterrupt):
                     raise
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
+                except Exception as e:
+                    raise _export_error(e, exporter, label) from e
+                if not tmp.is_file():
+                    raise RuntimeError(f"the {exporter} ONNX exporter wrote no file for {label}")
+                ops, written = _graph_summary(tmp)
+                if opset is not None and written != opset:
+                    raise RuntimeError(f"the {exporter} ONNX exporter wrote opset {written}, not the {opset} asked for "
+                                       f"(it converts to older opsets only where onnx's version converter can)")
+                result: dict[str, Any] = {
+                    "path": str(path), "exporter": exporter, "opset": written, "batch": batch,
+                    "img_size": list(pair(model.patch_embed.img_size)), "method": label,
+                    "ops": {op: ops.get(op, 0) for op in ROUTING_OPS}, "nodes": sum(ops.values()),
+                }
+                if check:
+                    batches = [example, example[:3] if n > 3 else example[:1]] if dynamic else [example]
+                    try:
+                        result["check"] = {**check_onnx(tmp, model, batches), "inputs": source}
+                    except RuntimeError as e:
+                        if exporter == "torchscript":  # it mistranslates some of amod's index ops (merge, fold)
+                            raise RuntimeError(f"{e}; the dynamo exporter (the default) exports every amod "
+                                               "model") from None
+                        raise
+            os.replace(tmp, path)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
     result["bytes"] = path.stat().st_size
     return result
 
 
 def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[int] = None,
                       batch: Union[str, int] = "dynamic", opset: Optional[int] = None,
-                      exporter: str = DEFAULT_EXPORTER) -> dict[str, Any]:
-    """``amod export``: load any amod checkpoint and ``export`` it to ``out``."""
+                      exporter: str = DEFAULT_EXPORTER, force: bool = False) -> dict[str, Any]:
+    """``amod export``: load any amod checkpoint and ``export`` it to ``out``.
+
+    ``out`` is checked before the checkpoint is read: it must not be the checkpoint itself, and an
+    existing file is replaced only with ``force``.
+    """
+    out = check_output_file(out)
+    if out.resolve() == Path(checkpoint).resolve() or (out.exists() and Path(checkpoint).exists()
+                                                         and os.path.samefile(out, checkpoint)):
+        raise ValueError(f"--out {out} is the checkpoint being exported; write the ONNX file elsewhere")
+    if out.exists() and not force:
+        raise FileExistsError(f"--out {out} already exists; add --force to replace it")
     return export(load(checkpoint), out, img_size=img_size, batch=batch, opset=opset, exporter=exporter)

@@ -4,7 +4,8 @@ Every file amod writes goes through ``atomic_write``: the bytes go to ``<name>.t
 target, are flushed to disk, and the temporary file is renamed over the target only when it is
 complete. On any failure the temporary file is removed and the previous file is left as it was;
 a full disk is reported as ``DiskFullError`` naming the file. Files get the usual permissions
-(0666 minus the process umask).
+(0666 minus the process umask). ``write_together`` does the same for several files that must agree
+(a run's metrics, weights and checkpoint): a failure changes none of them.
 
 ``dumps`` is ``json.dumps`` that never writes ``NaN``/``Infinity`` (not JSON): non-finite floats
 become ``null``.
@@ -16,8 +17,9 @@ import io
 import json
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Union
+from typing import Any, BinaryIO, Callable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -63,18 +65,13 @@ def _remove_quietly(path: Path) -> None:
         pass
 
 
-def atomic_write(path: PathLike, write: Callable[[BinaryIO], Any]) -> Path:
-    """Write ``path`` by calling ``write(file)`` on a temporary file, then renaming it into place.
+def _disk_full(code: int, path: Path) -> DiskFullError:
+    return DiskFullError(code, f"no space left on device while writing {path}; "
+                               f"the previous {path.name} (if any) was kept")
 
-    Args:
-        path: the destination; its directory must exist.
-        write: writes the whole content to the binary file object it is given.
 
-    Raises:
-        DiskFullError: the device is full (the temporary file is removed, the old file kept).
-        OSError: any other failure to write, with the same guarantees.
-    """
-    path = Path(path)
+def _write_temporary(path: Path, write: Callable[[BinaryIO], Any]) -> Path:
+    """Write the whole of ``<path>.tmp`` and flush it to disk; on any failure remove it and raise."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as raw:
@@ -86,17 +83,74 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], Any]) -> Path:
             except BaseException as e:
                 cause = f.error if f.error is not None else e
                 if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
-                    raise DiskFullError(cause.errno, f"no space left on device while writing {path}; "
-                                                     f"the previous {path.name} (if any) was kept") from None
+                    raise _disk_full(cause.errno, path) from None
                 raise
-        os.replace(tmp, path)
     except BaseException as e:
         _remove_quietly(tmp)
         if isinstance(e, OSError) and not isinstance(e, DiskFullError) and e.errno in _DISK_FULL:
-            raise DiskFullError(e.errno, f"no space left on device while writing {path}; "
-                                         f"the previous {path.name} (if any) was kept") from None
+            raise _disk_full(e.errno, path) from None
         raise
-    return path
+    return tmp
+
+
+def atomic_write(path: PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Write ``path`` by calling ``write(file)`` on a temporary file, then renaming it into place.
+
+    Args:
+        path: the destination; its directory must exist.
+        write: writes the whole content to the binary file object it is given.
+
+    Raises:
+        DiskFullError: the device is full (the temporary file is removed, the old file kept).
+        OSError: any other failure to write, with the same guarantees.
+    """
+    return write_together([(path, write)])[0]
+
+
+def write_together(writes: Sequence[tuple[PathLike, Callable[[BinaryIO], Any]]]) -> list[Path]:
+    """Write several files as one change: ``atomic_write`` of each, with every temporary file complete
+    before the first rename.
+
+    A failure while writing (a full disk) changes none of the files. The renames follow the order of
+    ``writes``, so a process killed between two of them leaves the first files new and the rest old:
+    put last the file that says the others are complete (a run's checkpoint).
+
+    Args:
+        writes: (destination, function writing its whole content to a binary file) pairs.
+
+    Raises:
+        DiskFullError: the device is full; names the file (temporary files are removed, old files kept).
+        OSError: any other failure to write, with the same guarantees.
+    """
+    paths = [Path(p) for p, _ in writes]
+    temporary: list[Path] = []
+    try:
+        for path, (_, write) in zip(paths, writes):
+            temporary.append(_write_temporary(path, write))
+        for tmp, path in zip(temporary, paths):
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                if e.errno in _DISK_FULL:
+                    raise _disk_full(e.errno, path) from None
+                raise
+    except BaseException:
+        for tmp in temporary:  # those already renamed are gone: nothing to remove
+            _remove_quietly(tmp)
+        raise
+    return paths
+
+
+@contextmanager
+def naming_a_full_disk(path: PathLike) -> Iterator[None]:
+    """Report a full disk met inside the block as ``DiskFullError`` naming ``path`` (a plain ``OSError``
+    from ``os.write`` names no file)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in _DISK_FULL and not isinstance(e, DiskFullError):
+            raise DiskFullError(e.errno, f"no space left on device while writing {path}") from None
+        raise
 
 
 def write_bytes(path: PathLike, data: bytes) -> Path:

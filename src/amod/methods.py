@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
 
@@ -130,7 +131,9 @@ class MoD(Method):
         return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers)})
 
     def at_cost(self, dense: nn.Module, cost: float) -> "MoD":
-        model = self.apply(skeleton(dense))
+        with warnings.catch_warnings():  # the capacity it was made with does not matter: it is searched for
+            warnings.simplefilter("ignore")
+            model = self.apply(skeleton(dense))
         return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
 
 

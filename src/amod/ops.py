@@ -27,6 +27,20 @@ def tracing() -> bool:
     return torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
 
 
+def recomputing() -> bool:
+    """Whether this forward is gradient checkpointing's recompute (``torch.utils.checkpoint``, as timm's
+    ``set_grad_checkpointing`` uses it, reentrant or not) rather than a forward of its own.
+
+    A checkpointed block runs a second time inside the backward, after later blocks (and maybe later
+    forwards) have moved the state blocks share: A-MoD's score handoffs, the random routers' call
+    counters, the token sizes of fold and ToMe. Such a rerun must see what its first run saw and leave
+    the shared state alone (see ``amod.tokens.ForwardMemo``). It is recognised as a forward that runs
+    while autograd executes a backward (a graph task is current), as ``torch.utils.checkpoint`` itself
+    tells its recomputes apart; never while tracing, where the question is not asked of the graph.
+    """
+    return not tracing() and torch._C._current_graph_task_id() != -1
+
+
 def received_attention(attn: torch.Tensor) -> torch.Tensor:
     """A-MoD importance (paper Eq. 4) from an explicit attention matrix.
 

@@ -1,14 +1,17 @@
 """Token bookkeeping shared by every token reduction: gather, scatter, and merging by size-weighted average.
 
-Pure functions on tensors (plus one small state holder), no modules: each piece can be tested on its
+Pure functions on tensors (plus two small state holders), no modules: each piece can be tested on its
 own. Shapes: B images, N tokens (p prefix tokens first, then n patch tokens), D channels.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .ops import tracing
 
 
 def flat_index(index: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -111,3 +114,69 @@ def merge_weighted(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r:
         weighted, new_size = gather_tokens(weighted, order), gather_tokens(new_size, order)
     merged = weighted / new_size
     return torch.cat([x[:, :p], merged.to(x.dtype)], 1), torch.cat([size[:, :p], new_size], 1)
+
+
+# ---------------------------------------------------------------- gradient checkpointing
+
+class ForwardMemo:
+    """What one block read from outside its input in each forward, kept for gradient checkpointing.
+
+    A checkpointed block runs again in the backward (``amod.ops.recomputing``) on the same input (a
+    detached alias of it when reentrant) and must see what its first run saw, though the shared state
+    has moved on by then. Entries are keyed by that input's storage and hold a weak reference to it:
+    an entry lives as long as the autograd graph keeps the input (until the backward), and keeps no
+    activation alive itself. Plain object: nothing in state_dicts; copies start empty.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[StorageWeakRef, Any]] = {}
+
+    @staticmethod
+    def _key(x: torch.Tensor) -> tuple:
+        return x.untyped_storage()._cdata, x.storage_offset(), tuple(x.shape), x.stride()
+
+    def _prune(self) -> None:
+        for key in [key for key, (ref, _) in self._entries.items() if ref.expired()]:
+            del self._entries[key]
+
+    def remember(self, x: torch.Tensor, value: tuple) -> None:
+        """Keep ``value`` for a recompute on ``x``, if a backward may follow: with grad enabled, or in
+        reentrant checkpointing's forward (no grad, an input that requires it). Nothing while tracing."""
+        if tracing() or not (torch.is_grad_enabled() or x.requires_grad):
+            return
+        # tensors kept detached (no graph kept alive) but requiring grad as they did: the recompute must
+        # record the autograd ops, and save the tensors, that the forward did (checkpointing checks)
+        value = tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                      for v in value)
+        self._prune()
+        key = self._key(x)
+        # the same live input twice: a recompute could not tell the two forwards apart
+        self._entries[key] = (StorageWeakRef(x.untyped_storage()), _AMBIGUOUS if key in self._entries else value)
+
+    def recall(self, x: torch.Tensor, owner: str) -> tuple:
+        """What the forward on ``x`` remembered; ``owner`` names the block in the errors."""
+        entry = self._entries.get(self._key(x))
+        if entry is None or entry[0].expired():
+            raise RuntimeError(f"the {owner} found no record of its forward on this input to recompute for "
+                               "gradient checkpointing; recompute each block on its own input, as timm's "
+                               "set_grad_checkpointing does")
+        if entry[1] is _AMBIGUOUS:
+            raise RuntimeError(f"the {owner} ran twice on the same input before the backward: gradient "
+                               "checkpointing cannot tell which forward it recomputes")
+        return entry[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        self._prune()
+        return len(self._entries)
+
+    def __reduce__(self):
+        return ForwardMemo, ()  # copies and pickles start empty (the weak references are per process)
+
+    def __repr__(self) -> str:
+        return f"ForwardMemo(entries={len(self)})"
+
+
+_AMBIGUOUS = object()

@@ -58,6 +58,16 @@ def _drop_token(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return expanded[keep].view(len(index), N - 1, *t.shape[2:])
 
 
+def check_loo_model(model: nn.Module, name: str = "the model") -> None:
+    """Refuse a model leave-one-out cannot judge: a fold model (``skipped="fold"``), whose blocks route on
+    the attention they compute themselves, so no scores exist at a block's input to compare with."""
+    if getattr(getattr(model, "amod_config", None), "skipped", None) == "fold":
+        raise ValueError(f"leave-one-out needs an MoD model with skipped bypass, merge or kv; {name} is a fold model. "
+                         "It compares the scores a router reads at an MoD block's input with the loss of removing "
+                         "each token there, but a fold block scores its tokens on the attention it computes itself "
+                         "and folds the most similar ones: there are no input scores to compare")
+
+
 @torch.no_grad()
 def leave_one_out(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, tokens: Optional[int] = None,
                   batch: int = 64, seed: int = 0) -> dict[str, Any]:
@@ -70,7 +80,7 @@ def leave_one_out(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
     the baseline, that of random scores.
 
     Args:
-        model: a converted model (any router).
+        model: a converted model (any router; not a fold model, see ``check_loo_model``).
         images: (B, C, H, W) images; labels: (B,) classes.
         tokens: patch tokens sampled per image (all when None).
         batch: removals evaluated per forward.
@@ -79,6 +89,7 @@ def leave_one_out(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
         ``{"layers": {l: {"router": mean corr, "random": mean corr, "per_image": [...]}},
         "importance": {l: [[...] per image]}, "scores": ..., "tokens": ...}``
     """
+    check_loo_model(model)
     model.eval()
     gen = np.random.default_rng(seed)
     p = model.num_prefix_tokens

@@ -14,7 +14,7 @@ from ..files import dumps, write_text
 from ..train.checkpoint import load
 from ..train.data import build_datasets, first_images, normalization
 from ..train.rundir import check_output_dir
-from .analysis import attention_stats, kept_positions, leave_one_out
+from .analysis import attention_stats, check_loo_model, kept_positions, leave_one_out
 from .plots import keep_frequency_figure, routing_figure
 
 ANALYSES = ("loo", "routing", "attention")
@@ -42,6 +42,11 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[Any, str]:
     if cfg.analysis in ("loo", "routing") and getattr(model, "amod_config", None) is None:
         raise ValueError(f"analyze {cfg.analysis} needs an MoD model (one trained or finetuned with --router); "
                          f"{cfg.checkpoint} is not one")
+    if cfg.analysis == "loo":
+        check_loo_model(model, str(cfg.checkpoint))
+    if cfg.analysis == "routing" and model.amod_config.skipped == "fold":
+        raise ValueError(f"analyze routing needs an MoD model with skipped bypass, merge or kv; {cfg.checkpoint} is a "
+                         "fold model, whose tokens change identity as they fold: there are no kept patch positions")
     _, val, info = build_datasets(cfg.data, model.patch_embed.img_size[0], None, None)
     if info.in_chans != model.patch_embed.proj.in_channels:
         raise ValueError(f"the model takes {model.patch_embed.proj.in_channels}-channel images; {info.name} has "

@@ -20,6 +20,7 @@ from ..deploy import export, onnx_session
 from ..mod.convert import convert
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import autocast
+from ..train.models import check_vit_name
 
 
 def _sync(device: torch.device) -> None:
@@ -197,6 +198,7 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
     """
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    check_vit_name(model)  # amod's supported-models line, not timm's error about an argument of another family
     if runtime == "onnxruntime":
         if compile:
             raise ValueError("--compile applies to the torch runtime; ONNX Runtime compiles the graph itself")

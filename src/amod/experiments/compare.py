@@ -32,10 +32,11 @@ from ..cost import flops, validate_cost
 from ..files import dumps, torch_save, write_json, write_text
 from ..methods import Method, MoD, TokenMerging, cost_of
 from ..train import engine
-from ..train.checkpoint import load
-from ..train.data import build_datasets
+from ..train.checkpoint import load, skeleton
+from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.run import RunConfig, run_dir_name
+from ..train.rundir import check_output_dir
 from .bench import time_models
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
@@ -125,10 +126,48 @@ class CompareConfig:
 def run_compare(cfg: CompareConfig) -> Path:
     """Run every (cost, method) pair (reusing finished runs), time them, and write the report."""
     cfg.validate()
-    return run_in_directory(cfg.out, cfg.data, lambda root: _run_compare(cfg, root))
+    check_output_dir(cfg.out)
+    native = check_inputs(cfg)
+    return run_in_directory(cfg.out, cfg.data, lambda root: _run_compare(cfg, root, native.img_size))
 
 
-def _run_compare(cfg: CompareConfig, root: Path) -> Path:
+def check_inputs(cfg: CompareConfig) -> DataInfo:
+    """Refuse, before any work, images the model cannot be compared on; raises ValueError saying why.
+    Returns what the data is at its own size.
+
+    A model with a classifier is compared on the data it was trained for, at its own input size
+    (its head and the finetunes take that data as it is); a backbone without one (probe protocol) is
+    resampled to ``--img-size``, which must be a multiple of its patch size.
+    """
+    _, _, info = build_datasets(cfg.data, None, None, None)
+    if cfg.checkpoint is None:  # the demo's model, pretrained on this data at the data's own size
+        if cfg.img_size is not None and cfg.img_size != info.img_size:
+            raise ValueError(f"--img-size {cfg.img_size}: the demo's model has a classifier and is compared at its own "
+                             f"input size, {info.img_size} px ({info.name}); --img-size is for a backbone without "
+                             "classifier (probe protocol)")
+        return info
+    model = skeleton(cfg.checkpoint)
+    h, w = model.patch_embed.img_size
+    ph, pw = model.patch_embed.patch_size
+    chans = model.patch_embed.proj.in_channels
+    if model.num_classes == 0:
+        if cfg.img_size is not None and (cfg.img_size % ph or cfg.img_size % pw):
+            raise ValueError(f"--img-size {cfg.img_size} is not a multiple of the patch size {ph}x{pw} of "
+                             f"{cfg.checkpoint}")
+        return info
+    if cfg.img_size is not None and (cfg.img_size, cfg.img_size) != (h, w):
+        raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} has a classifier and is compared at its own "
+                         f"input size, {h}x{w} px; --img-size is for a backbone without classifier (probe protocol)")
+    if info.in_chans != chans:
+        raise ValueError(f"{cfg.checkpoint} takes {chans}-channel images and {cfg.data} has {info.in_chans} "
+                         "channels: a model with a classifier is compared on the data it was trained for")
+    if info.num_classes > model.num_classes:
+        raise ValueError(f"{cfg.data} has {info.num_classes} classes and the classifier of {cfg.checkpoint} "
+                         f"{model.num_classes}: a model with a classifier is compared on the data it was trained for")
+    return info
+
+
+def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:
     pretrained = starting_checkpoint(cfg, root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dense = load(pretrained, device).eval()
@@ -139,10 +178,9 @@ def _run_compare(cfg: CompareConfig, root: Path) -> Path:
     if probe_mode:
         rows, dense_acc = _probe_rows(cfg, root, dense, pretrained, train, val, device)
     else:
-        if cfg.img_size is not None and cfg.img_size != dense.patch_embed.img_size[0]:
-            raise ValueError("--img-size changes the input size of a backbone (probe protocol) only; a model with a "
-                             "classifier is compared at its own size")
-        rows, dense_acc = _finetune_rows(cfg, root, dense, pretrained, val, device)
+        # the finetunes see the data at the model's size (as the dense model does), not at the data's own
+        run_size = None if img_size == native_size else img_size
+        rows, dense_acc = _finetune_rows(cfg, root, dense, pretrained, val, device, run_size)
     log.info("timing %d models interleaved (batch %d)", len(rows) + 1, cfg.speed_batch)
     models = {"dense": dense, **{_key(r): _rebuild(dense, r, device) for r in rows}}
     x = torch.randn(cfg.speed_batch, dense.patch_embed.proj.in_channels, *dense.patch_embed.img_size,
@@ -169,7 +207,7 @@ def _rebuild(dense: torch.nn.Module, row: dict[str, Any], device: torch.device) 
 
 
 def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, val,
-                   device: torch.device) -> tuple[list[dict[str, Any]], float]:
+                   device: torch.device, img_size: Optional[int] = None) -> tuple[list[dict[str, Any]], float]:
     """Zero-training and finetuned accuracy of every (cost, method): one run directory each."""
     loader = engine.make_loader(val, 256, False, 0, 0, engine.Dist())
     dense_acc = engine.evaluate(dense, loader, device, progress=False)["top1"]
@@ -182,7 +220,7 @@ def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretr
         run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, **method.run_fields(),
                             epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,
                             train_limit=cfg.train_limit, val_limit=cfg.val_limit, eval_before_training=True,
-                            out=str(out))
+                            img_size=img_size, out=str(out))
         run_once(run_cfg)
         metrics = engine.read_metrics(out / "metrics.jsonl")
         rows.append({"method": entry.name, "cost_target": cost, "cost": ratio, "zero_top1": metrics[0]["val_top1"],
@@ -209,8 +247,11 @@ def _dense_features(root: Path, key: str, dense: torch.nn.Module, train, val,
     """The dense model's features of the probe's training subset and of the test set, cached under ``root``."""
     path = root / f"dense_features_{key}.pt"
     if path.exists():
-        log.info("dense features reused from %s", path)
-        return torch.load(path, weights_only=True)
+        cached, problem = _read_features(path, len(train), len(val))
+        if cached is not None:
+            log.info("dense features reused from %s", path)
+            return cached
+        log.warning("%s cannot be reused (%s); computing the dense features again", path, problem)
     log.info("dense features of %d training and %d test images (cached in %s)", len(train), len(val), path)
     dist = engine.Dist(device=device)
     train_f, train_y = features(dense, engine.image_batches(engine.make_loader(train, 128, False, 0, 0, dist)), device)
@@ -218,6 +259,26 @@ def _dense_features(root: Path, key: str, dense: torch.nn.Module, train, val,
     cached = {"train": train_f, "train_labels": train_y, "test": test_f, "test_labels": test_y}
     torch_save(cached, path)
     return cached
+
+
+FEATURE_KEYS = ("train", "train_labels", "test", "test_labels")
+
+
+def _read_features(path: Path, n_train: int, n_test: int) -> tuple[Optional[dict[str, torch.Tensor]], str]:
+    """(the cached dense features, "") if ``path`` holds them for ``n_train`` and ``n_test`` images, else
+    (None, what is wrong with it): a torn, corrupt or foreign file is computed again, not trusted."""
+    try:
+        cached = torch.load(path, weights_only=True)
+    except Exception as e:  # pickle, zip and storage errors of a torn or foreign file alike
+        return None, f"unreadable: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    if not isinstance(cached, dict) or not all(isinstance(cached.get(k), torch.Tensor) for k in FEATURE_KEYS):
+        return None, f"not a dense-features file: it needs the tensors {', '.join(FEATURE_KEYS)}"
+    sizes = {k: len(cached[k]) for k in FEATURE_KEYS}
+    if sizes != {"train": n_train, "train_labels": n_train, "test": n_test, "test_labels": n_test}:
+        return None, f"it holds {sizes}, not {n_train} training and {n_test} test images"
+    if cached["train"].ndim != 2 or cached["test"].shape[1:] != cached["train"].shape[1:]:
+        return None, "its features are not (images, width) tensors of one width"
+    return cached, ""
 
 
 def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, train, val,

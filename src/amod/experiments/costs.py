@@ -1,15 +1,18 @@
 """`amod flops`: the analytic cost of timm ViTs, dense, as MoD at several capacities, and with token merging."""
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import timm
 import torch
 
-from ..cost import CostReport, flops
+from ..cost import CostReport, flops, img_size_of
 from ..methods import Dense, Method, MoD, TokenMerging
 from ..mod.config import validate_capacity
+from ..mod.convert import lowest_capacity
 from ..tome import schedule_for_cost
+from ..train.models import check_vit_name
 
 
 def flops_methods(capacities: Sequence[float], router: str = "attention", layers=None, skipped: str = "bypass",
@@ -32,8 +35,10 @@ def flops_table(models: Sequence[str], methods: Sequence[tuple[str, Method]],
     for name in models:
         if name not in timm.list_models():
             raise ValueError(f"unknown timm model {name!r}")
+        check_vit_name(name)
         for label, method in methods:
-            with torch.device("meta"):
+            with torch.device("meta"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a fold capacity below its floor: floor_notes says so, at this size
                 model = timm.create_model(name, pretrained=False)
                 if isinstance(method, TokenMerging) and method.cost is not None:  # matched at the table's size
                     model = TokenMerging(r=tuple(schedule_for_cost(model, method.cost, img_size))).apply(model)
@@ -41,6 +46,27 @@ def flops_table(models: Sequence[str], methods: Sequence[tuple[str, Method]],
                     model = method.apply(model)
             rows.append((name, label, flops(model, img_size)))
     return rows
+
+
+def floor_notes(models: Sequence[str], methods: Sequence[tuple[str, Method]], img_size: Optional[int] = None
+                ) -> list[str]:
+    """One line per model whose fold rows ask for less than the lowest capacity it reaches
+    (``amod.lowest_capacity``): those rows cost what that capacity costs."""
+    folds = [m for _, m in methods if isinstance(m, MoD) and m.skipped == "fold"]
+    notes = []
+    for name in models if folds else ():
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = folds[0].apply(timm.create_model(name, pretrained=False))
+        lowest = lowest_capacity(model, img_size)  # the same for every fold row: they differ in capacity only
+        below = [m.capacity for m in folds if m.capacity < lowest]
+        if below:
+            h, w = img_size_of(model, img_size)
+            notes.append(f"note: {name} at {h}x{w}: skipped=fold reaches no capacity below {lowest:.3f} (a fold block "
+                         f"removes at most about half of its patch tokens, less the {folds[0].protect:.0%} it "
+                         f"protects); capacity {', '.join(f'{c:.3f}' for c in below)} "
+                         f"cost{'s' if len(below) == 1 else ''} what {lowest:.3f} costs")
+    return notes
 
 
 def format_flops_table(rows: Sequence[tuple[str, str, CostReport]]) -> list[str]:

@@ -75,9 +75,14 @@ class StudyConfig:
     quick: bool = False
 
     def as_quick(self) -> "StudyConfig":
-        """The same study in a few seconds (for tests): one capacity, two seeds, tiny data."""
-        return dataclasses.replace(self, capacities=(0.5,), seeds=2, epochs=1, train_limit=256, val_limit=128,
-                                   loo_images=2, loo_tokens=4, quick=True)
+        """The same study in a few seconds (for tests): the first capacity, two seeds, tiny data.
+
+        The settings given are checked first (``validate``): quick mode replaces most of them, but a wrong
+        one is still refused rather than ignored.
+        """
+        self.validate()
+        return dataclasses.replace(self, capacities=self.capacities[:1], seeds=2, epochs=1, train_limit=256,
+                                   val_limit=128, loo_images=2, loo_tokens=4, quick=True)
 
     def validate(self) -> "StudyConfig":
         """Check every setting before the first run starts; raises ValueError naming the setting."""

@@ -18,10 +18,16 @@ itself an MoD block, it measures attention only among the M tokens it processed.
 their new score rescaled by M / N (so that uniform attention gives every token 1/N, as over the full
 sequence); the tokens it skipped keep the score they had when it routed them, i.e. their most recent
 measured importance.
+
+Gradient checkpointing (timm's ``set_grad_checkpointing``) runs each block again in the backward, when
+the handoffs and the random routers' call counters have moved on: a block remembers what it read in
+each forward (``amod.tokens.ForwardMemo``) and its recompute (``amod.ops.recomputing``) routes from
+that, handing nothing to the next block.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,8 +36,8 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block
 
 from ..cost import BlockPrice, attention_macs, linear_macs_per_token
-from ..ops import attention_inputs, attention_output, attention_scores_explicit, attention_with_scores
-from ..tokens import flat_index, gather_tokens, scatter_tokens
+from ..ops import attention_inputs, attention_output, attention_scores_explicit, attention_with_scores, recomputing
+from ..tokens import ForwardMemo, flat_index, gather_tokens, scatter_tokens
 from .config import MoDConfig
 from .routers import Router, StandardRouter
 from .routing import keep_index, num_kept, select_tokens, skipped_tokens
@@ -64,6 +70,7 @@ class ScoringAttention(Attention):
 
     amod_handoff: ScoreHandoff
     amod_scores_need_grad: bool
+    amod_relayed: bool = False  # its block is an MoD block that passes the scores on (set by amod.convert)
 
     def forward(
         self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
@@ -79,7 +86,10 @@ class ScoringAttention(Attention):
                                               scores_need_grad=self.amod_scores_need_grad and torch.is_grad_enabled())
         else:  # timm's explicit path, attention matrix and all
             x, scores = attention_scores_explicit(q, k, v, self.scale, dropout)
-        self.amod_handoff.scores = scores if self.amod_scores_need_grad else scores.detach()
+        # in a checkpoint recompute the next block reads the scores its forward remembered: only a block that
+        # passes them on takes them, to redo its forward's autograd ops, and clears them after
+        if self.amod_relayed or not recomputing():
+            self.amod_handoff.scores = scores if self.amod_scores_need_grad else scores.detach()
         return attention_output(self, x, gate)
 
 
@@ -92,6 +102,8 @@ class MoDSettings:
     in_handoff: Optional[ScoreHandoff] = None  # where the previous block leaves attention scores
     out_handoff: Optional[ScoreHandoff] = None  # set when this block scores attention for the next one
     record: bool = False  # keep the kept patch indices of the last forward in ``amod_last_index``
+    # what each forward read from the handoff and the router, for gradient checkpointing's recompute
+    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False, compare=False)
 
 
 class MoDBlock(Block):
@@ -121,24 +133,52 @@ class MoDBlock(Block):
     ) -> torch.Tensor:
         if attn_mask is not None or is_causal:
             raise NotImplementedError("MoD blocks do not support attention masks or causal attention")
+        if not recomputing():
+            return self._route(x, *self._read_inputs(x), replay=False)
+        # gradient checkpointing's recompute: route as the forward did (its scores, its draws), hand nothing on
+        try:
+            return self._route(x, *self.amod.memo.recall(x, "MoD block"), replay=True)
+        finally:  # (also when the recompute stops early, as soon as it has what the backward needs)
+            if self.amod.out_handoff is not None:
+                self.amod.out_handoff.scores = None
+
+    def _route(self, x: torch.Tensor, prev_scores: Optional[torch.Tensor], draws: Optional[int],
+               replay: bool) -> torch.Tensor:
+        """The block on the top-k routed tokens, given the previous block's scores and the router's draw state."""
         B, N, D = x.shape
         p = self.amod.num_prefix
         n = N - p
         k = num_kept(self.amod.config.capacity, n)
-        prev_scores = self.amod.in_handoff.take() if self.amod.in_handoff is not None else None
         if k == n and not self._gated:  # capacity 1.0: every token is processed, nothing to route
             self._publish_scores(prev_scores, None, N)
-            self._record(torch.arange(n, device=x.device).expand(B, n))
+            if not replay:
+                self._record(torch.arange(n, device=x.device).expand(B, n))
             return self._block_output(x)
-        patch_scores = self.router.score(x[:, p:], None if prev_scores is None else prev_scores[:, p:])  # (B, n)
+        with self.router.replay(draws) if replay else contextlib.nullcontext():
+            patch_scores = self.router.score(x[:, p:], None if prev_scores is None else prev_scores[:, p:])  # (B, n)
         patch_idx = select_tokens(patch_scores, k)  # (B, k)
         index = keep_index(patch_idx, p)  # (B, p + k)
         xs = gather_tokens(x, index)  # (B, p + k, D)
         mode = self.amod.config.skipped if k < n else "bypass"  # nothing skipped: every mode is bypass
         out = _SKIPPED_MODES[mode](self, x, xs, index, patch_idx, patch_scores)
-        self._publish_scores(prev_scores, index, N)
-        self._record(patch_idx)
+        self._publish_scores(prev_scores, index, N)  # in a recompute too: the same autograd ops as the forward
+        if not replay:
+            self._record(patch_idx)
         return out
+
+    def _read_inputs(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[int]]:
+        """The previous block's scores and the router's draw state for this forward, remembered for a
+        recompute (gradient checkpointing)."""
+        prev_scores = self.amod.in_handoff.take() if self.amod.in_handoff is not None else None
+        if prev_scores is not None and self.amod.config.scale_output and not torch.is_grad_enabled() \
+                and x.requires_grad:  # no grad, yet an input that wants it: reentrant checkpointing's forward
+            raise RuntimeError("reentrant gradient checkpointing runs the blocks without grad, so the gradient that "
+                               "A-MoD's scaled outputs send through the scores into the block before would be "
+                               "lost; use timm.layers.set_reentrant_ckpt(False) (timm's default) or "
+                               "scale_output=False")
+        draws = self.router.draw_state()
+        self.amod.memo.remember(x, (prev_scores, draws))
+        return prev_scores, draws
 
     # ------------------------------------------------------------ one method per skipped mode
 

@@ -4,6 +4,7 @@ A policy registry maps supported model classes to a converter, so a new family i
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Sequence, Union
 
 from timm.layers import Attention
@@ -15,7 +16,7 @@ from ..tokens import MergeState
 from .block import MoDBlock, MoDSettings, ScoreHandoff, ScoringAttention
 from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
                      validate_skipped)
-from .fold import FoldAttention, FoldBlock, FoldSettings
+from .fold import FoldAttention, FoldBlock, FoldSettings, fold_count
 from .routers import ROUTER_CLASSES, build_router
 
 LayersSpec = Union[str, Sequence[int]]
@@ -107,6 +108,7 @@ def convert(
                        scale_output=scale_output, seed=int(seed), skipped=skipped, protect=protect)
     policy(model, config)
     model.amod_config = config
+    _warn_below_lowest(model, capacity)
     return model
 
 
@@ -141,6 +143,7 @@ def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
             prev.attn.amod_scores_need_grad = config.scale_output
             if isinstance(prev, MoDBlock):
                 prev.amod.out_handoff = handoff
+                prev.attn.amod_relayed = True
             blocks[i].amod.in_handoff = handoff
 
 
@@ -194,6 +197,7 @@ def set_capacity(model: nn.Module, capacity: float) -> nn.Module:
     The blocks read the model's ``MoDConfig``, so this is one assignment.
     """
     get_config(model).capacity = validate_capacity(capacity)
+    _warn_below_lowest(model, capacity)
     return model
 
 
@@ -208,15 +212,69 @@ def set_recording(model: nn.Module, enabled: bool = True) -> None:
             blk.__dict__.pop("amod_last_index", None)
 
 
+def _fold_schedule(model: nn.Module, num_patches: int, capacity: float) -> tuple[int, ...]:
+    """Patch tokens left after each block of a fold model at ``capacity`` (what ``FoldBlock`` removes)."""
+    protect, t, left = get_config(model).protect, num_patches, []
+    for blk in model.blocks:
+        if isinstance(blk, FoldBlock) and blk.amod.fold:
+            t -= fold_count(capacity, t, protect)
+        left.append(t)
+    return tuple(left)
+
+
+def lowest_capacity(model: nn.Module, img_size=None) -> float:
+    """The lowest capacity that still changes the converted ``model`` at ``img_size`` (default its own):
+    every capacity below it gives the same tokens and cost as it does.
+
+    An MoD block keeps at least one patch token: 1 / n for n patch tokens. A fold block removes at most
+    the tokens the bipartite matching can pair (about half its patch tokens, less the protected share;
+    ``fold.fold_count``), so a fold model's floor is about 0.5 + protect: the largest capacity, on a
+    grid of 0.001 steps, whose tokens block by block are those of the lowest capacity.
+    """
+    config = get_config(model)
+    _, n, _ = token_sizes(model, img_size)
+    if config.skipped != "fold":
+        return 1 / n
+    floor = _fold_schedule(model, n, 0.001)
+    lowest = 0.001
+    for i in range(2, 1001):  # the schedule only grows with the capacity: the first change ends the floor
+        if _fold_schedule(model, n, i / 1000) != floor:
+            break
+        lowest = i / 1000
+    return lowest
+
+
+def _warn_below_lowest(model: nn.Module, capacity: float) -> None:
+    """Warn when a fold model is set below its lowest capacity, which would otherwise be silently raised."""
+    config = get_config(model)
+    if config.skipped != "fold" or capacity >= 1.0:
+        return
+    lowest = lowest_capacity(model)
+    if capacity < lowest:
+        h, w = model.patch_embed.img_size
+        warnings.warn(
+            f"skipped='fold' cannot go below capacity {lowest:g} on this model at {h}x{w} px "
+            f"({flops(model, capacity=lowest).ratio:.3f} of the dense MACs): a fold block removes at most the tokens "
+            f"the bipartite matching can pair, about half of its patch tokens less the {config.protect:.0%} it "
+            f"protects, so capacity {capacity:g} runs as {lowest:g} does"
+            + (" (a lower protect goes further)" if config.protect > 0 else ""), UserWarning, stacklevel=3)
+
+
 def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
     """The capacity at which the converted ``model`` costs closest to ``cost`` x dense (the model is not changed).
 
     Tries every capacity that gives a distinct k (k / n for k = 1..n); a fold model's k changes block
-    by block, so a grid of 0.001 steps. Ties go to the larger capacity.
+    by block, so a grid of 0.001 steps from its floor (``lowest_capacity``) up. Ties go to the larger
+    capacity. A cost below what the lowest capacity costs gets that capacity: its cost shows the miss
+    (a fold model's floor is about 0.5 + protect, a kv model's is the K/V projections of every token).
     """
     cost = validate_cost(cost)
     config = get_config(model)
     _, n, _ = token_sizes(model, img_size)
-    candidates = [i / 1000 for i in range(1, 1001)] if config.skipped == "fold" else [k / n for k in range(1, n + 1)]
+    if config.skipped == "fold":
+        lowest = round(lowest_capacity(model, img_size) * 1000)
+        candidates = [i / 1000 for i in range(lowest, 1001)]
+    else:
+        candidates = [k / n for k in range(1, n + 1)]
     ratios = {c: flops(model, img_size, capacity=c).ratio for c in candidates}
     return min(ratios, key=lambda c: (abs(ratios[c] - cost), -c))

@@ -23,8 +23,9 @@ of patch tokens falls geometrically: C = 0.89 on all 12 blocks of a ViT-S at 112
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -33,8 +34,8 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block
 
 from ..cost import BlockPrice, attention_macs, linear_macs_per_token
-from ..ops import attention_inputs, attention_output, attention_probs
-from ..tokens import MergeState, merge_weighted
+from ..ops import attention_inputs, attention_output, attention_probs, recomputing
+from ..tokens import ForwardMemo, MergeState, merge_weighted
 from .config import MoDConfig
 from .routers import Router
 from .routing import num_kept
@@ -96,6 +97,8 @@ class FoldSettings:
     fold: bool  # whether this block folds (every block of a fold model applies the proportional bias)
     state: MergeState  # the token sizes, shared by the model's blocks during one forward
     first: bool  # block 0 starts every forward with sizes 1
+    # the sizes and the router's draw state each forward read, for gradient checkpointing's recompute
+    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False, compare=False)
 
 
 class FoldBlock(Block):
@@ -119,9 +122,15 @@ class FoldBlock(Block):
         if attn_mask is not None or is_causal:
             raise NotImplementedError("fold blocks do not support attention masks or causal attention")
         state = self.amod.state
-        if self.amod.first:
-            state.size = None  # a new forward: every token stands for itself
-        size = state.size
+        # gradient checkpointing's recompute takes the sizes and draws of its forward and leaves the state alone
+        replay = recomputing()
+        if replay:
+            size, draws = self.amod.memo.recall(x, "fold block")
+        else:
+            if self.amod.first:
+                state.size = None  # a new forward: every token stands for itself
+            size, draws = state.size, self.router.draw_state()
+            self.amod.memo.remember(x, (size, draws))
         p = self.amod.num_prefix
         r = self._fold_count(x.shape[1] - p)
         bias = None if size is None else size.log().to(x.dtype).transpose(1, 2).unsqueeze(1)  # (B, 1, 1, N)
@@ -130,7 +139,8 @@ class FoldBlock(Block):
         if r > 0:
             importance, metric = self.attn.amod_importance, self.attn.amod_metric
             self.attn.amod_importance = self.attn.amod_metric = None  # do not keep activations alive
-            scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
+            with self.router.replay(draws) if replay else contextlib.nullcontext():
+                scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
             q = protected_count(self.amod.config.protect, x.shape[1] - p)
             protected = None
             if q > 0:
@@ -139,8 +149,10 @@ class FoldBlock(Block):
             if size is None:
                 size = x.new_ones(x.shape[0], x.shape[1], 1)
             x, size = merge_weighted(x, size, metric, r, p, protected=protected)
-            state.size = size
-        self.amod_last_tokens = x.shape[1]
+            if not replay:
+                state.size = size
+        if not replay:
+            self.amod_last_tokens = x.shape[1]
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:

@@ -5,7 +5,8 @@ scores) to one score per patch token. Top-k on those scores picks the tokens the
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -26,6 +27,15 @@ class Router(nn.Module):
     def gate(self, kept_scores: torch.Tensor) -> torch.Tensor:
         """(B, k) scores of the kept tokens -> (B, k) multipliers of their block output."""
         return mean_normalized_gate(kept_scores)
+
+    def draw_state(self) -> Optional[int]:
+        """What the next ``score`` draws its random numbers from; None for a router that draws none."""
+        return None
+
+    def replay(self, state: Optional[int]) -> ContextManager:
+        """Within this context ``score`` draws as it did at ``state`` and moves nothing on: the recompute of
+        gradient checkpointing must route as its forward did."""
+        return contextlib.nullcontext()
 
 
 class AttentionRouter(Router):
@@ -100,6 +110,17 @@ class SeededDraws:
         gen = self._generator(device, self.calls)
         self.calls += 1
         return gen
+
+    def draw_state(self) -> Optional[int]:
+        return self.calls
+
+    @contextlib.contextmanager
+    def replay(self, state: Optional[int]) -> Iterator[None]:
+        calls, self.calls = self.calls, state  # the call number of the forward; ours again after
+        try:
+            yield
+        finally:
+            self.calls = calls
 
     def freeze_draws(self, rows: int) -> None:
         """Reuse one call's draws from the next forward on (see the class docstring)."""

@@ -28,8 +28,8 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from ..cost import BlockPrice, attention_macs, embed_head_macs, linear_macs_per_token, token_sizes, validate_cost
-from ..ops import attention_inputs, attention_output, attention_probs
-from ..tokens import MergeState, merge_weighted
+from ..ops import attention_inputs, attention_output, attention_probs, recomputing
+from ..tokens import ForwardMemo, MergeState, merge_weighted
 
 
 class MergeAttention(Attention):
@@ -57,23 +57,30 @@ class MergeBlock(Block):
     """timm ``Block`` that merges ``amod_merge_r`` patch-token pairs between attention and MLP.
 
     Attributes set by ``apply``: amod_merge_r (tokens removed here), amod_num_prefix, amod_state
-    (the shared ``MergeState``), amod_first (block 0 starts every forward with sizes 1),
-    amod_last_tokens (tokens after this block's merge, kept for inspection).
+    (the shared ``MergeState``), amod_first (block 0 starts every forward with sizes 1), amod_memo
+    (the sizes each forward read, for gradient checkpointing's recompute), amod_last_tokens (tokens
+    after this block's merge, kept for inspection).
     """
 
     amod_merge_r: int
     amod_num_prefix: int
     amod_state: MergeState
     amod_first: bool
+    amod_memo: ForwardMemo
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         if attn_mask is not None or is_causal:
             raise NotImplementedError("merged blocks do not support attention masks or causal attention")
         state = self.amod_state
-        if self.amod_first:
-            state.size = None  # a new forward: every token stands for itself
-        size = state.size
+        replay = recomputing()  # gradient checkpointing's recompute: its forward's sizes, the state left alone
+        if replay:
+            (size,) = self.amod_memo.recall(x, "token-merging block")
+        else:
+            if self.amod_first:
+                state.size = None  # a new forward: every token stands for itself
+            size = state.size
+            self.amod_memo.remember(x, (size,))
         bias = None if size is None else size.log().to(x.dtype).transpose(1, 2).unsqueeze(1)  # (B, 1, 1, N)
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=bias)))
         r = min(self.amod_merge_r, (x.shape[1] - self.amod_num_prefix) // 2)
@@ -81,9 +88,11 @@ class MergeBlock(Block):
             if size is None:
                 size = x.new_ones(x.shape[0], x.shape[1], 1)
             x, size = merge_weighted(x, size, self.attn.amod_metric, r, self.amod_num_prefix)
-            state.size = size
+            if not replay:
+                state.size = size
         self.attn.amod_metric = None  # do not keep activations alive between forwards
-        self.amod_last_tokens = x.shape[1]
+        if not replay:
+            self.amod_last_tokens = x.shape[1]
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
@@ -211,6 +220,7 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
         blk.amod_num_prefix = model.num_prefix_tokens
         blk.amod_state = state
         blk.amod_first = i == 0
+        blk.amod_memo = ForwardMemo()
     model.amod_merge = MergeConfig(schedule=[])
     set_schedule(model, schedule)
     return model

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -43,12 +44,24 @@ def save(
         metadata: extra string entries for the file's metadata.
     """
     path = Path(path)
+    data = to_bytes(model, arch, model_args, metadata)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return files.write_bytes(path, data)
+
+
+def to_bytes(
+    model: nn.Module,
+    arch: Optional[str] = None,
+    model_args: Optional[dict[str, Any]] = None,
+    metadata: Optional[dict[str, str]] = None,
+) -> bytes:
+    """The content ``save`` writes (arguments as there), for writing it together with other files
+    (``amod.files.write_together``)."""
     info = {"arch": arch or architecture_name(model), "args": model_args or infer_model_args(model)}
     meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info), **method_of(model).metadata()}
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return files.write_bytes(path, safetensors_bytes(tensors, metadata=meta))
+    return safetensors_bytes(tensors, metadata=meta)
 
 
 def read_metadata(path: PathLike) -> dict[str, str]:
@@ -67,6 +80,14 @@ def read_metadata(path: PathLike) -> dict[str, str]:
         raise ValueError(f"{path} is not a readable safetensors checkpoint ({e})") from None
     if "amod.model" not in meta:
         raise ValueError(f"{path} was not written by amod.save (no 'amod.model' metadata)")
+    version = meta.get("amod.format", FORMAT_VERSION)  # every amod.save wrote it; a file without it is format 1
+    if not version.isdigit() or int(version) > int(FORMAT_VERSION):
+        raise ValueError(f"{path} is in amod file format {version!r}; this amod reads format {FORMAT_VERSION} and "
+                         "older: upgrade amod to load it")
+    methods = [key for key in ("amod.mod", "amod.merge") if key in meta]
+    if len(methods) > 1:
+        raise ValueError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
+                         "model: an MoD model (amod.mod) or a token-merging one (amod.merge)")
     return meta
 
 
@@ -77,19 +98,41 @@ def check_dense_file(path: PathLike) -> None:
         raise ValueError(f"{path} is an MoD or token-merging model; give a dense one")
 
 
-def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
-    """Rebuild a model saved with ``amod.save``: architecture, method (MoD, token merging) and weights."""
-    meta = read_metadata(path)
+def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, Any]]:
+    """(the model the metadata names, without its weights; the ``amod.model`` entry)."""
     try:
         info = json.loads(meta["amod.model"])
         model = method_from_metadata(meta).apply(timm.create_model(info["arch"], pretrained=False, **info["args"]))
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
         raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model "
                          f"({type(e).__name__}: {e})") from None
+    return model, info
+
+
+def skeleton(path: PathLike) -> nn.Module:
+    """The model an ``amod.save`` file holds on the ``meta`` device: its architecture, input size and
+    method, no weights and no memory (to check a command's settings before any work)."""
+    meta = read_metadata(path)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. a fold capacity below its floor: load says so
+        return _build(path, meta)[0]
+
+
+def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
+    """Rebuild a model saved with ``amod.save``: architecture, method (MoD, token merging) and weights."""
+    meta = read_metadata(path)
+    model, info = _build(path, meta)
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path} is corrupt: {e}") from None
+    own = model.state_dict()
+    wrong = [k for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if wrong:  # torch's own error would not name the file
+        k = wrong[0]
+        raise ValueError(f"{path} does not fit the architecture it names ({info['arch']}): {k} is "
+                         f"{tuple(state[k].shape)} in the file and {tuple(own[k].shape)} in the model "
+                         f"({len(wrong)} tensor{'s' if len(wrong) > 1 else ''} differ{'' if len(wrong) > 1 else 's'})")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(

@@ -15,7 +15,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -131,11 +131,6 @@ def set_router_state(model: nn.Module, state: dict[str, int]) -> None:
 
 
 # ---------------------------------------------------------------- checkpoints
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` that leaves either the old file or the complete new one (see ``amod.files``)."""
-    files.torch_save(obj, path)
-
 
 def load_training_checkpoint(path: Path) -> dict[str, Any]:
     """Read ``checkpoint.pt``; refuse a corrupt or foreign file with one clear message."""
@@ -263,6 +258,10 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
                      len(loader), loss_sum / n, correct / n, n * dist_info.world / elapsed, left)
     elapsed = time.perf_counter() - start
     loss_sum, correct, n = dist_info.sum([loss_sum, correct, n])
+    if n == 0:
+        skipped = f" ({len(bad_images.paths)} unreadable images skipped so far)" if bad_images and bad_images.paths else ""
+        raise DataError(f"no training image could be read in epoch {epoch}{skipped}; "
+                        "replace or remove the unreadable files of the training set")
     return {"train_loss": loss_sum / n, "train_acc": correct / n, "train_images_per_s": n / elapsed,
             "epoch_time_s": elapsed, "lr": scheduler.get_last_lr()[0]}
 
@@ -297,13 +296,18 @@ def make_loader(ds: Dataset, batch_size: int, train: bool, seed: int, epoch: int
         sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(seed * 10_007 + epoch))
     else:
         sampler = None
-    return DataLoader(ds, batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=train and len(ds) >= batch_size,
+    # drop the last partial batch only when a full one is left: each process must get at least one batch
+    images = len(sampler) if sampler is not None else len(ds)  # this process's share
+    return DataLoader(ds, batch_size=batch_size, sampler=sampler, shuffle=False, drop_last=train and images >= batch_size,
                       num_workers=workers, pin_memory=dist_info.device.type == "cuda", persistent_workers=False,
                       collate_fn=collate_checked)
 
 
 class MetricsWriter:
-    """metrics.jsonl (one object per epoch), metrics.csv beside it, TensorBoard when installed."""
+    """metrics.jsonl (one object per epoch), metrics.csv beside it, TensorBoard when installed.
+
+    Non-finite numbers are ``null`` in the JSON and empty cells in the CSV.
+    """
 
     def __init__(self, out: Path, enabled: bool) -> None:
         self.out, self.enabled, self.tb = out, enabled, None
@@ -322,30 +326,41 @@ class MetricsWriter:
                 (self.out / name).unlink(missing_ok=True)
 
     def truncate_after(self, epoch: int) -> None:
-        """On resume, forget rows from epochs the checkpoint does not cover (a run killed mid-write)."""
+        """On resume, forget rows from epochs the checkpoint does not cover (a run killed between
+        writing an epoch's row and its checkpoint)."""
         path = self.out / "metrics.jsonl"
         if not self.enabled or not path.exists():
             return
-        rows = [r for r in read_metrics(path) if r["epoch"] <= epoch]
-        files.write_text(path, "".join(files.dumps(r) + "\n" for r in rows))
-        self._write_csv(rows)
+        files.write_together(self._contents([r for r in read_metrics(path) if r["epoch"] <= epoch]))
 
-    def write(self, row: dict[str, Any]) -> None:
+    def updates(self, row: dict[str, Any]) -> list[tuple[Path, Callable[[BinaryIO], Any]]]:
+        """metrics.jsonl and metrics.csv with ``row`` appended, as writes for ``files.write_together``
+        (none when this process does not write them)."""
         if not self.enabled:
-            return
+            return []
         path = self.out / "metrics.jsonl"
         rows = read_metrics(path) if path.exists() else []
-        files.write_text(path, "".join(files.dumps(r) + "\n" for r in [*rows, row]))
-        self._write_csv(read_metrics(path))
+        return self._contents([*rows, json.loads(files.dumps(row))])  # non-finite values as null, as read back
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append ``row`` to the metrics files (and TensorBoard)."""
+        files.write_together(self.updates(row))
+        self.log_scalars(row)
+
+    def log_scalars(self, row: dict[str, Any]) -> None:
+        """``row``'s numbers to TensorBoard, when installed."""
         if self.tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "epoch":
                     self.tb.add_scalar(k, v, row["epoch"])
 
-    def _write_csv(self, rows: list[dict[str, Any]]) -> None:
+    def _contents(self, rows: list[dict[str, Any]]) -> list[tuple[Path, Callable[[BinaryIO], Any]]]:
+        jsonl = "".join(files.dumps(r) + "\n" for r in rows).encode()
         keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "epoch", k))
-        lines = [",".join(keys)] + [",".join(str(r.get(k, "")) for k in keys) for r in rows]
-        files.write_text(self.out / "metrics.csv", "\n".join(lines) + "\n")
+        # a null (a non-finite number in the JSON) or a missing value is an empty cell, as CSV readers expect
+        lines = [",".join(keys)] + [",".join("" if r.get(k) is None else str(r[k]) for k in keys) for r in rows]
+        csv = ("\n".join(lines) + "\n").encode()
+        return [(self.out / "metrics.jsonl", lambda f: f.write(jsonl)), (self.out / "metrics.csv", lambda f: f.write(csv))]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 file, fitted to the data, then turned into the method the run config selects (``amod.methods``)."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -13,7 +14,7 @@ from timm.models._manipulate import adapt_input_conv
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
-from ..methods import Dense, method_from_run_fields, method_of
+from ..methods import Dense, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
 from .checkpoint import load as load_amod, read_metadata
 
@@ -116,9 +117,43 @@ def check_vit_name(name: str) -> None:
                          "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
 
 
+def check_hub_reachable(name: str) -> None:
+    """Fail fast, with one message, when timm's pretrained weights of ``name`` must be downloaded and the
+    model hub cannot be reached.
+
+    huggingface_hub retries a failed connection for about a minute, logging each try, and timm asks for
+    two files. One request without retries tells first; weights already in the hub cache, a model not
+    on the hub, offline mode, and a hub that answers at all are left to timm.
+    """
+    try:
+        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+        from huggingface_hub.errors import HfHubHTTPError
+    except ImportError:  # timm says what is missing
+        return
+    with torch.device("meta"):
+        repo = timm.create_model(name, pretrained=False).pretrained_cfg.get("hf_hub_id")
+    if not repo or constants.HF_HUB_OFFLINE:
+        return
+    repo, _, revision = repo.partition("@")
+    revision = revision or None
+    if any(isinstance(try_to_load_from_cache(repo, f, revision=revision), str)
+           for f in ("model.safetensors", "pytorch_model.bin")):
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(repo, "model.safetensors", revision=revision))
+    except HfHubHTTPError:
+        return  # the hub answered (e.g. no such file): timm takes it from here
+    except Exception as e:  # no connection, no name resolution, a timeout, a proxy refusing...
+        raise ConnectionError(f"cannot download the pretrained weights of {name} from {constants.ENDPOINT} "
+                              f"({type(e).__name__}: {e}); connect to the network, or start from a local file "
+                              "with --checkpoint") from None
+
+
 def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
     """``timm.create_model`` of a ViT, with the settings named in the error when timm refuses them."""
     check_vit_name(name)
+    if pretrained:
+        check_hub_reachable(name)
     try:
         return timm.create_model(name, pretrained=pretrained, **kwargs)
     except (RuntimeError, AssertionError, TypeError, ValueError) as e:  # e.g. widths that do not divide
@@ -136,6 +171,51 @@ def _is_amod_file(path: Path) -> bool:
             return False
         raise
     return True
+
+
+def checkpoint_architecture(path: Any) -> Optional[tuple[str, dict[str, Any]]]:
+    """(timm name, ``create_model`` kwargs) of a model saved by amod; None for any other file or a
+    path that is not a file (``build_model`` says what is wrong with those)."""
+    path = Path(path)
+    if not path.is_file() or not _is_amod_file(path):
+        return None
+    try:
+        info = json.loads(read_metadata(path)["amod.model"])
+        return str(info["arch"]), dict(info["args"])
+    except (ValueError, TypeError, KeyError):  # broken metadata: loading the file says so
+        return None
+
+
+def checkpoint_settings(cfg: Any) -> dict[str, Any]:
+    """The run-config fields that a model saved by amod (``cfg.checkpoint``) decides, with its values:
+    the architecture (model, patch_size, depth, embed_dim, num_heads) and, when ``cfg`` selects no
+    method, the file's method (MoD, token merging). Empty for any other starting point.
+
+    Raises:
+        ValueError: ``cfg`` asks for another architecture, or for stochastic depth, which such a file
+            does not take (it is rebuilt as it was saved).
+    """
+    arch = checkpoint_architecture(cfg.checkpoint) if cfg.checkpoint else None
+    if arch is None:
+        return {}
+    name, args = arch
+    patch = args.get("patch_size")
+    patch = patch[0] if isinstance(patch, (list, tuple)) and len(set(patch)) == 1 else patch
+    own = {"patch_size": patch if isinstance(patch, int) else None, "depth": args.get("depth"),
+           "embed_dim": args.get("embed_dim"), "num_heads": args.get("num_heads")}
+    for field, value in own.items():
+        given = getattr(cfg, field)
+        if given is not None and value is not None and given != value:
+            flag = field.replace("_", "-")
+            raise ValueError(f"--{flag} {given} does not match {cfg.checkpoint}, which has {field} {value}: a model "
+                             f"saved by amod keeps its architecture; drop --{flag}")
+    if getattr(cfg, "drop_path", 0.0):
+        raise ValueError(f"--drop-path does not apply to {cfg.checkpoint}: a model saved by amod is rebuilt as it was "
+                         "saved, without stochastic depth; drop --drop-path")
+    settings: dict[str, Any] = {"model": name, **{k: v for k, v in own.items() if v is not None}}
+    if isinstance(method_from_run_fields(cfg), Dense):
+        settings.update(method_from_metadata(read_metadata(cfg.checkpoint)).run_fields())
+    return {k: v for k, v in settings.items() if getattr(cfg, k) != v}
 
 
 def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
@@ -164,9 +244,9 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         raise ValueError(f"the input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; "
                          "change --img-size or --patch-size")
     method = method_from_run_fields(cfg)
-    if isinstance(method, Dense):
-        return model  # a checkpoint keeps the method it was saved with
     running = method_of(model)
+    if isinstance(method, Dense) or (type(method) is type(running) and method.run_fields() == running.run_fields()):
+        return model  # a checkpoint keeps the method it was saved with (``checkpoint_settings`` records it)
     if not isinstance(running, Dense):
         raise ValueError(f"the checkpoint already runs {running.label()}; drop the method options "
                          "(--router, --tome-cost, ...) to keep it")

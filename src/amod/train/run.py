@@ -26,15 +26,15 @@ from ..cost import flops, validate_cost
 from ..methods import Method, method_from_run_fields
 from ..mod.config import DEFAULT_PROTECT, validate_capacity, validate_protect, validate_skipped
 from . import engine
-from .checkpoint import save as save_model
+from .checkpoint import to_bytes as model_bytes
 from .data import DataInfo, build_datasets
-from .models import build_model
+from .models import build_model, checkpoint_architecture, checkpoint_settings
 from .rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")
 CHECKPOINT_FORMAT = 1
-# Fields that may differ between a run and its resumption.
-RESUMABLE_CHANGES = {"epochs", "out", "workers", "eval_batch_size", "skip_bad_images"}
+# Fields that may differ between a run and its resumption (not epochs: the learning-rate schedule is made for them).
+RESUMABLE_CHANGES = {"out", "workers", "eval_batch_size", "skip_bad_images"}
 # Fields that only mean something for an MoD model (a router given).
 MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect")
 
@@ -240,6 +240,12 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
         raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
     mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
+    if not resume and "model" in {**yaml_values, **flags} and cfg.checkpoint:
+        # (RunConfig.model has a default, so only here can a given --model be told from it)
+        arch = checkpoint_architecture(cfg.checkpoint)
+        if arch is not None and arch[0] != cfg.model:
+            raise ValueError(f"--model {cfg.model} does not match {cfg.checkpoint}, which is a {arch[0]}: a model "
+                             "saved by amod keeps its architecture; drop --model")
     return cfg
 
 
@@ -272,19 +278,23 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     anything is written. The run directory is locked for the duration of the run. Under
     ``torchrun`` every process calls this; rank 0 alone writes files.
     """
-    cfg.validate()
+    cfg = _from_checkpoint_file(cfg.validate())
     out = check_output_dir(cfg.out)
     ckpt_path = out / "checkpoint.pt"
     state = None
     if resume:
         state = engine.load_training_checkpoint(ckpt_path)
-        _check_resumable(RunConfig.from_dict(state["config"], str(ckpt_path)), cfg)
+        _check_resumable(_from_checkpoint_file(RunConfig.from_dict(state["config"], str(ckpt_path))), cfg)
     elif ckpt_path.exists():
         raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it or choose another --out")
     train_ds, val_ds, info = build_datasets(cfg.data, cfg.img_size, cfg.train_limit, cfg.val_limit)
     num_classes = _num_classes(cfg, info)
     dist_info = engine.setup_distributed()
     try:
+        if len(train_ds) < dist_info.world:
+            raise ValueError(f"{len(train_ds)} training image{'' if len(train_ds) == 1 else 's'} for "
+                             f"{dist_info.world} processes: each process needs at least one; give more images "
+                             "(--train-limit) or start fewer processes")
         engine.seed_everything(cfg.seed)
         model = build_model(cfg, num_classes, info.in_chans, cfg.img_size or info.img_size).to(dist_info.device)
         with RunDirectory(out, lock=dist_info.main):
@@ -293,6 +303,14 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             return _train(cfg, model, state, train_ds, val_ds, info, dist_info)
     finally:
         engine.teardown_distributed()
+
+
+def _from_checkpoint_file(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with what a model saved by amod decides written in: its architecture and, when no method is
+    given, its method (so config.yaml, train.log and summary.json say what runs). Raises ValueError for
+    settings the file cannot honour."""
+    settings = checkpoint_settings(cfg)
+    return dataclasses.replace(cfg, **settings).validate() if settings else cfg
 
 
 def _num_classes(cfg: RunConfig, info: DataInfo) -> int:
@@ -358,15 +376,18 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
                  epoch, cfg.epochs, row["train_loss"], row["train_acc"], metrics["top1"], metrics["top5"],
                  metrics["loss"], row["epoch_time_s"])
         if dist_info.main:
-            # weights first, then the resumable state: a kill between the two resumes from the older state
-            save_model(model, out / "model.safetensors")
-            engine.atomic_torch_save({
-                "format": CHECKPOINT_FORMAT, "epoch": epoch, "config": cfg.to_dict(),
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": engine.rng_state(),
-                "routers": engine.router_state(model),
-            }, ckpt_path)
-            writer.write(row)
+            # One change of the run directory: a failure (a full disk) leaves every file at the previous
+            # epoch. The renames go row, weights, then checkpoint, so a process killed among them leaves
+            # the row (and weights) ahead of the checkpoint, never behind: a resume drops the row and
+            # trains the epoch again.
+            resumable = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "config": cfg.to_dict(),
+                         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "rng": engine.rng_state(),
+                         "routers": engine.router_state(model)}
+            weights = model_bytes(model)
+            files.write_together([*writer.updates(row), (out / "model.safetensors", lambda f: f.write(weights)),
+                                  (ckpt_path, lambda f: torch.save(resumable, f))])
+            writer.log_scalars(row)
         last_saved = epoch
     if bad_images.paths:
         log.warning("skipped %d unreadable images (first: %s)", len(bad_images.paths), next(iter(bad_images.paths)))
@@ -410,6 +431,11 @@ def _summary(cfg: RunConfig, out: Path, cost: Any, dist_info: engine.Dist, check
 
 
 def _check_resumable(saved: RunConfig, now: RunConfig) -> None:
+    if now.epochs != saved.epochs:
+        raise ValueError(f"cannot resume with --epochs {now.epochs}: the learning-rate schedule of this run was made "
+                         f"for {saved.epochs} epoch{'' if saved.epochs == 1 else 's'} (it ends at lr x "
+                         f"{saved.min_lr_ratio:g}); resume it without --epochs, or finetune its model.safetensors "
+                         "with --checkpoint into another --out for more")
     diffs = [k for k, v in saved.to_dict().items() if k not in RESUMABLE_CHANGES and now.to_dict()[k] != v]
     if diffs:
         detail = ", ".join(f"{k}: {saved.to_dict()[k]!r} -> {now.to_dict()[k]!r}" for k in diffs)

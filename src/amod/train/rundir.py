@@ -16,6 +16,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Optional, Union
 
+from ..files import naming_a_full_disk
+
 log = logging.getLogger("amod")
 LOCK_NAME = ".amod.lock"
 
@@ -25,6 +27,8 @@ def check_output_dir(path: Union[str, os.PathLike], option: str = "--out") -> Pa
 
     Nothing is created. Raises ValueError naming the option and what is wrong.
     """
+    if not str(path).strip():  # Path("") is ".": an empty option would write into the current directory
+        raise ValueError(f"{option} is empty; give a directory")
     path = Path(path)
     if path.exists():
         if not path.is_dir():
@@ -89,9 +93,11 @@ class RunDirectory:
     def __enter__(self) -> "RunDirectory":
         if not self.lock:
             return self
-        self.path.mkdir(parents=True, exist_ok=True)
+        with naming_a_full_disk(self.path):
+            self.path.mkdir(parents=True, exist_ok=True)
         lock_path = self.path / LOCK_NAME
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        with naming_a_full_disk(lock_path):
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -99,14 +105,20 @@ class RunDirectory:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise ValueError(_busy_message(self.path, lock_path)) from None
             raise
-        # the pid is only for the message above: the lock itself is the flock, which dies with us
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
-        if self.log_name:
-            self._handler = logging.FileHandler(self.path / self.log_name)
-            self._handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-            log.addHandler(self._handler)
+        try:
+            # the pid is only for the message above: the lock itself is the flock, which dies with us
+            with naming_a_full_disk(lock_path):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            if self.log_name:
+                with naming_a_full_disk(self.path / self.log_name):
+                    self._handler = logging.FileHandler(self.path / self.log_name)
+                self._handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+                log.addHandler(self._handler)
+        except BaseException:
+            self.__exit__(None, None, None)  # a full disk: let the directory go again
+            raise
         return self
 
     def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
