@@ -20,7 +20,7 @@ from _common import ensure_tunables, machine
 
 from amod.cost import flops
 from amod.experiments.bench import make_bench_model, time_models
-from amod.experiments.compare import METHODS
+from amod.experiments.compare import COMPARED
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--model", default="deit_small_patch16_224")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--costs", type=float, nargs="+", default=[0.56, 0.75])
-    p.add_argument("--methods", nargs="+", default=None, help="names from amod.experiments.compare.METHODS (default: all "
+    p.add_argument("--methods", nargs="+", default=None, help="names from amod.experiments.compare.COMPARED (default: all "
                    "but standard MoD, which computes what A-MoD does plus one linear per token)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
@@ -39,7 +39,7 @@ def main() -> None:
     dense = make_bench_model(args.model, None, None).to(dev).eval()
     models, costs = {"dense": dense}, {"dense": 1.0}
     for cost in args.costs:
-        for entry in METHODS:
+        for entry in COMPARED:
             if (entry.name not in args.methods) if args.methods else getattr(entry.method, "router", "") == "standard":
                 continue
             name = f"{entry.name} @ {cost:g}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import itertools
 import json
 from pathlib import Path
@@ -25,10 +24,25 @@ import amod
 from amod.experiments.probe import features, fit_probe, mean_cosine
 from amod.methods import MoD, TokenMerging
 from amod.mod import fold as fold_module
-from amod.pretrained import weights_path
-from amod.tokens import merge_weighted
+from amod.weights import weights_path
+from amod.tokens import bipartite_soft_matching, gather_tokens, reduce_weighted
 from amod.train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from amod.train.models import fit_to_data
+
+
+def reduce_in_order(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int, num_prefix: int,
+                    protected=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``amod.tokens.reduce_weighted`` whose tokens left stay in their order: the library leaves set A's
+    unmatched tokens first, then set B (ToMe's order); here each goes back to its position before the
+    fold, so the next block's sets A and B alternate over neighbouring tokens again."""
+    out, new_size = reduce_weighted(x, size, metric, r, num_prefix, protected=protected)
+    p = num_prefix
+    unmerged, _, _ = bipartite_soft_matching(metric[:, p:], r, protected)  # the library's matching, again
+    B, n = x.shape[0], x.shape[1] - p
+    odd = torch.arange(1, n, 2, device=x.device).expand(B, -1)
+    order = torch.cat([2 * unmerged.squeeze(-1), odd], dim=1).argsort(dim=1)  # by position before the fold
+    return (torch.cat([out[:, :p], gather_tokens(out[:, p:], order)], 1),
+            torch.cat([new_size[:, :p], gather_tokens(new_size[:, p:], order)], 1))
 
 
 def batches(images: torch.Tensor, labels: torch.Tensor, size: int, batch: int = 100):
@@ -69,10 +83,12 @@ def main() -> None:
         score("ToMe", TokenMerging().at_cost(dense, cost).apply(copy.deepcopy(dense)), cost)
         for keep_order, protect in itertools.product((False, True), args.protect):
             # the variant that keeps the tokens in their order after a fold (ToMe's order is the default)
-            fold_module.merge_weighted = functools.partial(merge_weighted, keep_order=keep_order)
-            method = MoD(skipped="fold", protect=protect).at_cost(dense, cost)
-            score(f"fold protect={protect:g} keep_order={keep_order}", method.apply(copy.deepcopy(dense)), cost)
-        fold_module.merge_weighted = merge_weighted
+            fold_module.reduce_weighted = reduce_in_order if keep_order else reduce_weighted
+            try:
+                method = MoD(skipped="fold", protect=protect).at_cost(dense, cost)
+                score(f"fold protect={protect:g} keep_order={keep_order}", method.apply(copy.deepcopy(dense)), cost)
+            finally:
+                fold_module.reduce_weighted = reduce_weighted
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -289,7 +289,7 @@ def describe(model: nn.Module) -> str:
         c = amod.get_config(model)
         blocks = "all" if list(c.layers) == list(range(len(model.blocks))) else list(c.layers)
         return f"router {c.router}, capacity {c.capacity:g}, skipped {c.skipped}, blocks {blocks}"
-    schedule = getattr(getattr(model, "amod_merge", None), "schedule", None)
+    schedule = getattr(getattr(model, "amod_tome", None), "schedule", None)
     return f"ToMe, tokens merged per block {schedule}" if schedule is not None else "timm, unconverted"
 
 

@@ -82,4 +82,4 @@ def test_a_newer_format_two_methods_and_a_wrong_shape_are_refused_naming_the_fil
     old = {k: v for k, v in meta.items() if k != "amod.format"}
     assert amod.load(variant("old.safetensors", old)).num_classes == 10
     merged = amod.load(amod.save(amod.tome.apply(make_model("vit"), r=2), tmp_path / "tome.safetensors"))
-    assert merged.amod_merge.schedule == [2, 2, 2, 2]
+    assert merged.amod_tome.schedule == [2, 2, 2, 2]

@@ -81,7 +81,7 @@ def test_cli_flops_prints_the_table_and_fails_cleanly():
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "capacity must be in (0, 1]" in bad.stderr and "Traceback" not in bad.stderr
     run = subprocess.run([sys.executable, "-m", "amod", "flops", "deit_tiny_patch16_224", "--capacity", "0.5",
-                          "--skipped", "merge", "--merge-cost", "0.56"], capture_output=True, text=True, check=True)
+                          "--skipped", "merge", "--tome-cost", "0.56"], capture_output=True, text=True, check=True)
     ratios = [float(line.split()[-2]) for line in run.stdout.splitlines() if line.startswith("deit_tiny")]
     assert "ToMe@0.56" in run.stdout and abs(ratios[1] - 0.56) <= 0.02 * 0.56
     assert ratios[0] > 0.739  # the merge mode's similarities cost more than bypass at C = 0.5 (0.739)

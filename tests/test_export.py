@@ -81,6 +81,24 @@ def test_dynamic_batch_and_the_model_is_left_as_it_was(tmp_path):
             assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_the_check_runs_on_the_images_it_is_given(tmp_path):
+    model = build("attention")
+    x = images(model, 5, seed=3)
+    r = amod.export(model, tmp_path / "m.onnx", check_images=x)
+    assert r["check"]["inputs"] == "given" and r["check"]["batches"] == [5, 3]
+    r = amod.export(model, tmp_path / "m.onnx", batch=2, check_images=x)
+    assert r["check"]["inputs"] == "given" and r["check"]["batches"] == [2]
+    assert amod.export(model, tmp_path / "m.onnx")["check"]["inputs"] == "random"  # the default
+    with pytest.raises(ValueError, match=r"shaped \(N, 3, 32, 32\) for this model, got a tensor of shape \(2, 1, 32, 32\)"):
+        amod.export(model, tmp_path / "n.onnx", check_images=torch.zeros(2, 1, 32, 32))
+    with pytest.raises(ValueError, match="holds 5 images; a fixed batch of 6"):
+        amod.export(model, tmp_path / "n.onnx", batch=6, check_images=x)
+    assert not (tmp_path / "n.onnx").exists()
+    from amod.experiments.export import fashion_mnist_images
+
+    assert fashion_mnist_images(model, 4) is None  # three channels: not a Fashion-MNIST model
+
+
 def test_fixed_batch(tmp_path):
     r = amod.export(build("attention"), tmp_path / "m.onnx", batch=2)
     assert r["check"]["batches"] == [2]
@@ -188,6 +206,7 @@ def test_cli_export_refuses_its_own_checkpoint_and_replaces_a_file_only_with_for
 
 def test_cli_export_refuses_a_read_only_directory_before_any_work(tmp_path, capsys, monkeypatch):
     import amod.deploy as deploy
+    import amod.experiments.export as exporting
 
     ckpt = amod.save(make_model("vit", depth=1), tmp_path / "model.safetensors")
     locked = tmp_path / "ro"
@@ -195,7 +214,7 @@ def test_cli_export_refuses_a_read_only_directory_before_any_work(tmp_path, caps
     real_access = deploy.os.access
     monkeypatch.setattr(deploy.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
     monkeypatch.setattr(deploy, "_torch_export", _no_export)
-    monkeypatch.setattr(deploy, "load", _no_export)  # refused before the checkpoint is even read
+    monkeypatch.setattr(exporting, "load", _no_export)  # refused before the checkpoint is even read
     code = cli.main(["export", "--checkpoint", str(ckpt), "--out", str(locked / "m.onnx")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and f"{locked} is not writable" in err, err

@@ -34,7 +34,7 @@ def test_token_counts_follow_the_capacity_and_sizes_sum_to_the_patches(family, c
         t -= fold_count(capacity, t, protect)
         expected.append(p + t)
     assert [b.amod_last_tokens for b in model.blocks] == expected and expected[-1] < p + n
-    size = model.blocks[0].amod.state.size
+    size = model.blocks[0].amod.sizes.size
     assert torch.equal(size[:, :p], torch.ones_like(size[:, :p]))  # prefix tokens never fold
     assert torch.equal(size[:, p:].sum(dim=(1, 2)), torch.full((2,), float(n)))
 

@@ -165,8 +165,8 @@ def test_memos_live_only_with_the_graph_and_a_lost_one_is_an_error(method):
     model = _build(method)
     model.set_grad_checkpointing(True)
     x = images(model, 2)
-    settings = [blk.amod for blk in model.blocks if hasattr(blk, "amod")]  # MoD and fold blocks
-    memos = [s.memo for s in settings] + [blk.amod_memo for blk in model.blocks if hasattr(blk, "amod_memo")]
+    settings = [blk.amod for blk in model.blocks if hasattr(blk, "amod")]  # MoD, fold and ToMe blocks
+    memos = [s.memo for s in settings]
     handoffs = [s.in_handoff for s in settings if getattr(s, "in_handoff", None) is not None]
     assert len(memos) >= 3
     with torch.no_grad():

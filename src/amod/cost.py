@@ -73,12 +73,12 @@ def validate_cost(cost: Any, name: str = "cost") -> float:
 # ---------------------------------------------------------------- pricing helpers (used by the reductions)
 
 def linear_macs_per_token(module: nn.Module) -> int:
-    """in x out of every Linear inside ``module`` except routers (priced separately)."""
-    total = 0
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Linear) and not name.startswith("router"):
-            total += m.in_features * m.out_features
-    return total
+    """in x out of the Linears one token goes through in ``module``: for a block (a module with ``attn`` and
+    ``mlp``), those of its attention and MLP only (a router or anything else it holds prices itself); for
+    any other module, every Linear inside it."""
+    if hasattr(module, "attn") and hasattr(module, "mlp"):
+        return linear_macs_per_token(module.attn) + linear_macs_per_token(module.mlp)
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
 
 
 def attention_macs(tokens: int, attn: nn.Module) -> int:

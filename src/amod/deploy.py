@@ -2,7 +2,7 @@
 
 ``export(model, path)`` writes any amod model (dense, every router, every skipped mode, token merging)
 as one ONNX file with a dynamic batch dimension, after checking it: ONNX Runtime runs the file on a
-few images (real Fashion-MNIST images for a Fashion-MNIST model, seeded random ones otherwise) at two
+few images (the caller's, e.g. real validation images, or seeded random ones by default) at two
 batch sizes, and its logits must match the PyTorch forward's (max abs difference <= 1e-4, the same
 top-1 on every image). The file is written under a temporary name and renamed only once it passed:
 a failed export or check leaves nothing behind. Top-k, gather and scatter stay graph ops (TopK,
@@ -15,7 +15,8 @@ keep their generator in a graph: the exported model reuses the draws of one call
 (``SeededDraws.freeze_draws``), and the check compares with PyTorch under the same frozen draws.
 
 ``onnx``, ``onnxscript`` and ``onnxruntime`` are the optional extra ``amod[onnx]``; they are imported
-only when needed.
+only when needed. ``amod export`` (a checkpoint file in, real check images where the data is at hand)
+is ``amod.experiments.export``.
 """
 from __future__ import annotations
 
@@ -38,9 +39,6 @@ from .arch import pair, set_input_size
 from .files import _remove_quietly
 from .methods import method_of
 from .mod.routers import SeededDraws
-from .train.checkpoint import load
-
-log = logging.getLogger("amod")
 
 PathLike = Union[str, os.PathLike]
 EXPORTERS = ("dynamo", "torchscript")
@@ -188,22 +186,19 @@ def _torch_export(model: nn.Module, x: torch.Tensor, path: Path, exporter: str, 
 
 # ---------------------------------------------------------------- the check
 
-def check_inputs(model: nn.Module, n: int, seed: int = 0) -> tuple[torch.Tensor, str]:
-    """(n images the model takes, where they come from): the first Fashion-MNIST validation images for a
-    one-channel, ten-class model (when the data is at hand), seeded random inputs otherwise."""
+def check_inputs(model: nn.Module, images: Union[int, torch.Tensor], seed: int = 0) -> tuple[torch.Tensor, str]:
+    """(the check's images, where they come from): ``images`` itself when it is a tensor (``"given"``;
+    it must be a batch the model takes, ``(N, C, H, W)`` at its input size), else that many seeded
+    random inputs (``"random"``)."""
     h, w = pair(model.patch_embed.img_size)
     chans = model.patch_embed.proj.in_channels
-    if chans == 1 and getattr(model, "num_classes", None) == 10 and h == w:
-        try:
-            from .train.data import TensorImages, load_fashion_mnist
-
-            images, labels = load_fashion_mnist("val")
-            ds = TensorImages(images[:n], labels[:n], False, h)
-            return torch.stack([ds[i][0] for i in range(len(ds))]), "fashion-mnist"
-        except (ValueError, OSError) as e:
-            log.info("Fashion-MNIST not at hand (%s); checking on random inputs", e)
+    if isinstance(images, torch.Tensor):
+        if images.ndim != 4 or tuple(images.shape[1:]) != (chans, h, w):
+            raise ValueError(f"check_images must be a batch of images shaped (N, {chans}, {h}, {w}) for this "
+                             f"model, got a tensor of shape {tuple(images.shape)}")
+        return images.detach().cpu().float(), "given"
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, chans, h, w, generator=g), "random"
+    return torch.randn(images, chans, h, w, generator=g), "random"
 
 
 def _runtime_error(e: BaseException) -> str:
@@ -295,7 +290,7 @@ def _sigterm_cleans_up() -> Iterator[None]:
 
 def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
            batch: Union[str, int] = "dynamic", opset: Optional[int] = None, exporter: str = DEFAULT_EXPORTER,
-           check: bool = True, check_images: int = CHECK_IMAGES) -> dict[str, Any]:
+           check: bool = True, check_images: Union[int, torch.Tensor] = CHECK_IMAGES) -> dict[str, Any]:
     """Export an amod model (or a timm ViT) to the ONNX file ``path``, checked in ONNX Runtime.
 
     Args:
@@ -309,12 +304,16 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
         opset: ONNX opset; default the exporter's.
         exporter: ``"dynamo"`` (``torch.onnx.export(..., dynamo=True)``, the default) or ``"torchscript"``.
         check: run the file in ONNX Runtime and compare with PyTorch (see ``check_onnx``).
-        check_images: images of the check's first batch.
+        check_images: the check's images: a number of seeded random images (default 8), or the images
+            themselves, an ``(N, C, H, W)`` tensor at the exported input size, e.g. real validation
+            images (``amod export`` passes the first Fashion-MNIST validation images for a
+            Fashion-MNIST model). A dynamic batch is checked on all of them and on the first 3 (at
+            least 2 are needed); a fixed batch on the first ``batch`` (at least that many are needed).
 
     Returns:
         ``path``, ``exporter``, ``opset``, ``batch``, ``img_size``, ``method`` (the model's label),
         ``ops`` (counts of the routing ops in the graph), ``check`` (``check_onnx``'s result plus the
-        ``inputs`` used) and ``bytes``.
+        ``inputs`` used: ``"random"`` or ``"given"``) and ``bytes``.
 
     Raises:
         RuntimeError: the exporter cannot handle the model (naming the op where it names one), or the
@@ -329,8 +328,20 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
         raise ValueError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 7):
         raise ValueError(f"opset must be an integer >= 7, got {opset!r}")
-    if check_images < 2 and dynamic:
+    given = isinstance(check_images, torch.Tensor)
+    if given:
+        if check_images.ndim != 4:
+            raise ValueError(f"check_images must be a batch of images (N, C, H, W), got a tensor of shape "
+                             f"{tuple(check_images.shape)}")
+        count = int(check_images.shape[0])
+    elif isinstance(check_images, bool) or not isinstance(check_images, int):
+        raise ValueError(f"check_images must be a number of images or a tensor of them, got {check_images!r}")
+    else:
+        count = check_images
+    if count < 2 and dynamic:
         raise ValueError("a dynamic-batch check needs at least 2 images")
+    if given and not dynamic and count < batch:
+        raise ValueError(f"check_images holds {count} images; a fixed batch of {batch} needs at least that many")
     for extra in ("onnx", "onnxruntime") if check else ("onnx",):
         _require(extra)
     path = check_output_file(path)
@@ -340,8 +351,9 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     if img_size is not None and pair(img_size) != pair(model.patch_embed.img_size):
         set_input_size(model, img_size)
     label = method_of(model).label()
-    n = check_images if dynamic else batch
-    example, source = check_inputs(model, n)
+    example, source = check_inputs(model, check_images if given or dynamic else batch)
+    example = example if dynamic else example[:batch]
+    n = example.shape[0]
     tmp = path.with_name(path.name + ".tmp")
     with _sigterm_cleans_up():
         try:
@@ -379,20 +391,3 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
             raise
     result["bytes"] = path.stat().st_size
     return result
-
-
-def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[int] = None,
-                      batch: Union[str, int] = "dynamic", opset: Optional[int] = None,
-                      exporter: str = DEFAULT_EXPORTER, force: bool = False) -> dict[str, Any]:
-    """``amod export``: load any amod checkpoint and ``export`` it to ``out``.
-
-    ``out`` is checked before the checkpoint is read: it must not be the checkpoint itself, and an
-    existing file is replaced only with ``force``.
-    """
-    out = check_output_file(out)
-    if out.resolve() == Path(checkpoint).resolve() or (out.exists() and Path(checkpoint).exists()
-                                                         and os.path.samefile(out, checkpoint)):
-        raise ValueError(f"--out {out} is the checkpoint being exported; write the ONNX file elsewhere")
-    if out.exists() and not force:
-        raise FileExistsError(f"--out {out} already exists; add --force to replace it")
-    return export(load(checkpoint), out, img_size=img_size, batch=batch, opset=opset, exporter=exporter)

@@ -2,10 +2,11 @@
 token merging.
 
 One class per method knows how to turn a dense timm ViT into itself (``apply``), its label, the
-run-configuration fields that select it, its checkpoint metadata, and how to set itself to a share
-of the dense model's MACs (``at_cost``). Run configurations, model building, checkpoints,
-``amod flops``, ``amod compare`` and ``amod study`` all go through these classes. A new method is
-one class plus its entry in ``METHODS``.
+run-configuration fields that select it (``run_fields``, ``from_run_fields``), its checkpoint
+metadata (``metadata_key``, ``metadata``, ``from_metadata``), and how to set itself to a share of
+the dense model's MACs (``at_cost``). Run configurations, model building, checkpoints, ``amod flops``,
+``amod compare`` and ``amod study`` all go through these classes. A new method is one class plus its
+entry in ``METHODS``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class Method:
     """Base class of the methods; subclasses are frozen dataclasses."""
 
     kind: ClassVar[str]
+    # the checkpoint metadata entry this method writes and is found by (None: it writes none)
+    metadata_key: ClassVar[Optional[str]] = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Turn the dense timm ViT ``model`` into this method (in place where possible); returns the model."""
@@ -47,6 +50,11 @@ class Method:
     def metadata(self) -> dict[str, str]:
         """Entries of a checkpoint's metadata that rebuild this method (none for a dense model)."""
         return {}
+
+    @classmethod
+    def from_run_fields(cls, fields: Any) -> Optional["Method"]:
+        """This method, if the run configuration ``fields`` (an object with ``RunConfig``'s fields) selects it."""
+        return None
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["Method"]:
@@ -82,9 +90,10 @@ class MoD(Method):
     """Mixture-of-Depths: ``amod.convert`` with these arguments."""
 
     kind: ClassVar[str] = "mod"
+    metadata_key: ClassVar[Optional[str]] = "amod.mod"
     router: str = "attention"
     capacity: float = 0.5
-    layers: Layers = None  # None: "all" for skipped="fold", "alternate" otherwise
+    layers: Layers = None  # None: the skipped mode's default_layers ("all" for fold, "alternate" otherwise)
     scale_output: Optional[bool] = None
     seed: int = 0
     skipped: str = "bypass"
@@ -108,7 +117,7 @@ class MoD(Method):
         return fields
 
     def metadata(self) -> dict[str, str]:
-        return {"amod.mod": self.config().to_json()}
+        return {self.metadata_key: self.config().to_json()}
 
     def config(self) -> MoDConfig:
         """The ``MoDConfig`` of this method (layers must be resolved: take it from ``of_model``)."""
@@ -117,10 +126,18 @@ class MoD(Method):
                          protect=self.protect)
 
     @classmethod
-    def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
-        if "amod.mod" not in meta:
+    def from_run_fields(cls, fields: Any) -> Optional["MoD"]:
+        if fields.router is None or fields.isoflop:
             return None
-        config = MoDConfig.from_dict(json.loads(meta["amod.mod"]))
+        layers = tuple(fields.layers) if isinstance(fields.layers, list) else fields.layers
+        return cls(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
+                   seed=fields.seed, skipped=fields.skipped, protect=fields.protect)
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
+        if cls.metadata_key not in meta:
+            return None
+        config = MoDConfig.from_dict(json.loads(meta[cls.metadata_key]))
         return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers)})
 
     @classmethod
@@ -157,12 +174,20 @@ class IsoFLOP(Method):
         layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
         return {"router": self.router, "capacity": self.capacity, "layers": layers, "isoflop": True}
 
+    @classmethod
+    def from_run_fields(cls, fields: Any) -> Optional["IsoFLOP"]:
+        if fields.router is None or not fields.isoflop:
+            return None
+        layers = tuple(fields.layers) if isinstance(fields.layers, list) else fields.layers
+        return cls(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
+
 
 @dataclass(frozen=True)
 class TokenMerging(Method):
     """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
 
     kind: ClassVar[str] = "tome"
+    metadata_key: ClassVar[Optional[str]] = "amod.merge"  # the key predates amod.tome; files keep it
     r: Optional[Union[int, tuple[int, ...]]] = None
     cost: Optional[float] = None
 
@@ -181,17 +206,24 @@ class TokenMerging(Method):
         return {"tome_r": list(self.r) if isinstance(self.r, tuple) else self.r}
 
     def metadata(self) -> dict[str, str]:
-        return {"amod.merge": json.dumps({"schedule": list(self.r)})}  # the key predates amod.tome
+        return {self.metadata_key: json.dumps({"schedule": list(self.r)})}
+
+    @classmethod
+    def from_run_fields(cls, fields: Any) -> Optional["TokenMerging"]:
+        if fields.tome_cost is None and fields.tome_r is None:
+            return None
+        r = tuple(fields.tome_r) if isinstance(fields.tome_r, (list, tuple)) else fields.tome_r
+        return cls(r=r, cost=fields.tome_cost)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
-        if "amod.merge" not in meta:
+        if cls.metadata_key not in meta:
             return None
-        return cls(r=tuple(json.loads(meta["amod.merge"])["schedule"]))
+        return cls(r=tuple(json.loads(meta[cls.metadata_key])["schedule"]))
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["TokenMerging"]:
-        merging = getattr(model, "amod_merge", None)
+        merging = getattr(model, "amod_tome", None)
         return None if merging is None else cls(r=tuple(merging.schedule))
 
     def at_cost(self, dense: nn.Module, cost: float) -> "TokenMerging":
@@ -205,6 +237,8 @@ def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:
 
 # Every method amod knows; the first whose metadata or model matches is the one.
 METHODS: tuple[type[Method], ...] = (MoD, TokenMerging, IsoFLOP, Dense)
+# The checkpoint metadata entries that name a method (a file names one at most; none: a dense model).
+METADATA_KEYS: tuple[str, ...] = tuple(cls.metadata_key for cls in METHODS if cls.metadata_key)
 
 
 def method_of(model: nn.Module) -> Method:
@@ -226,14 +260,11 @@ def method_from_metadata(meta: dict[str, str]) -> Method:
 
 
 def method_from_run_fields(fields: Any) -> Method:
-    """The method a run configuration selects (an object with ``RunConfig``'s fields)."""
-    if fields.tome_cost is not None or fields.tome_r is not None:
-        r = tuple(fields.tome_r) if isinstance(fields.tome_r, (list, tuple)) else fields.tome_r
-        return TokenMerging(r=r, cost=fields.tome_cost)
-    if fields.router is None:
-        return Dense()
-    layers = tuple(fields.layers) if isinstance(fields.layers, list) else fields.layers
-    if fields.isoflop:
-        return IsoFLOP(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
-    return MoD(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
-               seed=fields.seed, skipped=fields.skipped, protect=fields.protect)
+    """The method a run configuration selects (an object with ``RunConfig``'s fields): the one whose
+    ``from_run_fields`` accepts the fields, ``Dense`` when none does. Settings that select two methods
+    (``RunConfig.validate`` refuses them first, with its own message) raise a ValueError."""
+    chosen = [m for m in (cls.from_run_fields(fields) for cls in METHODS) if m is not None]
+    if len(chosen) > 1:
+        raise ValueError(f"the settings select {len(chosen)} methods ({', '.join(m.label() for m in chosen)}); "
+                         "give the settings of one")
+    return chosen[0] if chosen else Dense()

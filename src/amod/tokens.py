@@ -1,4 +1,5 @@
-"""Token bookkeeping shared by every token reduction: gather, scatter, and merging by size-weighted average.
+"""Token bookkeeping shared by every token reduction: gather, scatter, bipartite matching and pairs
+reduced by size-weighted average.
 
 Pure functions on tensors (plus two small state holders), no modules: each piece can be tested on its
 own. Shapes: B images, N tokens (p prefix tokens first, then n patch tokens), D channels.
@@ -39,16 +40,17 @@ def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
     return x.reshape(B * N, D).index_copy(0, flat_index(index, N), values.reshape(-1, D)).view(B, N, D)
 
 
-# ---------------------------------------------------------------- merging
+# ---------------------------------------------------------------- sized tokens
 
-class MergeState:
-    """Token sizes (B, N, 1) shared by the blocks of one merged model during one forward."""
+class TokenSizes:
+    """Token sizes (B, N, 1), the patches each token stands for, shared by the blocks of one model that
+    reduces tokens (fold, ToMe: ``amod.reduce``) during one forward; None while every size is 1."""
 
     def __init__(self) -> None:
         self.size: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:
-        return f"MergeState(tokens={None if self.size is None else self.size.shape[1]})"
+        return f"TokenSizes(tokens={None if self.size is None else self.size.shape[1]})"
 
 
 def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: Optional[torch.Tensor] = None
@@ -80,7 +82,7 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: Optional[to
     return unmerged, src, dst
 
 
-def _merge_sum(x: torch.Tensor, unmerged: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+def _pair_sum(x: torch.Tensor, unmerged: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """Set A's unmerged tokens, then set B with A's merged tokens added to their partners.
 
     ``x``: (B, n, c) patch tokens, contiguous; set A = even positions, set B = odd positions.
@@ -93,25 +95,19 @@ def _merge_sum(x: torch.Tensor, unmerged: torch.Tensor, src: torch.Tensor, dst: 
     return torch.cat([kept, b], dim=1)
 
 
-def merge_weighted(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int,
-                   num_prefix: int, protected: Optional[torch.Tensor] = None,
-                   keep_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge r pairs of patch tokens of ``x`` (B, N, D) by size-weighted average; prefix tokens stay.
+def reduce_weighted(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int,
+                    num_prefix: int, protected: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Remove r patch tokens of ``x`` (B, N, D): the r best pairs of ``bipartite_soft_matching`` on ``metric``
+    (B, N, c), each A token averaged into its B partner by size; prefix tokens stay.
 
     ``protected``: optional (B, N - num_prefix) bool over the patch tokens (see ``bipartite_soft_matching``).
-    ``keep_order``: the tokens left stay in their order (ToMe puts set A's unmerged tokens first, then
-    set B); the next block's sets A and B then alternate over neighbouring tokens again.
-    Returns the merged tokens (B, N - r, D) and their sizes (B, N - r, 1).
+    Returns the tokens left (B, N - r, D) in ToMe's order (set A's unmatched tokens, then set B) and their
+    sizes (B, N - r, 1).
     """
     p = num_prefix
     unmerged, src, dst = bipartite_soft_matching(metric[:, p:], r, protected)
-    weighted = _merge_sum(x[:, p:] * size[:, p:], unmerged, src, dst)
-    new_size = _merge_sum(size[:, p:].contiguous(), unmerged, src, dst)
-    if keep_order:
-        B, n = x.shape[0], x.shape[1] - p
-        odd = torch.arange(1, n, 2, device=x.device).expand(B, -1)
-        order = torch.cat([2 * unmerged.squeeze(-1), odd], dim=1).argsort(dim=1)  # by position before the merge
-        weighted, new_size = gather_tokens(weighted, order), gather_tokens(new_size, order)
+    weighted = _pair_sum(x[:, p:] * size[:, p:], unmerged, src, dst)
+    new_size = _pair_sum(size[:, p:].contiguous(), unmerged, src, dst)
     merged = weighted / new_size
     return torch.cat([x[:, :p], merged.to(x.dtype)], 1), torch.cat([size[:, :p], new_size], 1)
 

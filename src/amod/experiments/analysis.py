@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..mod.convert import mod_blocks, set_recording
+from ..mod.modes import mode_list, skipped_mode
 from ..ops import attention_inputs, attention_probs, received_attention
 from .stats import spearman
 
@@ -59,13 +60,14 @@ def _drop_token(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def check_loo_model(model: nn.Module, name: str = "the model") -> None:
-    """Refuse a model leave-one-out cannot judge: a fold model (``skipped="fold"``), whose blocks route on
-    the attention they compute themselves, so no scores exist at a block's input to compare with."""
-    if getattr(getattr(model, "amod_config", None), "skipped", None) == "fold":
-        raise ValueError(f"leave-one-out needs an MoD model with skipped bypass, merge or kv; {name} is a fold model. "
-                         "It compares the scores a router reads at an MoD block's input with the loss of removing "
-                         "each token there, but a fold block scores its tokens on the attention it computes itself "
-                         "and folds the most similar ones: there are no input scores to compare")
+    """Refuse a model leave-one-out cannot judge: one whose skipped mode has its blocks route on the attention
+    they compute themselves (``own_attention``: fold), so no scores exist at a block's input to compare with."""
+    config = getattr(model, "amod_config", None)
+    if config is not None and skipped_mode(config.skipped).own_attention:
+        raise ValueError(f"leave-one-out needs an MoD model with skipped {mode_list(lambda m: not m.own_attention)}; "
+                         f"{name} is a {config.skipped} model. It compares the scores a router reads at an MoD "
+                         "block's input with the loss of removing each token there, but its blocks score their "
+                         "tokens on the attention they compute themselves: there are no input scores to compare")
 
 
 @torch.no_grad()

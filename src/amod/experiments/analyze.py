@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..files import dumps, write_text
-from ..train.checkpoint import load
+from ..mod.modes import mode_list, skipped_mode
+from ..checkpoint import load
 from ..train.data import build_datasets, first_images, normalization
 from ..train.rundir import check_output_dir
 from .analysis import attention_stats, check_loo_model, kept_positions, leave_one_out
@@ -44,9 +45,11 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[Any, str]:
                          f"{cfg.checkpoint} is not one")
     if cfg.analysis == "loo":
         check_loo_model(model, str(cfg.checkpoint))
-    if cfg.analysis == "routing" and model.amod_config.skipped == "fold":
-        raise ValueError(f"analyze routing needs an MoD model with skipped bypass, merge or kv; {cfg.checkpoint} is a "
-                         "fold model, whose tokens change identity as they fold: there are no kept patch positions")
+    if cfg.analysis == "routing" and not skipped_mode(model.amod_config.skipped).records_kept_indices:
+        usable = mode_list(lambda m: m.records_kept_indices)
+        raise ValueError(f"analyze routing needs an MoD model with skipped {usable}; "
+                         f"{cfg.checkpoint} is a {model.amod_config.skipped} model, whose tokens change identity as "
+                         "they are reduced: there are no kept patch positions")
     _, val, info = build_datasets(cfg.data, model.patch_embed.img_size[0], None, None)
     if info.in_chans != model.patch_embed.proj.in_channels:
         raise ValueError(f"the model takes {model.patch_embed.proj.in_channels}-channel images; {info.name} has "

@@ -32,11 +32,11 @@ from ..cost import flops, validate_cost
 from ..files import dumps, torch_save, write_json, write_text
 from ..methods import Method, MoD, TokenMerging, cost_of
 from ..train import engine
-from ..train.checkpoint import load, skeleton
+from ..checkpoint import load, skeleton
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
-from ..train.run import RunConfig, run_dir_name
-from ..train.rundir import check_output_dir
+from ..train.config import RunConfig
+from ..train.rundir import check_output_dir, run_dir_name
 from .bench import time_models
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
@@ -63,7 +63,8 @@ class Entry:
         return method.at_cost(dense, cost)
 
 
-METHODS = (
+# The methods `amod compare` runs, in the report's order (``--methods`` picks some by name).
+COMPARED = (
     Entry("ToMe", TokenMerging()),
     Entry("A-MoD", MoD()),
     Entry("standard MoD", MoD(router="standard")),
@@ -93,7 +94,7 @@ class CompareConfig:
     batch_size: int = 128
     speed_batch: int = 256
     speed_repeats: int = 10
-    methods: tuple[Entry, ...] = field(default=METHODS)
+    methods: tuple[Entry, ...] = field(default=COMPARED)
     quick: bool = False
 
     def only(self, names: Optional[list[str]]) -> "CompareConfig":

@@ -11,6 +11,7 @@ from ..cost import CostReport, flops, img_size_of
 from ..methods import Dense, Method, MoD, TokenMerging
 from ..mod.config import validate_capacity
 from ..mod.convert import lowest_capacity
+from ..mod.routers import router_class
 from ..tome import schedule_for_cost
 from ..train.models import check_vit_name
 
@@ -22,7 +23,7 @@ def flops_methods(capacities: Sequence[float], router: str = "attention", layers
     rows: list[tuple[str, Method]] = []
     for c in capacities:
         c = validate_capacity(c)
-        dense = c >= 1.0 and router != "standard"
+        dense = c >= 1.0 and not router_class(router).learnable
         rows.append((f"{c:.3f}", Dense() if dense else MoD(router=router, capacity=c, layers=layers, skipped=skipped)))
     rows += [(f"ToMe@{c:g}", TokenMerging(cost=c)) for c in tome_costs]
     return rows

@@ -21,8 +21,8 @@ from ..cost import flops
 from ..files import write_json, write_text
 from ..methods import IsoFLOP, Method, MoD
 from ..train import engine
-from ..train.checkpoint import load
-from ..train.run import RunConfig
+from ..checkpoint import load
+from ..train.config import RunConfig
 from .bench import time_models
 from .plots import accuracy_vs_cost, accuracy_vs_epoch
 from .presets import BASE, CAPACITIES, FINETUNE, QUICK, pretrain_dense, run_in_directory, run_once

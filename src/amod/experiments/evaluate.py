@@ -8,7 +8,7 @@ import torch
 
 from ..cost import flops
 from ..mod.convert import set_capacity
-from ..train.checkpoint import load
+from ..checkpoint import load
 from ..train.data import build_datasets
 from ..train.engine import BadImages, Dist, evaluate, make_loader
 

@@ -12,9 +12,10 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
-from ..train.checkpoint import check_dense_file
+from ..checkpoint import check_dense_file
 from ..train.data import build_datasets
-from ..train.run import RunConfig, train
+from ..train.config import RunConfig
+from ..train.run import train
 from ..train.rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")

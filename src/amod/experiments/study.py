@@ -26,9 +26,10 @@ from ..files import atomic_write, dumps, write_text
 from ..methods import IsoFLOP, Method, MoD
 from ..mod.config import validate_capacity
 from ..train import engine
-from ..train.checkpoint import load
+from ..checkpoint import load
 from ..train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
-from ..train.run import RunConfig, run_dir_name
+from ..train.config import RunConfig
+from ..train.rundir import run_dir_name
 from .analysis import attention_stats, leave_one_out
 from .plots import accuracy_vs_epoch, routing_figure
 from .presets import BASE, check_settings, run_in_directory, run_once, starting_checkpoint

@@ -5,10 +5,10 @@ parameter keeps its name and pretrained state_dicts load unchanged:
 
 - ``MoDBlock`` (a timm ``Block``): gathers the prefix tokens and the top-k patch tokens into a
   (B, p + k, D) tensor, runs the block's own attention and MLP on that alone, and puts the result
-  back. What the skipped tokens do is the model's ``skipped`` mode, one small method each:
-  ``bypass`` (copied through, the paper's MoD), ``merge`` (averaged into their most similar kept
-  token for this block, whose update they then take) and ``kv`` (keys and values for the processed
-  tokens).
+  back. What the skipped tokens do is the model's ``skipped`` mode, one small ``MoDMode`` class each
+  (registered in ``amod.mod.modes``): ``bypass`` (copied through, the paper's MoD), ``merge``
+  (averaged into their most similar kept token for this block, whose update they then take) and
+  ``kv`` (keys and values for the processed tokens).
 - ``ScoringAttention`` (a timm ``Attention``): the attention of the block before an attention-routed
   MoD block. It computes the same output and also the mean attention each token received, which it
   leaves in a ``ScoreHandoff`` that the next block reads.
@@ -34,12 +34,14 @@ import torch
 import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
+from torch import nn
 
 from ..cost import BlockPrice, attention_macs, linear_macs_per_token
 from ..ops import attention_inputs, attention_output, attention_scores_explicit, attention_with_scores, recomputing
 from ..tokens import ForwardMemo, flat_index, gather_tokens, scatter_tokens
 from .config import MoDConfig
-from .routers import Router, StandardRouter
+from .modes import MODES, SkippedMode, register_skipped_mode
+from .routers import Router, build_router, router_class
 from .routing import keep_index, num_kept, select_tokens, skipped_tokens
 
 
@@ -109,15 +111,16 @@ class MoDSettings:
 class MoDBlock(Block):
     """timm ``Block`` that processes only the prefix tokens and the top-k routed patch tokens.
 
-    Attributes set by ``amod.convert``: ``router`` (a submodule; only the standard router has
-    parameters) and ``amod`` (its ``MoDSettings``). After a forward with recording on,
+    Attributes set by ``amod.convert``: ``router`` (a submodule; a learned router has parameters) and
+    ``amod`` (its ``MoDSettings``). After a forward with recording on,
     ``amod_last_index`` holds the (B, k) kept patch indices.
     """
 
     router: Router
     amod: MoDSettings
 
-    def _block_output(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def block_output(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """timm's block on the tokens ``x`` (B, M, D): attention, then MLP, each with its residual."""
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
@@ -153,14 +156,14 @@ class MoDBlock(Block):
             self._publish_scores(prev_scores, None, N)
             if not replay:
                 self._record(torch.arange(n, device=x.device).expand(B, n))
-            return self._block_output(x)
+            return self.block_output(x)
         with self.router.replay(draws) if replay else contextlib.nullcontext():
             patch_scores = self.router.score(x[:, p:], None if prev_scores is None else prev_scores[:, p:])  # (B, n)
         patch_idx = select_tokens(patch_scores, k)  # (B, k)
         index = keep_index(patch_idx, p)  # (B, p + k)
         xs = gather_tokens(x, index)  # (B, p + k, D)
-        mode = self.amod.config.skipped if k < n else "bypass"  # nothing skipped: every mode is bypass
-        out = _SKIPPED_MODES[mode](self, x, xs, index, patch_idx, patch_scores)
+        mode = MODES[self.amod.config.skipped if k < n else "bypass"]  # nothing skipped: every mode is bypass
+        out = mode.forward(self, x, xs, index, patch_idx, patch_scores)
         self._publish_scores(prev_scores, index, N)  # in a recompute too: the same autograd ops as the forward
         if not replay:
             self._record(patch_idx)
@@ -180,34 +183,10 @@ class MoDBlock(Block):
         self.amod.memo.remember(x, (prev_scores, draws))
         return prev_scores, draws
 
-    # ------------------------------------------------------------ one method per skipped mode
-
-    def _bypass(self, x, xs, index, patch_idx, patch_scores) -> torch.Tensor:
-        """Skipped tokens are copied through; kept ones get the block's output."""
-        ys = self._gate(self._block_output(xs), xs, patch_idx, patch_scores)
-        return scatter_tokens(x, index, ys)
-
-    def _kv(self, x, xs, index, patch_idx, patch_scores) -> torch.Tensor:
-        """Kept tokens' queries attend to the keys and values of all N tokens; skipped ones are not updated."""
-        ys = self._gate(self._block_output_all_kv(x, xs, index), xs, patch_idx, patch_scores)
-        return scatter_tokens(x, index, ys)
-
-    def _merge(self, x, xs, index, patch_idx, patch_scores) -> torch.Tensor:
-        """Skipped tokens join their most similar kept token for this block and take its group's update."""
-        B, N, D = x.shape
-        p = self.amod.num_prefix
-        skip_idx, skipped, partner, merged, bias = self._merge_skipped(x, xs, patch_idx)
-        # every kept token keeps its own residual and takes the update computed on its merged group
-        ys = self._gate(xs + (self._block_output(merged, attn_mask=bias) - merged), xs, patch_idx, patch_scores)
-        skipped_out = skipped + gather_tokens(ys[:, p:] - xs[:, p:], partner)
-        # kept, prefix and skipped tokens cover the sequence: fill a new tensor, no copy of x first
-        out = x.new_empty(B * N, D).index_copy_(0, flat_index(index, N), ys.reshape(-1, D))
-        return out.index_copy_(0, flat_index(skip_idx + p, N), skipped_out.reshape(-1, D)).view(B, N, D)
-
     # ------------------------------------------------------------ shared pieces
 
-    def _gate(self, ys: torch.Tensor, xs: torch.Tensor, patch_idx: torch.Tensor,
-              patch_scores: torch.Tensor) -> torch.Tensor:
+    def gate_updates(self, ys: torch.Tensor, xs: torch.Tensor, patch_idx: torch.Tensor,
+                     patch_scores: torch.Tensor) -> torch.Tensor:
         """Multiply kept patch tokens' updates by the router gate where the outputs are gated."""
         if not self._gated:
             return ys
@@ -217,43 +196,6 @@ class MoDBlock(Block):
             gate = 1.0 + (gate - gate.detach())
         update = (ys[:, p:] - xs[:, p:]) * gate.unsqueeze(-1).to(ys.dtype)
         return torch.cat([ys[:, :p], xs[:, p:] + update], dim=1)
-
-    def _merge_skipped(self, x: torch.Tensor, xs: torch.Tensor, patch_idx: torch.Tensor):
-        """Merge each skipped patch token into its most similar kept one (cosine after the block's norm1).
-
-        Returns the skipped tokens' patch indices (B, n - k), the skipped tokens (B, n - k, D), each
-        one's partner among the kept patches (B, n - k), the gathered tokens with every kept patch replaced by the size-weighted
-        average of its group (B, p + k, D), and the proportional-attention bias log(size) (B, 1, 1, p + k).
-        """
-        p = self.amod.num_prefix
-        B, N, D = x.shape
-        k = patch_idx.shape[1]
-        skip_idx = skipped_tokens(patch_idx, N - p)  # (B, n - k)
-        skipped = gather_tokens(x, skip_idx + p)
-        kept = xs[:, p:]
-        # compared as the block's attention sees them, after its LayerNorm (on the demo model this beat
-        # the raw residual stream at zero training: 85.4 vs 84.8 % top-1 at 56 % cost)
-        # (the skipped side needs no normalising: a positive factor per row does not move its argmax)
-        similarity = self.norm1(skipped) @ F.normalize(self.norm1(kept), dim=-1).transpose(1, 2)  # (B, n - k, k)
-        partner = similarity.argmax(dim=-1)
-        flat_partner = flat_index(partner, k)
-        size = torch.ones(B * k, dtype=x.dtype, device=x.device).index_add_(
-            0, flat_partner, torch.ones(flat_partner.shape[0], dtype=x.dtype, device=x.device)).view(B, k)
-        summed = kept.reshape(B * k, D).index_add(0, flat_partner, skipped.reshape(-1, D)).view(B, k, D)
-        merged = torch.cat([xs[:, :p], summed / size.unsqueeze(-1)], dim=1)
-        bias = torch.cat([size.new_zeros(B, p), size.log()], dim=1)[:, None, None, :]
-        return skip_idx, skipped, partner, merged, bias
-
-    def _block_output_all_kv(self, x: torch.Tensor, xs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The block on the gathered tokens ``xs``, whose queries attend to the keys and values of all N
-        tokens (the skipped ones included): K/V projections for every token, the rest for p + k."""
-        attn = self.attn
-        h = self.norm1(x)
-        q, key, value, gate = attention_inputs(attn, gather_tokens(h, index), kv_x=h)
-        o = F.scaled_dot_product_attention(q, key, value, scale=attn.scale,
-                                           dropout_p=attn.attn_drop.p if self.training else 0.0)
-        y = xs + self.drop_path1(self.ls1(attention_output(attn, o, gate)))
-        return y + self.drop_path2(self.ls2(self.mlp(self.norm2(y))))
 
     def _publish_scores(self, prev_scores: Optional[torch.Tensor], index: Optional[torch.Tensor], n_full: int) -> None:
         """Turn the scores our attention measured on the gathered tokens into full-sequence scores."""
@@ -279,19 +221,166 @@ class MoDBlock(Block):
         """
         n = tokens - num_prefix
         kept = num_prefix + num_kept(self.amod.config.capacity if capacity is None else capacity, n)
-        attn, skipped = self.attn, self.amod.config.skipped
-        lin = linear_macs_per_token(self)
-        if skipped == "kv" and kept < tokens:
-            kv = 2 * attn.attn_dim * attn.qkv.in_features  # K and V projections per token
-            macs = kept * (lin - kv) + tokens * kv + 2 * kept * tokens * attn.num_heads * attn.head_dim
-        else:
-            macs = kept * lin + attention_macs(kept, attn)
-        if skipped == "merge" and kept < tokens:
-            k = kept - num_prefix
-            macs += (n - k) * k * self.norm1.normalized_shape[0]  # skipped x kept cosine similarities
-        if isinstance(self.router, StandardRouter):
-            macs += n * self.router.proj.in_features  # every patch token is scored
+        mode = MODES[self.amod.config.skipped if kept < tokens else "bypass"]  # nothing skipped: every mode is bypass
+        macs = mode.macs(self, tokens, kept, num_prefix) + self.router.macs(n)  # every patch token is scored
         return BlockPrice(macs, kept, tokens)
 
 
-_SKIPPED_MODES = {"bypass": MoDBlock._bypass, "merge": MoDBlock._merge, "kv": MoDBlock._kv}
+# ---------------------------------------------------------------- the MoD block's skipped modes
+
+class MoDMode(SkippedMode):
+    """A skipped mode of ``MoDBlock``: what the block does once it has gathered the prefix and top-k patch
+    tokens. A new one is a subclass with ``forward`` (and ``macs`` where it costs more or less than the block
+    on the kept tokens) registered with ``@register_skipped_mode(name)``; its models convert as every MoD
+    model does (``convert_to_mod_blocks``)."""
+
+    def convert(self, model: nn.Module, config: MoDConfig) -> None:
+        convert_to_mod_blocks(model, config)
+
+    def forward(self, block: MoDBlock, x: torch.Tensor, xs: torch.Tensor, index: torch.Tensor,
+                patch_idx: torch.Tensor, patch_scores: torch.Tensor) -> torch.Tensor:
+        """The block's output (B, N, D) from its input ``x`` (B, N, D), the gathered tokens ``xs`` (B, p + k, D)
+        at ``index`` (B, p + k) of x, the kept patch indices ``patch_idx`` (B, k) and every patch token's score
+        ``patch_scores`` (B, n). ``block.block_output`` runs the block, ``block.gate_updates`` applies the gate."""
+        raise NotImplementedError
+
+    def macs(self, block: MoDBlock, tokens: int, kept: int, num_prefix: int) -> int:
+        """MACs of ``block`` on ``tokens`` tokens of which it processes ``kept`` (prefix included; fewer than
+        ``tokens``), its router left out: the attention and MLP on the kept tokens."""
+        return kept * linear_macs_per_token(block) + attention_macs(kept, block.attn)
+
+
+@register_skipped_mode("bypass")
+class BypassMode(MoDMode):
+    """Skipped tokens are copied through; kept ones get the block's output (the paper's MoD)."""
+
+    def forward(self, block, x, xs, index, patch_idx, patch_scores) -> torch.Tensor:
+        ys = block.gate_updates(block.block_output(xs), xs, patch_idx, patch_scores)
+        return scatter_tokens(x, index, ys)
+
+
+@register_skipped_mode("merge")
+class MergeMode(MoDMode):
+    """Skipped tokens join their most similar kept token for this block and take its group's update."""
+
+    def forward(self, block, x, xs, index, patch_idx, patch_scores) -> torch.Tensor:
+        B, N, D = x.shape
+        p = block.amod.num_prefix
+        skip_idx, skipped, partner, merged, bias = self.merge_skipped(block, x, xs, patch_idx)
+        # every kept token keeps its own residual and takes the update computed on its merged group
+        ys = block.gate_updates(xs + (block.block_output(merged, attn_mask=bias) - merged), xs, patch_idx,
+                                patch_scores)
+        skipped_out = skipped + gather_tokens(ys[:, p:] - xs[:, p:], partner)
+        # kept, prefix and skipped tokens cover the sequence: fill a new tensor, no copy of x first
+        out = x.new_empty(B * N, D).index_copy_(0, flat_index(index, N), ys.reshape(-1, D))
+        return out.index_copy_(0, flat_index(skip_idx + p, N), skipped_out.reshape(-1, D)).view(B, N, D)
+
+    def macs(self, block: MoDBlock, tokens: int, kept: int, num_prefix: int) -> int:
+        n, k = tokens - num_prefix, kept - num_prefix
+        return super().macs(block, tokens, kept, num_prefix) + (n - k) * k * block.norm1.normalized_shape[0]  # cosines
+
+    @staticmethod
+    def merge_skipped(block: MoDBlock, x: torch.Tensor, xs: torch.Tensor, patch_idx: torch.Tensor):
+        """Merge each skipped patch token into its most similar kept one (cosine after the block's norm1).
+
+        Returns the skipped tokens' patch indices (B, n - k), the skipped tokens (B, n - k, D), each
+        one's partner among the kept patches (B, n - k), the gathered tokens with every kept patch replaced
+        by the size-weighted average of its group (B, p + k, D), and the proportional-attention bias
+        log(size) (B, 1, 1, p + k).
+        """
+        p = block.amod.num_prefix
+        B, N, D = x.shape
+        k = patch_idx.shape[1]
+        skip_idx = skipped_tokens(patch_idx, N - p)  # (B, n - k)
+        skipped = gather_tokens(x, skip_idx + p)
+        kept = xs[:, p:]
+        # compared as the block's attention sees them, after its LayerNorm (on the demo model this beat
+        # the raw residual stream at zero training: 85.4 vs 84.8 % top-1 at 56 % cost)
+        # (the skipped side needs no normalising: a positive factor per row does not move its argmax)
+        similarity = block.norm1(skipped) @ F.normalize(block.norm1(kept), dim=-1).transpose(1, 2)  # (B, n - k, k)
+        partner = similarity.argmax(dim=-1)
+        flat_partner = flat_index(partner, k)
+        size = torch.ones(B * k, dtype=x.dtype, device=x.device).index_add_(
+            0, flat_partner, torch.ones(flat_partner.shape[0], dtype=x.dtype, device=x.device)).view(B, k)
+        summed = kept.reshape(B * k, D).index_add(0, flat_partner, skipped.reshape(-1, D)).view(B, k, D)
+        merged = torch.cat([xs[:, :p], summed / size.unsqueeze(-1)], dim=1)
+        bias = torch.cat([size.new_zeros(B, p), size.log()], dim=1)[:, None, None, :]
+        return skip_idx, skipped, partner, merged, bias
+
+
+@register_skipped_mode("kv")
+class KVMode(MoDMode):
+    """Kept tokens' queries attend to the keys and values of all N tokens; skipped ones are not updated."""
+
+    def validate(self, config: MoDConfig, model: nn.Module) -> None:
+        consecutive = [i for i in config.layers if i - 1 in config.layers]
+        if router_class(config.router).needs_attention and consecutive:
+            raise ValueError(
+                f"skipped='kv' cannot score attention for the next block (blocks {consecutive[0] - 1} and "
+                f"{consecutive[0]} are both MoD blocks); use layers with a dense block before each MoD block, "
+                "e.g. 'alternate'")
+
+    def forward(self, block, x, xs, index, patch_idx, patch_scores) -> torch.Tensor:
+        ys = block.gate_updates(self.block_output_all_kv(block, x, xs, index), xs, patch_idx, patch_scores)
+        return scatter_tokens(x, index, ys)
+
+    def macs(self, block: MoDBlock, tokens: int, kept: int, num_prefix: int) -> int:
+        attn = block.attn
+        kv = 2 * attn.attn_dim * attn.qkv.in_features  # K and V projections per token
+        attention = 2 * kept * tokens * attn.num_heads * attn.head_dim  # kept queries x all keys and values
+        return kept * (linear_macs_per_token(block) - kv) + tokens * kv + attention
+
+    @staticmethod
+    def block_output_all_kv(block: MoDBlock, x: torch.Tensor, xs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The block on the gathered tokens ``xs``, whose queries attend to the keys and values of all N
+        tokens (the skipped ones included): K/V projections for every token, the rest for p + k."""
+        attn = block.attn
+        h = block.norm1(x)
+        q, key, value, gate = attention_inputs(attn, gather_tokens(h, index), kv_x=h)
+        o = F.scaled_dot_product_attention(q, key, value, scale=attn.scale,
+                                           dropout_p=attn.attn_drop.p if block.training else 0.0)
+        y = xs + block.drop_path1(block.ls1(attention_output(attn, o, gate)))
+        return y + block.drop_path2(block.ls2(block.mlp(block.norm2(y))))
+
+
+# ---------------------------------------------------------------- conversion to MoD blocks
+
+def check_block(blk: nn.Module, index: int) -> None:
+    """Refuse a block amod cannot convert: timm's pre-norm ``Block`` with timm's ``Attention`` only."""
+    if type(blk) not in (Block, MoDBlock):
+        raise TypeError(
+            f"block {index} is a {type(blk).__name__}; amod converts timm's pre-norm "
+            "timm.models.vision_transformer.Block only"
+        )
+    if type(blk.attn) not in (Attention, ScoringAttention):
+        raise TypeError(
+            f"block {index} uses {type(blk.attn).__name__}; amod supports timm.layers.Attention only"
+        )
+
+
+def convert_to_mod_blocks(model: nn.Module, config: MoDConfig) -> None:
+    """Make the blocks in ``config.layers`` MoD blocks, each with its router, and, for an attention router,
+    the attention before each one a ``ScoringAttention`` (the conversion of every ``MoDMode``)."""
+    blocks = model.blocks
+    for i in config.layers:
+        check_block(blocks[i], i)
+    for i in config.layers:
+        blk = blocks[i]
+        blk.__class__ = MoDBlock
+        dim = blk.norm1.normalized_shape[0] if hasattr(blk.norm1, "normalized_shape") else blk.attn.qkv.in_features
+        blk.router = build_router(config.router, dim, seed=config.seed + i)
+        blk.router.to(device=blk.attn.qkv.weight.device, dtype=blk.attn.qkv.weight.dtype)
+        blk.amod = MoDSettings(config=config, num_prefix=model.num_prefix_tokens)
+    if router_class(config.router).needs_attention:
+        for i in config.layers:
+            check_block(blocks[i - 1], i - 1)
+            handoff = ScoreHandoff()
+            prev = blocks[i - 1]
+            prev.attn.__class__ = ScoringAttention
+            prev.attn.amod_handoff = handoff
+            # Gradients through the scores are only needed when they scale the output.
+            prev.attn.amod_scores_need_grad = config.scale_output
+            if isinstance(prev, MoDBlock):
+                prev.amod.out_handoff = handoff
+                prev.attn.amod_relayed = True
+            blocks[i].amod.in_handoff = handoff

@@ -7,11 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .routers import ROUTER_CLASSES
+from .modes import skipped_mode, skipped_mode_names
+from .routers import ROUTER_CLASSES, router_class
 
-ROUTERS = tuple(ROUTER_CLASSES)
 LAYER_PRESETS = ("alternate", "later", "all")
-SKIPPED_MODES = ("bypass", "merge", "kv", "fold")  # what an MoD block does with the tokens it skips
 DEFAULT_PROTECT = 0.25  # fold: share of a block's patch tokens the router protects from folding
 
 
@@ -42,6 +41,16 @@ class MoDConfig:
         return cls(**data)
 
 
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``ROUTERS`` and ``SKIPPED_MODES``: the names in the registries (``amod.mod.routers``, ``amod.mod.modes``),
+    read when asked, so a router or mode registered later is among them."""
+    if name == "ROUTERS":
+        return tuple(ROUTER_CLASSES)
+    if name == "SKIPPED_MODES":
+        return skipped_mode_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def validate_capacity(capacity: Any) -> float:
     """Return ``capacity`` as a float, or raise a ValueError that says what is allowed."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, float)):
@@ -53,14 +62,12 @@ def validate_capacity(capacity: Any) -> float:
 
 
 def validate_router(router: Any) -> str:
-    if router not in ROUTERS:
-        raise ValueError(f"unknown router {router!r}; supported routers: {', '.join(ROUTERS)}")
+    router_class(router)  # raises for a name not registered
     return router
 
 
 def validate_skipped(skipped: Any) -> str:
-    if skipped not in SKIPPED_MODES:
-        raise ValueError(f"unknown skipped-token mode {skipped!r}; supported: {', '.join(SKIPPED_MODES)}")
+    skipped_mode(skipped)  # raises for a name not registered
     return skipped
 
 
@@ -111,7 +118,7 @@ def resolve_layers(layers: Any, depth: int, router: str, own_attention: bool = F
         indices = sorted(indices)
     if not indices:
         raise ValueError(f"layers {layers!r} selects no block in a model of depth {depth}")
-    if ROUTER_CLASSES[router].needs_attention and indices[0] == 0 and not own_attention:
+    if router_class(router).needs_attention and indices[0] == 0 and not own_attention:
         raise ValueError(
             f"the {router} router cannot route block 0: it reads the attention of the previous block, "
             "and block 0 has none; start at block 1 or later"

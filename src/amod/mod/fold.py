@@ -20,24 +20,27 @@ are folded into, so the saving persists and compounds like token merging's:
 Prefix tokens (class, distillation, registers) never fold. Capacity is per fold block, so the number
 of patch tokens falls geometrically: C = 0.89 on all 12 blocks of a ViT-S at 112 px keeps
 64 → 57 → 51 → ... → 19 patch tokens. ``amod.set_capacity`` turns it at inference time.
+
+``FoldBlock`` is a thin specialisation of the token-reduction block that ToMe shares (``amod.reduce``:
+sized tokens, proportional attention, the per-forward reset of the sizes, gradient checkpointing,
+pricing); it only says how many tokens fold and which.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import ContextManager, Optional
 
 import torch
-import torch.nn.functional as F
-from timm.layers import Attention
-from timm.models.vision_transformer import Block
+from torch import nn
 
-from ..cost import BlockPrice, attention_macs, linear_macs_per_token
-from ..ops import attention_inputs, attention_output, attention_probs, recomputing
-from ..tokens import ForwardMemo, MergeState, merge_weighted
+from ..cost import BlockPrice, flops, token_sizes
+from ..reduce import SizedSettings, SizedTokensBlock, make_sized
+from ..tokens import TokenSizes, reduce_weighted
+from .block import check_block
 from .config import MoDConfig
-from .routers import Router
+from .modes import SkippedMode, register_skipped_mode
+from .routers import Router, build_router, router_class
 from .routing import num_kept
 
 
@@ -58,111 +61,124 @@ def protected_count(protect: float, tokens: int) -> int:
     return math.ceil(protect * tokens - 1e-9) if protect > 0 else 0
 
 
-class FoldAttention(Attention):
-    """timm ``Attention`` that also keeps what a fold needs: the keys' mean over heads (the similarity
-    metric) and the attention each token receives from the prefix tokens (the importance).
-
-    The output is timm's fused attention with the proportional-attention bias as its mask; the
-    prefix rows are computed again on their own (p × N products), so nothing forms the N × N matrix.
-    """
-
-    amod_want: bool  # set by the block: compute metric and importance in this forward
-    amod_metric: Optional[torch.Tensor]
-    amod_importance: Optional[torch.Tensor]
-    amod_num_prefix: int
-
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                is_causal: bool = False) -> torch.Tensor:
-        q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
-        if self.fused_attn:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
-        if self.amod_want:
-            p = max(1, self.amod_num_prefix)
-            with torch.no_grad():  # routing is a discrete choice: no gradient through it
-                # the class tokens' rows of the attention, (B, H, p, N), averaged over heads and rows
-                self.amod_importance = attention_probs(q[:, :, :p] * self.scale, k, 1.0, attn_mask).mean(dim=(1, 2))
-            self.amod_metric = k.mean(1)  # (B, N, hd): what the tokens are matched on
-        return attention_output(self, o, gate)
-
-
-@dataclass
-class FoldSettings:
-    """What a fold block knows besides its weights and its router; set once by ``amod.convert``."""
+@dataclass(kw_only=True)
+class FoldSettings(SizedSettings):
+    """What a fold block knows besides its weights and its router, beyond every reduction block's
+    ``SizedSettings`` (prefix tokens, the shared token sizes, ``first``, the memo); set once by ``amod.convert``."""
 
     config: MoDConfig  # the model's own, shared: capacity, protect
-    num_prefix: int  # prefix tokens: never folded
     fold: bool  # whether this block folds (every block of a fold model applies the proportional bias)
-    state: MergeState  # the token sizes, shared by the model's blocks during one forward
-    first: bool  # block 0 starts every forward with sizes 1
-    # the sizes and the router's draw state each forward read, for gradient checkpointing's recompute
-    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False, compare=False)
 
 
-class FoldBlock(Block):
-    """timm ``Block`` whose skipped patch tokens fold into kept ones between attention and MLP.
+class FoldBlock(SizedTokensBlock):
+    """Token-reduction block (``amod.reduce``) whose skipped patch tokens fold into kept ones between
+    attention and MLP: its router protects the most attended, the most redundant of the others fold.
 
     Attributes set by ``amod.convert(..., skipped="fold")``: ``router`` and ``amod`` (its
-    ``FoldSettings``). After a forward, ``amod_last_tokens`` holds the tokens left after this block.
+    ``FoldSettings``); its attention keeps the class tokens' rows (the importance). After a forward,
+    ``amod_last_tokens`` holds the tokens left after this block.
     """
 
     router: Router
     amod: FoldSettings
+    amod_kind = "fold block"
 
-    def _fold_count(self, tokens: int, capacity: Optional[float] = None) -> int:
+    def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
         if not self.amod.fold:
             return 0
         config = self.amod.config
         return fold_count(config.capacity if capacity is None else capacity, tokens, config.protect)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                is_causal: bool = False) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise NotImplementedError("fold blocks do not support attention masks or causal attention")
-        state = self.amod.state
-        # gradient checkpointing's recompute takes the sizes and draws of its forward and leaves the state alone
-        replay = recomputing()
-        if replay:
-            size, draws = self.amod.memo.recall(x, "fold block")
-        else:
-            if self.amod.first:
-                state.size = None  # a new forward: every token stands for itself
-            size, draws = state.size, self.router.draw_state()
-            self.amod.memo.remember(x, (size, draws))
+    def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
+                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.amod.num_prefix
-        r = self._fold_count(x.shape[1] - p)
-        bias = None if size is None else size.log().to(x.dtype).transpose(1, 2).unsqueeze(1)  # (B, 1, 1, N)
-        self.attn.amod_want = r > 0
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=bias)))
-        if r > 0:
-            importance, metric = self.attn.amod_importance, self.attn.amod_metric
-            self.attn.amod_importance = self.attn.amod_metric = None  # do not keep activations alive
-            with self.router.replay(draws) if replay else contextlib.nullcontext():
-                scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
-            q = protected_count(self.amod.config.protect, x.shape[1] - p)
-            protected = None
-            if q > 0:
-                top = scores.topk(q, dim=1).indices
-                protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-            if size is None:
-                size = x.new_ones(x.shape[0], x.shape[1], 1)
-            x, size = merge_weighted(x, size, metric, r, p, protected=protected)
-            if not replay:
-                state.size = size
-        if not replay:
-            self.amod_last_tokens = x.shape[1]
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
+        q = protected_count(self.amod.config.protect, x.shape[1] - p)
+        protected = None
+        if q > 0:
+            top = scores.topk(q, dim=1).indices
+            protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+        return reduce_weighted(x, size, metric, r, p, protected=protected)
+
+    def _read_state(self) -> Optional[int]:
+        return self.router.draw_state()  # the random router's draws: a recompute protects what its forward did
+
+    def _replay(self, state: Optional[int]) -> ContextManager:
+        return self.router.replay(state)
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
-        """MACs on ``tokens`` tokens: attention on all of them; when it folds, the class tokens' attention
-        rows again (the importance) and the |A| x |B| key similarities; then the MLP on the tokens left."""
-        n = tokens - num_prefix
-        r = self._fold_count(n, capacity)
-        attn = self.attn
-        macs = tokens * linear_macs_per_token(attn) + attention_macs(tokens, attn)
-        if r > 0:
-            macs += max(1, attn.amod_num_prefix) * tokens * attn.attn_dim  # class-token rows of Q K^T
-            macs += ((n + 1) // 2) * (n // 2) * attn.head_dim  # |A| x |B| cosine similarities
-        return BlockPrice(macs + (tokens - r) * linear_macs_per_token(self.mlp), tokens, tokens - r)
+        """The reduction's MACs (``amod.reduce``), and the router's when the block folds (it scores then)."""
+        price = super().amod_price(tokens, num_prefix, capacity)
+        if price.tokens_after == tokens:
+            return price
+        return price._replace(macs=price.macs + self.router.macs(tokens - num_prefix))
+
+
+def fold_schedule(model: nn.Module, num_patches: int, capacity: float) -> tuple[int, ...]:
+    """Patch tokens left after each block of a fold model at ``capacity`` (what ``FoldBlock`` removes)."""
+    protect, t, left = model.amod_config.protect, num_patches, []
+    for blk in model.blocks:
+        if isinstance(blk, FoldBlock) and blk.amod.fold:
+            t -= fold_count(capacity, t, protect)
+        left.append(t)
+    return tuple(left)
+
+
+@register_skipped_mode("fold")
+class FoldMode(SkippedMode):
+    """``skipped="fold"`` (this module): every block becomes a ``FoldBlock`` and the blocks in ``layers`` fold,
+    routing on the attention they have just computed; its tokens are new tokens, not kept positions."""
+
+    default_layers = "all"
+    own_attention = True
+    records_kept_indices = False
+
+    def validate(self, config: MoDConfig, model: nn.Module) -> None:
+        if router_class(config.router).learnable or config.scale_output:
+            raise ValueError("skipped='fold' routes with a parameter-free router and no output scaling; use "
+                             "router='attention' (or a control router) and scale_output=False")
+
+    def convert(self, model: nn.Module, config: MoDConfig) -> None:
+        """Every block becomes a FoldBlock (all of them apply the proportional-attention bias once tokens have
+        folded); the blocks in ``config.layers`` fold."""
+        for i, blk in enumerate(model.blocks):
+            check_block(blk, i)
+        sizes = TokenSizes()
+        class_tokens = model.num_prefix_tokens - getattr(model, "num_reg_tokens", 0)  # CLS (and distillation)
+        for i, blk in enumerate(model.blocks):
+            settings = FoldSettings(config=config, num_prefix=model.num_prefix_tokens, fold=i in config.layers,
+                                    sizes=sizes, first=i == 0)
+            make_sized(blk, FoldBlock, settings, class_rows=max(1, class_tokens))  # importance: the class tokens' rows
+            blk.router = build_router(config.router, blk.attn.qkv.in_features, seed=config.seed + i)
+
+    def lowest_capacity(self, model: nn.Module, num_patches: int) -> float:
+        """A fold block removes at most the tokens the bipartite matching can pair (about half its patch tokens,
+        less the protected share; ``fold_count``), so the floor is about 0.5 + protect: the largest capacity, on
+        a grid of 0.001 steps, whose tokens block by block are those of the lowest capacity."""
+        floor = fold_schedule(model, num_patches, 0.001)
+        lowest = 0.001
+        for i in range(2, 1001):  # the schedule only grows with the capacity: the first change ends the floor
+            if fold_schedule(model, num_patches, i / 1000) != floor:
+                break
+            lowest = i / 1000
+        return lowest
+
+    def capacity_candidates(self, model: nn.Module, num_patches: int) -> list[float]:
+        """A fold model's k changes block by block: a grid of 0.001 steps from its floor up."""
+        lowest = round(self.lowest_capacity(model, num_patches) * 1000)
+        return [i / 1000 for i in range(lowest, 1001)]
+
+    def below_floor_warning(self, model: nn.Module, capacity: float) -> Optional[str]:
+        if capacity >= 1.0:
+            return None
+        _, n, _ = token_sizes(model, None)
+        lowest = self.lowest_capacity(model, n)
+        if capacity >= lowest:
+            return None
+        h, w = model.patch_embed.img_size
+        protect = model.amod_config.protect
+        return (f"skipped='fold' cannot go below capacity {lowest:g} on this model at {h}x{w} px "
+                f"({flops(model, capacity=lowest).ratio:.3f} of the dense MACs): a fold block removes at most the "
+                f"tokens the bipartite matching can pair, about half of its patch tokens less the {protect:.0%} it "
+                f"protects, so capacity {capacity:g} runs as {lowest:g} does"
+                + (" (a lower protect goes further)" if protect > 0 else ""))

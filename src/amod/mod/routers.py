@@ -1,24 +1,48 @@
 """Routers: how an MoD block ranks its patch tokens, and the gate applied when outputs are scaled.
 
-Each router maps the block input's patch tokens (and, for A-MoD, the previous block's attention
-scores) to one score per patch token. Top-k on those scores picks the tokens the block processes.
+Each router maps the block input's patch tokens (and, for the attention routers, the previous
+block's received-attention scores, handed over in an ``amod.mod.block.ScoreHandoff``) to one score
+per patch token; top-k on those scores (``amod.mod.routing``) picks the tokens the block processes.
+Five routers: ``attention`` (A-MoD), ``standard`` (learned linear), and the controls ``random``,
+``shuffled-attention`` and ``inverse-attention``.
+
+A router is one ``Router`` subclass registered under its name with ``@register_router(name)``: that
+registry, ``ROUTER_CLASSES``, is where ``amod.convert``, ``MoDConfig``'s check, the CLI's ``--router``
+choices and checkpoints find it by name; the class says how it is built (``build``), what its scoring
+costs (``macs``) and whether block outputs are scaled by its gate by default (``default_scale_output``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
 
+from ..cost import linear_macs_per_token
 from .routing import mean_normalized_gate
+
+R = TypeVar("R", bound=type)
 
 
 class Router(nn.Module):
-    """Base class. ``needs_attention`` routers read the previous block's received-attention scores."""
+    """Base class. ``needs_attention`` routers read the previous block's received-attention scores;
+    ``learnable`` ones have weights that train (through the gate); ``default_scale_output``: whether
+    block outputs are scaled by the gate when ``amod.convert`` is not told."""
 
     needs_attention: bool = False
     learnable: bool = False
+    default_scale_output: bool = False
+
+    @classmethod
+    def build(cls, dim: int, seed: int) -> "Router":
+        """The router of a block of width ``dim``; ``seed`` seeds its draws (the default needs neither)."""
+        return cls()
+
+    def macs(self, num_patches: int) -> int:
+        """MACs of scoring ``num_patches`` patch tokens, for ``amod.flops``: each of the router's
+        ``nn.Linear`` layers once per token (0 without any). A router with other products overrides it."""
+        return num_patches * linear_macs_per_token(self)
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
         """(B, n, D) patch tokens -> (B, n) scores."""
@@ -38,10 +62,27 @@ class Router(nn.Module):
         return contextlib.nullcontext()
 
 
+ROUTER_CLASSES: dict[str, type[Router]] = {}  # name -> class, in the order they were registered
+
+
+def register_router(name: str) -> Callable[[R], R]:
+    """Class decorator: register a ``Router`` subclass under ``name``."""
+
+    def wrap(cls: R) -> R:
+        old = ROUTER_CLASSES.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"router {name!r} is already registered ({old.__qualname__})")
+        ROUTER_CLASSES[name] = cls
+        return cls
+
+    return wrap
+
+
+@register_router("attention")
 class AttentionRouter(Router):
     """A-MoD (paper Eqs. 4-5): rank by the mean attention each token received in the previous block.
 
-    No parameters. The scores arrive from the previous block (see ``amod.block``).
+    No parameters. The scores arrive from the previous block (see ``amod.mod.block.ScoreHandoff``).
     """
 
     needs_attention = True
@@ -55,6 +96,7 @@ class AttentionRouter(Router):
         return attention_scores
 
 
+@register_router("standard")
 class StandardRouter(Router):
     """Learned linear router (Raposo et al. 2024; paper Eqs. 1-2): r_i = w . x_i + b.
 
@@ -66,12 +108,17 @@ class StandardRouter(Router):
     """
 
     learnable = True
+    default_scale_output = True  # it learns through the gate
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.proj = nn.Linear(dim, 1)
         nn.init.trunc_normal_(self.proj.weight, std=0.02)
         nn.init.zeros_(self.proj.bias)
+
+    @classmethod
+    def build(cls, dim: int, seed: int) -> "StandardRouter":
+        return cls(dim)
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
         return self.proj(x_patch).squeeze(-1)  # (B, n)
@@ -96,6 +143,10 @@ class SeededDraws:
     calls: int
     amod_frozen_rows: Optional[int] = None  # set while frozen
     amod_frozen: Optional[torch.Tensor] = None  # the frozen draws, (rows, n)
+
+    @classmethod
+    def build(cls, dim: int, seed: int) -> Router:
+        return cls(seed)
 
     def _init_draws(self, seed: int) -> None:
         self.seed = int(seed)
@@ -148,6 +199,7 @@ class SeededDraws:
         return table.index_select(0, rows)
 
 
+@register_router("random")
 class RandomRouter(SeededDraws, Router):
     """Control: a uniformly random subset of patch tokens, reproducible from ``seed``."""
 
@@ -159,6 +211,7 @@ class RandomRouter(SeededDraws, Router):
         return self._uniform(x_patch.shape[:2], x_patch.device)
 
 
+@register_router("shuffled-attention")
 class ShuffledAttentionRouter(SeededDraws, AttentionRouter):
     """Control: A-MoD's scores permuted across the patch tokens of each image (a fresh seeded
     permutation per forward). Same capacity and the same multiset of scores, but the link between a
@@ -175,6 +228,7 @@ class ShuffledAttentionRouter(SeededDraws, AttentionRouter):
         return scores.gather(1, perm)
 
 
+@register_router("inverse-attention")
 class InverseAttentionRouter(AttentionRouter):
     """Control: keeps the tokens A-MoD would skip (the lowest mean received attention)."""
 
@@ -185,20 +239,18 @@ class InverseAttentionRouter(AttentionRouter):
         return mean_normalized_gate(-kept_scores)
 
 
-ROUTER_CLASSES: dict[str, type[Router]] = {
-    "attention": AttentionRouter,
-    "standard": StandardRouter,
-    "random": RandomRouter,
-    "shuffled-attention": ShuffledAttentionRouter,
-    "inverse-attention": InverseAttentionRouter,
-}
+def router_names() -> tuple[str, ...]:
+    """The registered routers' names (the ``--router`` choices)."""
+    return tuple(ROUTER_CLASSES)
+
+
+def router_class(name: str) -> type[Router]:
+    """The router class registered under ``name``; a ValueError naming the supported ones otherwise."""
+    if not isinstance(name, str) or name not in ROUTER_CLASSES:
+        raise ValueError(f"unknown router {name!r}; supported routers: {', '.join(ROUTER_CLASSES)}")
+    return ROUTER_CLASSES[name]
 
 
 def build_router(name: str, dim: int, seed: int = 0) -> Router:
     """Make the router ``name`` for blocks of width ``dim``."""
-    if name not in ROUTER_CLASSES:
-        raise ValueError(f"unknown router {name!r}; supported routers: {', '.join(ROUTER_CLASSES)}")
-    cls = ROUTER_CLASSES[name]
-    if cls is StandardRouter:
-        return StandardRouter(dim)
-    return cls(seed) if issubclass(cls, SeededDraws) else cls()
+    return router_class(name).build(dim, seed)

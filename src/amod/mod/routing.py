@@ -1,6 +1,9 @@
-"""Token bookkeeping for Mixture-of-Depths: who is kept, gather, scatter, and attention scores.
+"""Routing for Mixture-of-Depths: how many patch tokens a block keeps (k), which ones (top-k), the
+kept and skipped indices, and the output gate of the routers whose scores are not a learned logit.
 
 Pure functions on tensors, no modules and no state, so that each piece can be tested on its own.
+Gathering and scattering the tokens is ``amod.tokens``; the attention scores A-MoD ranks by come
+from ``amod.ops``; the routers that score the tokens are ``amod.mod.routers``.
 Shapes: B images, N tokens (p prefix tokens first, then n patch tokens), D channels.
 """
 from __future__ import annotations

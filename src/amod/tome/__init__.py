@@ -4,8 +4,8 @@
 tokens in place; ``set_schedule`` changes the tokens merged per block; ``schedule_for_cost`` finds
 the schedule closest to a share of the dense MACs. See ``amod.tome.merging``.
 """
-from .merging import (MergeAttention, MergeBlock, MergeConfig, apply, merge_block_macs, merge_macs, schedule_for_cost,
-                      set_schedule, token_counts)
+from .merging import (ToMeBlock, ToMeConfig, ToMeSettings, apply, schedule_for_cost, set_schedule, token_counts,
+                      tome_block_macs, tome_macs)
 
-__all__ = ["apply", "set_schedule", "schedule_for_cost", "token_counts", "merge_macs", "merge_block_macs",
-           "MergeConfig", "MergeBlock", "MergeAttention"]
+__all__ = ["apply", "set_schedule", "schedule_for_cost", "token_counts", "tome_macs", "tome_block_macs",
+           "ToMeConfig", "ToMeSettings", "ToMeBlock"]

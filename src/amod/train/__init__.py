@@ -1,2 +1,2 @@
-"""Training runs: data, the training engine, run directories and configurations, checkpoints, and the
-model a run builds."""
+"""Training runs: data, the training engine, run directories and configurations, and the model a run
+builds (checkpoint files are ``amod.checkpoint``)."""

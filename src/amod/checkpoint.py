@@ -1,8 +1,9 @@
 """Save and load (converted) timm ViTs: safetensors weights with the architecture and MoD config inside.
 
 The file's metadata holds ``amod.model`` (timm architecture name and creation kwargs) and what the
-model's method (``amod.methods``) writes: ``amod.mod`` (an MoD model's ``MoDConfig``) or
-``amod.merge`` (a token-merging model's schedule), so ``amod.load(path)`` needs nothing else.
+model's method (``amod.methods``) writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
+``MoDConfig``) or ``amod.merge`` (a token-merging model's schedule), so ``amod.load(path)`` needs
+nothing else.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
-from .. import files
-from ..arch import architecture_name, infer_model_args
-from ..methods import method_from_metadata, method_of
+from . import files
+from .arch import architecture_name, infer_model_args
+from .methods import METADATA_KEYS, method_from_metadata, method_of
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = "1"
@@ -84,17 +85,17 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     if not version.isdigit() or int(version) > int(FORMAT_VERSION):
         raise ValueError(f"{path} is in amod file format {version!r}; this amod reads format {FORMAT_VERSION} and "
                          "older: upgrade amod to load it")
-    methods = [key for key in ("amod.mod", "amod.merge") if key in meta]
+    methods = [key for key in METADATA_KEYS if key in meta]
     if len(methods) > 1:
         raise ValueError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
-                         "model: an MoD model (amod.mod) or a token-merging one (amod.merge)")
+                         f"model, so one of {', '.join(METADATA_KEYS)} at most")
     return meta
 
 
 def check_dense_file(path: PathLike) -> None:
     """Refuse a file that is not a readable amod checkpoint of a dense model (the start of a comparison)."""
     meta = read_metadata(path)
-    if "amod.mod" in meta or "amod.merge" in meta:
+    if any(key in meta for key in METADATA_KEYS):
         raise ValueError(f"{path} is an MoD or token-merging model; give a dense one")
 
 

@@ -1,0 +1,66 @@
+"""`amod export`: an amod checkpoint file to one ONNX file (``amod.export``), checked on real images
+where they are at hand.
+
+The check runs on the first Fashion-MNIST validation images for a Fashion-MNIST model (one channel,
+ten classes, square input) when the data is on disk, and on ``amod.export``'s seeded random images
+otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from ..arch import pair
+from ..checkpoint import load
+from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, check_output_file, export
+from ..train.data import TensorImages, load_fashion_mnist
+
+log = logging.getLogger("amod")
+
+PathLike = Union[str, os.PathLike]
+
+
+def fashion_mnist_images(model: nn.Module, n: int, img_size: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The first ``n`` Fashion-MNIST validation images at ``img_size`` (default the model's input size),
+    for a one-channel, ten-class model with a square input when the data is at hand; ``None`` otherwise."""
+    h, w = pair(img_size if img_size is not None else model.patch_embed.img_size)
+    if model.patch_embed.proj.in_channels != 1 or getattr(model, "num_classes", None) != 10 or h != w:
+        return None
+    try:
+        images, labels = load_fashion_mnist("val")
+        ds = TensorImages(images[:n], labels[:n], False, h)
+        return torch.stack([ds[i][0] for i in range(len(ds))])
+    except (ValueError, OSError) as e:
+        log.info("Fashion-MNIST not at hand (%s); checking on random inputs", e)
+        return None
+
+
+def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[int] = None,
+                      batch: Union[str, int] = "dynamic", opset: Optional[int] = None,
+                      exporter: str = DEFAULT_EXPORTER, force: bool = False) -> dict[str, Any]:
+    """``amod export``: load any amod checkpoint and ``amod.export`` it to ``out``.
+
+    ``out`` is checked before the checkpoint is read: it must not be the checkpoint itself, and an
+    existing file is replaced only with ``force``. The check's images are Fashion-MNIST's for a
+    Fashion-MNIST model (``fashion_mnist_images``; the report's ``check.inputs`` says
+    ``"fashion-mnist"``), random ones otherwise.
+    """
+    out = check_output_file(out)
+    if out.resolve() == Path(checkpoint).resolve() or (out.exists() and Path(checkpoint).exists()
+                                                         and os.path.samefile(out, checkpoint)):
+        raise ValueError(f"--out {out} is the checkpoint being exported; write the ONNX file elsewhere")
+    if out.exists() and not force:
+        raise FileExistsError(f"--out {out} already exists; add --force to replace it")
+    model = load(checkpoint)
+    n = CHECK_IMAGES if batch == "dynamic" else batch
+    images = fashion_mnist_images(model, n, img_size) if isinstance(n, int) and n >= 1 else None
+    result = export(model, out, img_size=img_size, batch=batch, opset=opset, exporter=exporter,
+                    check_images=CHECK_IMAGES if images is None else images)
+    if images is not None:
+        result["check"]["inputs"] = "fashion-mnist"
+    return result

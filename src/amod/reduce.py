@@ -1,0 +1,190 @@
+"""The token-reduction block that fold and ToMe share: sized tokens that leave the sequence for good.
+
+A reduction block is a timm ``Block`` that removes r patch tokens between its attention and its MLP,
+each averaged into a token that stays; the tokens left go on through every later block.
+``SizedTokensBlock`` is that skeleton, written once:
+
+- every token carries its size s, the patches it stands for (``amod.tokens.TokenSizes``, shared by
+  the model's blocks during one forward); block 0 (``first``) starts every forward of the model
+  (``forward``, ``forward_features``, ``forward_intermediates``) with sizes 1;
+- proportional attention: log s enters timm's attention as an additive mask (``proportional_bias``),
+  so a token counts as many times as the patches it holds, and the fused attention path stays on;
+- ``SizedAttention`` keeps what the reduction is decided on: the keys' mean over heads (the
+  similarity metric) and, where asked, the attention of the class tokens' rows (the importance);
+- gradient checkpointing's recompute (``amod.ops.recomputing``) replays the sizes, and whatever else
+  the block read from outside its input, that its forward remembered (``amod.tokens.ForwardMemo``);
+- ``amod_price``: its MACs for ``amod.flops`` (``reduction_macs``).
+
+A specialisation says only how many patch tokens a block removes (``_removed``) and which
+(``_reduce``): fold (``amod.mod.fold``) folds the most redundant tokens its router does not protect,
+ToMe (``amod.tome``) merges the r most similar pairs of plain bipartite matching.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.models.vision_transformer import Block
+from torch import nn
+
+from .cost import BlockPrice, attention_macs, linear_macs_per_token
+from .ops import attention_inputs, attention_output, attention_probs, recomputing
+from .tokens import ForwardMemo, TokenSizes
+
+
+def proportional_bias(size: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Proportional attention as an additive mask: log(size) (B, N, 1) -> (B, 1, 1, N); None while every
+    token stands for itself."""
+    return None if size is None else size.log().to(dtype).transpose(1, 2).unsqueeze(1)
+
+
+def reduction_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int, class_rows: int = 0) -> int:
+    """MACs of a timm block (reducing or not yet) on ``tokens`` tokens that removes r patch tokens: attention
+    on all of them; when it removes any, ``class_rows`` attention rows again (the importance) and the
+    bipartite matching's |A| x |B| key similarities; then the MLP on the ``tokens - r`` left."""
+    n = tokens - num_prefix
+    attn = blk.attn
+    macs = tokens * linear_macs_per_token(attn) + attention_macs(tokens, attn)
+    if r > 0:
+        macs += class_rows * tokens * attn.attn_dim  # class-token rows of Q K^T
+        macs += ((n + 1) // 2) * (n // 2) * attn.head_dim  # |A| x |B| cosine similarities
+    return macs + (tokens - r) * linear_macs_per_token(blk.mlp)
+
+
+class SizedAttention(Attention):
+    """timm ``Attention`` that, when its block asks (``amod_want``), also keeps the keys' mean over heads
+    (``amod_metric``: what tokens are matched on) and the mean attention of its first ``amod_class_rows``
+    query rows (``amod_importance``: the attention each token receives from the class tokens).
+
+    The output is timm's attention, fused or explicit, with the proportional-attention bias as its mask;
+    the class rows are computed again on their own (rows x N products), so nothing forms the N x N matrix.
+    """
+
+    amod_want: bool  # set by the block: keep the metric (and the importance) of this forward
+    amod_class_rows: int  # class-token rows whose attention is the importance; 0: no importance
+    amod_metric: Optional[torch.Tensor]
+    amod_importance: Optional[torch.Tensor]
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
+        if self.fused_attn:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                               dropout_p=self.attn_drop.p if self.training else 0.0)
+        else:
+            o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
+        if self.amod_want:
+            rows = self.amod_class_rows
+            if rows > 0:
+                with torch.no_grad():  # the importance ranks tokens, a discrete choice: no gradient through it
+                    # the class tokens' rows of the attention, (B, H, rows, N), averaged over heads and rows
+                    probs = attention_probs(q[:, :, :rows] * self.scale, k, 1.0, attn_mask)
+                    self.amod_importance = probs.mean(dim=(1, 2))  # (B, N)
+            self.amod_metric = k.mean(1)  # (B, N, hd): what the tokens are matched on
+        return attention_output(self, o, gate)
+
+    def amod_take(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(metric, importance) of the last forward, let go of here: no activation stays alive between forwards."""
+        metric, importance = self.amod_metric, self.amod_importance
+        self.amod_metric = self.amod_importance = None
+        return metric, importance
+
+
+@dataclass(kw_only=True)
+class SizedSettings:
+    """What a token-reduction block knows besides its weights; set once at conversion (``make_sized``)."""
+
+    num_prefix: int  # prefix tokens (class, distillation, registers): never removed
+    sizes: TokenSizes  # the token sizes, shared by the model's blocks during one forward
+    first: bool  # block 0: every forward of the model starts here, each token standing for itself
+    # the sizes (and the block's own state) each forward read, for gradient checkpointing's recompute
+    memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False, compare=False)
+
+
+class SizedTokensBlock(Block):
+    """timm ``Block`` on sized tokens that removes ``_removed(t)`` of its t patch tokens between attention
+    and MLP (which ones: ``_reduce``), with proportional attention on the sizes.
+
+    Attribute set at conversion (``make_sized``): ``amod``, its ``SizedSettings``. After a forward,
+    ``amod_last_tokens`` holds the tokens left after this block.
+    """
+
+    amod: SizedSettings
+    amod_kind: ClassVar[str] = "token-reduction block"  # what errors call the block
+
+    # ------------------------------------------------------------ what a specialisation says
+
+    def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
+        """Patch tokens removed from the ``tokens`` patch tokens the block gets (``capacity``: a capacity
+        to price at instead of the model's, where the block has one)."""
+        raise NotImplementedError
+
+    def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
+                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (B, N, D) with sizes (B, N, 1) -> the N - r tokens left and their sizes; ``metric`` (B, N, hd)
+        and ``importance`` (B, N; with class rows only) from this block's attention."""
+        raise NotImplementedError
+
+    def _read_state(self) -> Any:
+        """What else a forward reads from outside its input, remembered for a recompute (e.g. random draws)."""
+        return None
+
+    def _replay(self, state: Any) -> ContextManager:
+        """Within this context ``_reduce`` decides as it did in the forward that read ``state``."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------ the skeleton
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        if attn_mask is not None or is_causal:
+            raise NotImplementedError(f"{self.amod_kind}s do not support attention masks or causal attention")
+        settings = self.amod
+        # gradient checkpointing's recompute takes the sizes and state of its forward and leaves the shared sizes alone
+        replay = recomputing()
+        if replay:
+            size, state = settings.memo.recall(x, self.amod_kind)
+        else:
+            if settings.first:
+                settings.sizes.size = None  # a new forward: every token stands for itself
+            size, state = settings.sizes.size, self._read_state()
+            settings.memo.remember(x, (size, state))
+        r = self._removed(x.shape[1] - settings.num_prefix)
+        self.attn.amod_want = r > 0
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=proportional_bias(size, x.dtype))))
+        if r > 0:
+            metric, importance = self.attn.amod_take()
+            if size is None:
+                size = x.new_ones(x.shape[0], x.shape[1], 1)
+            with self._replay(state) if replay else contextlib.nullcontext():
+                x, size = self._reduce(x, size, metric, importance, r)  # (B, N - r, D), (B, N - r, 1)
+            if not replay:
+                settings.sizes.size = size
+        if not replay:
+            self.amod_last_tokens = x.shape[1]
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
+        """MACs on ``tokens`` tokens for ``amod.flops`` (``reduction_macs``); ``capacity``: see ``_removed``."""
+        r = self._removed(tokens - num_prefix, capacity)
+        return BlockPrice(reduction_macs(self, tokens, r, num_prefix, self.attn.amod_class_rows), tokens, tokens - r)
+
+
+def make_sized(blk: nn.Module, block_cls: type[SizedTokensBlock], settings: SizedSettings,
+               class_rows: int = 0) -> None:
+    """Turn a timm ``Block`` into ``block_cls`` and its ``Attention`` into ``SizedAttention``, in place.
+
+    Class swaps, like ``amod.convert``: parameters and state_dict keys stay as they were. The blocks of
+    one model share one ``TokenSizes`` in their settings, and block 0 is ``first``. ``class_rows``: the
+    attention rows whose mean the block reads as importance (0: none).
+    """
+    blk.__class__ = block_cls
+    blk.attn.__class__ = SizedAttention
+    blk.attn.amod_want = False
+    blk.attn.amod_class_rows = class_rows
+    blk.attn.amod_metric = blk.attn.amod_importance = None
+    blk.amod = settings

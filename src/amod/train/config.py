@@ -1,0 +1,228 @@
+"""A run's configuration: ``RunConfig`` (every field, with a comment each), its checks (types and
+values, each error naming the option and what is allowed), and how it is put together for a command:
+defaults (or, when resuming, the run's own) <- a YAML file <- the flags.
+
+``RunConfig.method()`` is the ``amod.methods`` object its fields select; ``config.yaml`` and each
+training checkpoint hold ``RunConfig.to_dict()``. The loop that runs it is ``amod.train.run``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from ..cost import validate_cost
+from ..methods import Method, method_from_run_fields
+from ..mod.config import DEFAULT_PROTECT, validate_capacity, validate_protect, validate_skipped
+from ..mod.modes import skipped_mode
+from . import engine
+from .models import checkpoint_architecture
+
+# Fields that only mean something for an MoD model (a router given).
+MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; written to ``config.yaml`` and into each checkpoint."""
+
+    # model
+    model: str = "vit_tiny_patch16_224"  # timm architecture name
+    pretrained: bool = False  # start from timm's pretrained weights (model hub)
+    checkpoint: Optional[str] = None  # start from this file (amod safetensors, timm/DeiT .pth)
+    img_size: Optional[int] = None  # input side; default: the data's
+    patch_size: Optional[int] = None  # architecture overrides (None: the timm model's own)
+    depth: Optional[int] = None
+    embed_dim: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_classes: Optional[int] = None  # default: the data's
+    drop_path: float = 0.0  # stochastic depth rate
+    # Mixture-of-Depths (router None = dense)
+    router: Optional[str] = None
+    capacity: float = 0.5
+    layers: Optional[Union[str, list[int]]] = None  # None: the skipped mode's default_layers ("all" for fold)
+    scale_output: Optional[bool] = None
+    isoflop: bool = False  # train the isoFLOP dense baseline of (router, capacity, layers) instead
+    skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
+    protect: float = DEFAULT_PROTECT  # fold: share of a fold block's patch tokens the router protects
+    # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
+    tome_cost: Optional[float] = None
+    tome_r: Optional[Union[int, list[int]]] = None
+    # data
+    data: str = "fashion-mnist"
+    train_limit: Optional[int] = None  # a fixed random subset of the training set
+    val_limit: Optional[int] = None
+    workers: int = 0  # DataLoader worker processes
+    skip_bad_images: bool = False  # skip (and count) unreadable image files instead of stopping
+    # optimisation
+    epochs: int = 10
+    batch_size: int = 128  # per process
+    eval_batch_size: int = 256
+    lr: float = 1e-3  # peak AdamW learning rate
+    min_lr_ratio: float = 0.01  # the cosine ends at lr * min_lr_ratio
+    warmup_epochs: float = 1.0
+    weight_decay: float = 0.05
+    label_smoothing: float = 0.1
+    clip_grad: float = 1.0  # max gradient norm; 0 = off
+    seed: int = 0
+    amp: str = "off"  # off | bf16
+    eval_before_training: bool = False  # log epoch 0 (zero-training accuracy)
+    out: str = "runs/run"
+
+    def validate(self) -> "RunConfig":
+        """Check every field; raises ValueError naming the option and what is allowed. Returns self."""
+        check_types(self, "options")
+        if self.layers is None:  # the default the method itself would take, written out in config.yaml
+            self.layers = skipped_mode(self.skipped).default_layers
+        if self.router is not None:
+            self.capacity = validate_capacity(self.capacity)
+        validate_skipped(self.skipped)
+        validate_protect(self.protect)
+        if self.amp not in ("off", "bf16"):
+            raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
+        for name in ("epochs", "batch_size", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("img_size", "patch_size", "depth", "embed_dim", "num_heads", "num_classes", "train_limit",
+                     "val_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{_flag(name)} must be a positive integer, got {value}")
+        if self.embed_dim is not None and self.num_heads is not None and self.embed_dim % self.num_heads:
+            raise ValueError(f"--embed-dim {self.embed_dim} must be divisible by --num-heads {self.num_heads}")
+        if self.img_size is not None and self.patch_size is not None and self.img_size % self.patch_size:
+            raise ValueError(f"--img-size {self.img_size} must be a multiple of --patch-size {self.patch_size}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        if not 0.0 <= self.drop_path < 1.0:
+            raise ValueError(f"--drop-path must be in [0, 1) (a stochastic-depth rate), got {self.drop_path}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if not (0.0 <= self.clip_grad < math.inf):
+            raise ValueError(f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.warmup_epochs < math.inf and 0 <= self.weight_decay < math.inf) \
+                or not 0 <= self.label_smoothing < 1:
+            raise ValueError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
+        if (self.tome_cost is not None or self.tome_r is not None) and (self.router is not None or self.isoflop):
+            raise ValueError("token merging (--tome-cost/--tome-r) replaces MoD: drop --router/--isoflop")
+        if self.tome_cost is not None and self.tome_r is not None:
+            raise ValueError("give either --tome-cost or --tome-r, not both")
+        if self.tome_cost is not None:
+            validate_cost(self.tome_cost, "--tome-cost")
+        if self.isoflop and self.router is None:
+            raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
+        if self.pretrained and self.checkpoint:
+            raise ValueError("give either --pretrained or --checkpoint, not both")
+        return self
+
+    def method(self) -> Method:
+        """The method these settings select (``amod.methods``)."""
+        return method_from_run_fields(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "RunConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown keys {unknown}; known keys: {sorted(known)}")
+        check_types(data, source)
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    if tp in names:
+        return names[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    return str(tp)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        return any(_matches(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def check_types(values: Any, source: str) -> None:
+    """Raise a ValueError when a RunConfig field (of a RunConfig or a dict of fields) has the wrong type."""
+    hints = typing.get_type_hints(RunConfig)
+    items = values.items() if isinstance(values, dict) else ((f, getattr(values, f)) for f in hints)
+    for name, value in items:
+        if name in hints and not _matches(value, hints[name]):
+            raise ValueError(f"{source}: {name} must be {_type_name(hints[name])}, got {value!r}")
+
+
+def mod_options_without_router(given: dict[str, Any], router: Optional[str], isoflop: bool) -> None:
+    """Refuse MoD options given for a dense run, where they would be ignored without a word."""
+    if router is None and not isoflop:
+        ignored = [f"--{_flag(k)}" for k in MOD_ONLY if k in given]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to an "
+                             "MoD model; add --router (attention, standard, ...) or leave it out")
+
+
+def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resume: bool = False,
+                       finetune: bool = False) -> RunConfig:
+    """A run's configuration from: defaults (or, with ``resume``, the run's own) <- the YAML file <- flags.
+
+    ``flags``: the options given on the command line, by field name. When resuming, anything given
+    again must agree with the run (checked in ``train``).
+    """
+    base = RunConfig(eval_before_training=finetune).to_dict()
+    yaml_values = load_yaml_config(config) if config else {}
+    RunConfig.from_dict({**RunConfig().to_dict(), **yaml_values}, config or "options")  # its names and types
+    if resume:
+        out = flags.get("out", yaml_values.get("out", base["out"]))
+        base = engine.load_training_checkpoint(Path(out) / "checkpoint.pt")["config"]
+    base = {**base, **yaml_values, **flags}
+    cfg = RunConfig.from_dict(base, config or "options")
+    if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
+        raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
+    mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
+    if not resume and "model" in {**yaml_values, **flags} and cfg.checkpoint:
+        # (RunConfig.model has a default, so only here can a given --model be told from it)
+        arch = checkpoint_architecture(cfg.checkpoint)
+        if arch is not None and arch[0] != cfg.model:
+            raise ValueError(f"--model {cfg.model} does not match {cfg.checkpoint}, which is a {arch[0]}: a model "
+                             "saved by amod keeps its architecture; drop --model")
+    return cfg
+
+
+def load_yaml_config(path: Union[str, Path]) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option: value")
+    return {k.replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,151 @@
+"""The import graph of amod, read from the source with ``ast`` (nothing is imported): no import cycle
+among module-level imports, and the library (routing, token merging, ops, costs, token bookkeeping,
+checkpoints, weights, kernels, methods, architecture, files, export) never imports the application
+(``amod.train``, ``amod.experiments``), not even lazily inside a function."""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "amod"
+LIBRARY = ("amod.mod", "amod.tome", "amod.ops", "amod.cost", "amod.tokens", "amod.checkpoint", "amod.weights",
+           "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy")
+APPLICATION = ("amod.train", "amod.experiments")
+
+
+def module_name(path: Path) -> str:
+    parts = ("amod", *path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def _in(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _known(name: str) -> str:
+    """The amod module ``name`` is, or the module it lies in (``amod.x.f`` -> ``amod.x``)."""
+    while name not in MODULES and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _targets(node: ast.AST, module: str) -> list[str]:
+    """The amod modules one import statement of ``module`` names (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+            parts = package.split(".")
+            parts = parts[: len(parts) - (node.level - 1)]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        # ``from pkg import name``: name may be a submodule of pkg
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+    return sorted({_known(n) for n in names if n == "amod" or n.startswith("amod.")})
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def imports(module: str) -> tuple[set[str], set[str]]:
+    """(amod modules imported when ``module`` is imported, amod modules imported anywhere in it)."""
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    top: set[str] = set()
+    anywhere: set[str] = set()
+
+    def walk(node: ast.AST, at_import_time: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                targets = set(_targets(child, module))
+                anywhere.update(targets)
+                if at_import_time:
+                    top.update(targets)
+            lazy = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or _is_type_checking(child)
+            walk(child, at_import_time and not lazy)
+
+    walk(tree, True)
+    top.discard(module)
+    anywhere.discard(module)
+    return top, anywhere
+
+
+GRAPH = {m: imports(m) for m in MODULES}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read_from_the_source():
+    """A guard against a reader that finds nothing: edges we know are there, relative ones resolved."""
+    assert {"amod.mod", "amod.train", "amod.experiments", "amod.checkpoint", "amod.weights"} <= set(MODULES)
+    assert "amod.mod.convert" in GRAPH["amod.methods"][0]  # from .mod.convert import ...
+    assert "amod.files" in GRAPH["amod.checkpoint"][0]  # from . import files
+    assert "amod.tome" in GRAPH["amod.methods"][0]  # from . import tome (a package)
+    assert "amod.kernels.triton_scores" in GRAPH["amod.ops"][1] - GRAPH["amod.ops"][0]  # inside a function
+
+
+def test_module_level_imports_have_no_cycle():
+    assert cycles({m: top for m, (top, _) in GRAPH.items()}) == []
+
+
+def test_cycles_are_found_where_there_are_some():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("layer", LIBRARY)
+def test_the_library_does_not_import_training_or_experiments(layer):
+    wrong = sorted(f"{m} imports {t}" for m, (_, anywhere) in GRAPH.items() if _in(m, (layer,))
+                   for t in anywhere if _in(t, APPLICATION))
+    assert [m for m in MODULES if _in(m, (layer,))], f"no module {layer}"
+    assert wrong == []
+
+
+@pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint"])
+def test_removed_modules_are_gone(name):
+    """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept."""
+    assert name not in MODULES
+    with pytest.raises(ImportError):
+        importlib.import_module(name)
