@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
 
@@ -26,6 +25,16 @@ from .mod.isoflop import isoflop_baseline
 from . import tome
 
 Layers = Optional[Union[str, list[int], tuple[int, ...]]]
+
+
+def _as_list(value: Any) -> Any:
+    """A tuple as a list (what configurations and ``amod.convert`` take); anything else as it is."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _as_tuple(value: Any) -> Any:
+    """A list as a tuple (what the frozen method dataclasses hold, hashable); anything else as it is."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 class Method:
@@ -100,7 +109,7 @@ class MoD(Method):
     protect: float = DEFAULT_PROTECT
 
     def apply(self, model: nn.Module) -> nn.Module:
-        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        layers = _as_list(self.layers)
         return convert(model, router=self.router, capacity=self.capacity, layers=layers, scale_output=self.scale_output,
                        seed=self.seed, skipped=self.skipped, protect=self.protect)
 
@@ -108,7 +117,7 @@ class MoD(Method):
         return f"{self.router}@{self.capacity:g}" + ("" if self.skipped == "bypass" else f" skipped={self.skipped}")
 
     def run_fields(self) -> dict[str, Any]:
-        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        layers = _as_list(self.layers)
         fields = {"router": self.router, "capacity": self.capacity, "layers": layers, "skipped": self.skipped}
         if self.scale_output is not None:
             fields["scale_output"] = self.scale_output
@@ -129,7 +138,7 @@ class MoD(Method):
     def from_run_fields(cls, fields: Any) -> Optional["MoD"]:
         if fields.router is None or fields.isoflop:
             return None
-        layers = tuple(fields.layers) if isinstance(fields.layers, list) else fields.layers
+        layers = _as_tuple(fields.layers)
         return cls(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
                    seed=fields.seed, skipped=fields.skipped, protect=fields.protect)
 
@@ -148,9 +157,8 @@ class MoD(Method):
         return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers)})
 
     def at_cost(self, dense: nn.Module, cost: float) -> "MoD":
-        with warnings.catch_warnings():  # the capacity it was made with does not matter: it is searched for
-            warnings.simplefilter("ignore")
-            model = self.apply(skeleton(dense))
+        # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for
+        model = dataclasses.replace(self, capacity=1.0).apply(skeleton(dense))
         return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
 
 
@@ -164,21 +172,21 @@ class IsoFLOP(Method):
     layers: Layers = "alternate"
 
     def apply(self, model: nn.Module) -> nn.Module:
-        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        layers = _as_list(self.layers)
         return isoflop_baseline(model, self.capacity, layers=layers or "alternate", router=self.router)
 
     def label(self) -> str:
         return f"isoflop@{self.capacity:g}"
 
     def run_fields(self) -> dict[str, Any]:
-        layers = list(self.layers) if isinstance(self.layers, tuple) else self.layers
+        layers = _as_list(self.layers)
         return {"router": self.router, "capacity": self.capacity, "layers": layers, "isoflop": True}
 
     @classmethod
     def from_run_fields(cls, fields: Any) -> Optional["IsoFLOP"]:
         if fields.router is None or not fields.isoflop:
             return None
-        layers = tuple(fields.layers) if isinstance(fields.layers, list) else fields.layers
+        layers = _as_tuple(fields.layers)
         return cls(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
 
 
@@ -192,18 +200,18 @@ class TokenMerging(Method):
     cost: Optional[float] = None
 
     def apply(self, model: nn.Module) -> nn.Module:
-        r = list(self.r) if isinstance(self.r, tuple) else self.r
+        r = _as_list(self.r)
         return tome.apply(model, r=r, cost=self.cost)
 
     def label(self) -> str:
         if self.cost is not None:
             return f"tome@{self.cost:g}"
-        return f"tome r={list(self.r) if isinstance(self.r, tuple) else self.r}"
+        return f"tome r={_as_list(self.r)}"
 
     def run_fields(self) -> dict[str, Any]:
         if self.cost is not None:
             return {"tome_cost": self.cost}
-        return {"tome_r": list(self.r) if isinstance(self.r, tuple) else self.r}
+        return {"tome_r": _as_list(self.r)}
 
     def metadata(self) -> dict[str, str]:
         return {self.metadata_key: json.dumps({"schedule": list(self.r)})}
@@ -212,7 +220,7 @@ class TokenMerging(Method):
     def from_run_fields(cls, fields: Any) -> Optional["TokenMerging"]:
         if fields.tome_cost is None and fields.tome_r is None:
             return None
-        r = tuple(fields.tome_r) if isinstance(fields.tome_r, (list, tuple)) else fields.tome_r
+        r = _as_tuple(fields.tome_r)
         return cls(r=r, cost=fields.tome_cost)
 
     @classmethod
