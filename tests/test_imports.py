@@ -12,7 +12,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "amod"
 LIBRARY = ("amod.mod", "amod.tome", "amod.ops", "amod.cost", "amod.tokens", "amod.checkpoint", "amod.weights",
-           "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy")
+           "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy", "amod.hf")
 APPLICATION = ("amod.train", "amod.experiments")
 
 

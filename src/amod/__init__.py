@@ -14,7 +14,7 @@ export, analyses, benchmarks). ``amod.methods`` names what a model runs; ``amod.
 and checks it in ONNX Runtime; ``amod.checkpoint`` saves and loads models (``amod.save``,
 ``amod.load``); ``amod.arch`` holds a ViT's architecture arguments and ``set_input_size``.
 """
-from . import arch, ops, tome, weights
+from . import arch, hf, ops, tome, weights  # hf: Hugging Face models (imports transformers only when used)
 from .cost import CostReport, count_flops, flops
 from .deploy import export
 from .experiments import analysis, stats
@@ -29,7 +29,7 @@ __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "method_of",
-    "export",
+    "export", "hf",
 ]
 __version__ = "0.1.0"
 

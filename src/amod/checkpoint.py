@@ -22,6 +22,7 @@ from torch import nn
 
 from . import files
 from .arch import architecture_name, infer_model_args
+from .hf import is_hf_model
 from .methods import METADATA_KEYS, method_from_metadata, method_of
 
 PathLike = Union[str, os.PathLike]
@@ -58,7 +59,11 @@ def to_bytes(
 ) -> bytes:
     """The content ``save`` writes (arguments as there), for writing it together with other files
     (``amod.files.write_together``)."""
-    info = {"arch": arch or architecture_name(model), "args": model_args or infer_model_args(model)}
+    if is_hf_model(model):  # a Hugging Face model: its class, config and constructor arguments (amod.hf.adapter)
+        from .hf.adapter import model_info
+        info = model_info(model)
+    else:
+        info = {"arch": arch or architecture_name(model), "args": model_args or infer_model_args(model)}
     meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info), **method_of(model).metadata()}
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -103,7 +108,13 @@ def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, A
     """(the model the metadata names, without its weights; the ``amod.model`` entry)."""
     try:
         info = json.loads(meta["amod.model"])
-        model = method_from_metadata(meta).apply(timm.create_model(info["arch"], pretrained=False, **info["args"]))
+        if "hf" in info:  # written from a Hugging Face model (amod.hf.adapter.model_info)
+            from .hf.adapter import build_model
+            dense = build_model(info)
+            info = {**info, "arch": info["hf"]}  # what the errors below name
+        else:
+            dense = timm.create_model(info["arch"], pretrained=False, **info["args"])
+        model = method_from_metadata(meta).apply(dense)
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
         raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model "
                          f"({type(e).__name__}: {e})") from None

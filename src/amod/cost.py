@@ -132,6 +132,8 @@ def flops(model: nn.Module, img_size: ImgSize = None, capacity: Optional[float] 
         A ``CostReport``: ``.macs``, ``.flops``, ``.gmacs``, ``.ratio`` to dense, per-block costs
         (``tokens``: the tokens a block's attention runs on).
     """
+    from .hf import prepare  # (amod.hf imports nothing at module level) a Hugging Face model gets timm's names
+    prepare(model)
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise TypeError(f"amod.flops expects a timm VisionTransformer, got {type(model).__name__}")
     (h, w), n, p = token_sizes(model, img_size)

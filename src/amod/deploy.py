@@ -37,6 +37,7 @@ from torch import nn
 
 from .arch import pair, set_input_size
 from .files import _remove_quietly
+from .hf import is_hf_model, prepare as prepare_hf
 from .methods import method_of
 from .mod.routers import SeededDraws
 
@@ -345,9 +346,17 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     for extra in ("onnx", "onnxruntime") if check else ("onnx",):
         _require(extra)
     path = check_output_file(path)
+    prepare_hf(model)  # a Hugging Face ViT/DeiT/DINOv2 gets timm's names (amod.hf)
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise TypeError(f"amod.export takes a timm VisionTransformer, got {type(model).__name__}")
+    hf = is_hf_model(model)
+    if hf and img_size is not None and pair(img_size) != pair(model.patch_embed.img_size):
+        raise ValueError(f"a Hugging Face model exports at its config's image_size {pair(model.patch_embed.img_size)}; "
+                         "img_size cannot change it")
     model = copy.deepcopy(model).cpu().float().eval()
+    if hf:  # one image tensor in, one tensor out (logits, or features for a base model)
+        from .hf.adapter import TensorOutput
+        model = TensorOutput(model).eval()
     if img_size is not None and pair(img_size) != pair(model.patch_embed.img_size):
         set_input_size(model, img_size)
     label = method_of(model).label()

@@ -12,6 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..cost import flops, token_sizes, validate_cost
+from ..hf import policy as hf_policy
 from .block import MoDBlock
 from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
                      validate_skipped)
@@ -99,7 +100,8 @@ def convert(
         raise ValueError(f"scale_output must be True, False or None, got {scale_output!r}")
     if getattr(model, "amod_config", None) is not None:
         raise ValueError("model is already converted; use amod.set_capacity to change its capacity")
-    policy = _find_policy(model)
+    # a Hugging Face ViT/DeiT/DINOv2: amod.hf's converter (which gives the model timm's names first); others: None
+    policy = hf_policy(model) or _find_policy(model)
     depth = len(getattr(model, "blocks", ()))
     if layers is None:
         layers = mode.default_layers

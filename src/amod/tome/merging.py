@@ -29,6 +29,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from ..cost import embed_head_macs, token_sizes, validate_cost
+from ..hf import is_hf_model
 from ..reduce import SizedSettings, SizedTokensBlock, make_sized, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
 
@@ -154,6 +155,9 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
             is chosen by ``schedule_for_cost`` within 2 %.
         img_size: input size at which ``cost`` is matched; default: the model's.
     """
+    if is_hf_model(model):  # Hugging Face ViT/DeiT/DINOv2: the same blocks, swapped onto its layers (amod.hf)
+        from ..hf.adapter import tome_apply
+        return tome_apply(model, r=r, cost=cost, img_size=img_size)
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"amod.tome supports timm VisionTransformer models, got {type(model).__name__}")
     if getattr(model, "amod_config", None) is not None:
