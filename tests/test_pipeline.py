@@ -208,8 +208,8 @@ def test_finetune_loads_a_checkpoint_saved_from_plain_timm(tmp_path, layout):
     assert zero["val_top1"] == ref["top1"] and abs(zero["val_loss"] - ref["loss"]) < 1e-5
 
 
-def test_demo_quick_writes_a_report_with_every_variant(tmp_path):
-    from amod.experiments.demo import _variants, run_demo
+def test_toy_demo_quick_writes_a_report_with_every_variant(tmp_path):
+    from amod.experiments.toy_demo import _variants, run_toy_demo as run_demo
 
     report = run_demo(str(tmp_path / "demo"), quick=True)
     text = report.read_text()

@@ -21,10 +21,13 @@ from .deploy import EXPORTERS
 from .experiments.bench import RUNTIMES, run_bench
 from .experiments.compare import CompareConfig, run_compare
 from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table
-from .experiments.demo import run_demo
+from .experiments.demo import DemoConfig, run_demo
+from .experiments.toy_demo import run_toy_demo
 from .experiments.evaluate import EvalConfig, evaluate_checkpoint
 from .experiments.export import export_checkpoint
 from .experiments.study import StudyConfig, run_study
+from .experiments.finetune import FinetuneConfig, run_finetune_study
+from .checkpoint import skeleton
 from .files import dumps
 from .mod.config import validate_capacity
 from .mod.modes import skipped_mode, skipped_mode_names
@@ -33,6 +36,7 @@ from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_f
 from .train.config import RunConfig, resolve_run_config
 from .train.run import train
 
+HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
 
 
@@ -118,7 +122,7 @@ def _setup_logging() -> None:
 # ---------------------------------------------------------------- commands: flags, then the call
 
 def _flops_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("models", nargs="+", help="timm model names")
+    p.add_argument("models", nargs="+", help=f"timm model names, or {HF_MODEL}")
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
     p.add_argument("--router", default="attention", choices=router_names())
     p.add_argument("--layers", type=parse_layers, default=None, help="default: all for --skipped fold, alternate otherwise")
@@ -131,8 +135,9 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
 def _flops(args: argparse.Namespace) -> int:
     methods = flops_methods(args.capacity, args.router, args.layers, args.skipped, args.tome_cost or ())
     layers = args.layers or skipped_mode(args.skipped).default_layers
+    table = format_flops_table(flops_table(args.models, methods, args.img_size))  # (errors before any output)
     print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
-    print("\n".join(format_flops_table(flops_table(args.models, methods, args.img_size))))
+    print("\n".join(table))
     for note in floor_notes(args.models, methods, args.img_size):
         print(note)
     return 0
@@ -197,7 +202,8 @@ def _train(args: argparse.Namespace, finetune: bool = False) -> int:
 
 
 def _eval_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="model.safetensors of a run (or any amod.save file)")
+    p.add_argument("--checkpoint", required=True,
+                   help=f"model.safetensors of a run (or any amod.save file), or {HF_MODEL}")
     p.add_argument("--data", default=_default(EvalConfig, "data"))
     p.add_argument("--img-size", type=positive_int, default=None, help="must be the model's own input size")
     p.add_argument("--val-limit", type=positive_int, default=None)
@@ -222,7 +228,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="deit_small_patch16_224")
+    p.add_argument("--model", default="deit_small_patch16_224", help=f"a timm model name, or {HF_MODEL}")
     p.add_argument("--router", default="attention", choices=router_names())
     p.add_argument("--capacity", type=float, default=0.125)
     p.add_argument("--layers", type=parse_layers, default="alternate")
@@ -256,7 +262,8 @@ def _bench(args: argparse.Namespace) -> int:
           f"{args.warmup} warm-ups")
     print(f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}")
     label = f"{args.router}@{args.capacity:g}"
-    print(f"  {'dense (timm)':20s} {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs{mem(d['peak_mem_mb'])}")
+    dense = "dense (HF)" if result["hf"] else "dense (timm)"
+    print(f"  {dense:20s} {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs{mem(d['peak_mem_mb'])}")
     print(f"  {label:20s} {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs{mem(m['peak_mem_mb'])}")
     if args.compile:
         for name, text in (("dense", "dense eager"), ("mod", f"{label} eager")):
@@ -322,9 +329,35 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=positive_int, default=_default(StudyConfig, "epochs"))
     p.add_argument("--train-limit", type=positive_int, default=_default(StudyConfig, "train_limit"))
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
+    g = p.add_argument_group("a backbone without classifier (--checkpoint, e.g. DINOv2): the matched-cost finetune study")
+    g.add_argument("--cost", type=float, nargs="+", default=_default(FinetuneConfig, "costs"),
+                   help="cost points, shares of dense MACs")
+    g.add_argument("--img-size", type=positive_int, default=_default(FinetuneConfig, "img_size"))
+    g.add_argument("--steps", type=positive_int, default=_default(FinetuneConfig, "steps"),
+                   help="finetuning steps of every run")
+    g.add_argument("--batch-size", type=positive_int, default=_default(FinetuneConfig, "batch_size"))
+    g.add_argument("--lr", type=float, default=_default(FinetuneConfig, "lr"))
+    g.add_argument("--eval-images", type=positive_int, default=_default(FinetuneConfig, "eval_images"),
+                   help="the fixed test subset every evaluation uses")
+    g.add_argument("--probe-train", type=positive_int, default=_default(FinetuneConfig, "probe_train"),
+                   help="training images the linear probe (the starting head) is fitted on")
+    g.add_argument("--amp", choices=("bf16", "off"), default=_default(FinetuneConfig, "amp"))
+    g.add_argument("--no-fp32-check", action="store_true", help="skip the one fp32 dense run that checks bf16")
+    g.add_argument("--report-only", action="store_true",
+                   help="write the report from the evaluations in OUT/evals.jsonl; train nothing")
+    g.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                   help="only these methods (names as in the report); dense and 'A-MoD (paper)' are always run")
 
 
 def _study(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None and skeleton(os.path.expanduser(args.checkpoint)).num_classes == 0:
+        out = args.out if args.out != _default(StudyConfig, "out") else _default(FinetuneConfig, "out")
+        ft = FinetuneConfig(checkpoint=args.checkpoint, out=out, data=args.data, img_size=args.img_size,
+                            costs=tuple(args.cost), seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
+                            lr=args.lr, eval_images=args.eval_images, probe_train=args.probe_train, amp=args.amp,
+                            fp32_check=not args.no_fp32_check, report_only=args.report_only).only(args.methods)
+        print(run_finetune_study(ft))
+        return 0
     cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=tuple(args.capacity),
                       seeds=args.seeds, epochs=args.epochs, train_limit=args.train_limit)
     print(run_study(cfg.as_quick() if args.quick else cfg))
@@ -333,7 +366,8 @@ def _study(args: argparse.Namespace) -> int:
 
 def _compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=_default(CompareConfig, "out"))
-    p.add_argument("--checkpoint", default=None, help="dense model (default: the demo's, trained if missing)")
+    p.add_argument("--checkpoint", default=None,
+                   help=f"dense model (default: the demo's, trained if missing), or {HF_MODEL} (probe protocol)")
     p.add_argument("--data", default=_default(CompareConfig, "data"))
     p.add_argument("--cost", type=float, nargs="+", default=_default(CompareConfig, "costs"),
                    help="cost points, shares of dense MACs")
@@ -364,12 +398,19 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _demo_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--out", default=None, help="default runs/demo (runs/toy_demo with --toy)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a backbone without classifier (default: DINOv2 ViT-S/14, fetched and converted once)")
+    p.add_argument("--toy", action="store_true",
+                   help="the paper's comparison on a small ViT pretrained here instead of the real model")
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    run_demo(args.out, quick=args.quick)
+    if args.toy:
+        run_toy_demo(args.out or "runs/toy_demo", quick=args.quick)
+    else:
+        run_demo(DemoConfig(out=args.out or _default(DemoConfig, "out"), checkpoint=args.checkpoint, quick=args.quick))
     return 0
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..cost import flops
 from ..deploy import export, onnx_session
+from ..hf.loading import hf_source, load_hf_source
 from ..mod.convert import convert
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import autocast
@@ -89,7 +90,8 @@ def _build_probe_target(spec: dict[str, Any], small: bool = False) -> Callable[[
     """
     if spec["kind"] == "model":
         model = make_bench_model(spec["model"], spec.get("img_size"), spec.get("convert"))
-        x = torch.randn(1 if small else spec["batch_size"], 3, *model.patch_embed.img_size)
+        x = torch.randn(1 if small else spec["batch_size"], model.patch_embed.proj.in_channels,
+                        *model.patch_embed.img_size)
         return lambda: model(x)
     g = torch.Generator().manual_seed(0)
     shape = list(spec["shape"])
@@ -136,8 +138,20 @@ def peak_memory_mb(spec: dict[str, Any]) -> float:
 # ---------------------------------------------------------------- dense vs MoD, side by side
 
 def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optional[dict[str, Any]]) -> nn.Module:
-    """A timm model with random weights (timing does not depend on them), optionally converted."""
+    """A timm model with random weights (timing does not depend on them), or a Hugging Face model (a
+    ``save_pretrained`` directory or ``hf:ID``, at its config's ``image_size``), optionally converted."""
     torch.manual_seed(0)
+    source = hf_source(name)
+    if source is not None:
+        model = load_hf_source(source)
+        native = model.patch_embed.img_size[0]
+        if img_size is not None and img_size != native:
+            raise ValueError(f"{name} is a Hugging Face model of {native}-px images (its config's image_size); "
+                             f"drop --img-size {img_size}")
+        if convert_kwargs:
+            torch.manual_seed(0)
+            convert(model, **convert_kwargs)
+        return model.eval()
     kwargs = {"img_size": img_size} if img_size else {}
     try:
         model = timm.create_model(name, pretrained=False, **kwargs)
@@ -198,7 +212,8 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
     """
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-    check_vit_name(model)  # amod's supported-models line, not timm's error about an argument of another family
+    if hf_source(model) is None:
+        check_vit_name(model)  # amod's supported-models line, not timm's error about an argument of another family
     if runtime == "onnxruntime":
         if compile:
             raise ValueError("--compile applies to the torch runtime; ONNX Runtime compiles the graph itself")
@@ -209,12 +224,12 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
     convert_kwargs = {"router": router, "capacity": capacity, "layers": layers}
     dense = make_bench_model(model, img_size, None).to(dev)
     mod = make_bench_model(model, img_size, convert_kwargs).to(dev)
-    x = torch.randn(batch_size, 3, *dense.patch_embed.img_size, device=dev)
+    x = torch.randn(batch_size, dense.patch_embed.proj.in_channels, *dense.patch_embed.img_size, device=dev)
     result: dict[str, Any] = {
         "model": model, "router": router, "capacity": capacity, "layers": layers, "batch_size": batch_size,
         "img_size": list(dense.patch_embed.img_size), "device": str(dev), "amp": amp, "repeats": repeats,
         "warmup": warmup, "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-        "runtime": runtime, "compile": compile,
+        "runtime": runtime, "compile": compile, "hf": hf_source(model) is not None,
     }
     eager = {"dense": dense, "mod": mod}
     if runtime == "onnxruntime":

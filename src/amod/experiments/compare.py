@@ -12,6 +12,9 @@ most closely: MoD methods by their capacity, ToMe by its merge schedule. Two pro
   training), with the mean cosine of its features to the dense ones. The dense features are cached,
   and so is each finished (cost, method) measurement: a killed comparison resumes where it stopped.
 
+A Hugging Face model (``--checkpoint`` a ``save_pretrained`` directory or ``hf:ID``) is compared with the probe
+protocol, classifier or not: its features are the CLS token of ``last_hidden_state`` (after the final norm).
+
 Then all models are timed (images/s, interleaved in one process), and ``compare.md``,
 ``compare.json`` and ``compare.png`` are written.
 """
@@ -30,9 +33,12 @@ import torch
 
 from ..cost import flops, validate_cost
 from ..files import dumps, torch_save, write_json, write_text
+from ..hf import is_hf_model
+from ..hf.loading import hf_source, load_hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of
 from ..train import engine
 from ..checkpoint import load, skeleton
+from ..mod.convert import capacity_for_cost
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
@@ -60,6 +66,9 @@ class Entry:
         if self.layers == "last-two-thirds":
             depth = len(dense.blocks)
             method = dataclasses.replace(method, layers=tuple(range(max(1, depth // 3), depth)))
+        if is_hf_model(dense) and isinstance(method, MoD):  # Method.at_cost prices a timm skeleton: a copy instead
+            model = dataclasses.replace(method, capacity=1.0).apply(copy.deepcopy(dense))
+            return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
         return method.at_cost(dense, cost)
 
 
@@ -119,7 +128,9 @@ class CompareConfig:
             raise ValueError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
-        check_settings(self, ("epochs", "batch_size", "speed_batch", "speed_repeats", "probe_train"),
+        hf = hf_source(self.checkpoint) is not None  # (check_settings reads amod files: check_inputs checks HF ones)
+        check_settings(dataclasses.replace(self, checkpoint=None) if hf else self,
+                       ("epochs", "batch_size", "speed_batch", "speed_repeats", "probe_train"),
                        ("train_limit", "val_limit", "img_size"))
         return self
 
@@ -147,6 +158,17 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
                              f"input size, {info.img_size} px ({info.name}); --img-size is for a backbone without "
                              "classifier (probe protocol)")
         return info
+    source = hf_source(cfg.checkpoint)
+    if source is not None:  # a Hugging Face model: the probe protocol, at its config's image_size
+        model = load_hf_source(source)
+        native = model.patch_embed.img_size[0]
+        if cfg.img_size is not None and cfg.img_size != native:
+            raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} is a Hugging Face model of {native}-px "
+                             "images (its config's image_size); drop --img-size")
+        if model.patch_embed.proj.in_channels != info.in_chans:
+            raise ValueError(f"{cfg.checkpoint} takes {model.patch_embed.proj.in_channels}-channel images and "
+                             f"{cfg.data} has {info.in_chans} channels")
+        return info
     model = skeleton(cfg.checkpoint)
     h, w = model.patch_embed.img_size
     ph, pw = model.patch_embed.patch_size
@@ -171,11 +193,13 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
 def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:
     pretrained = starting_checkpoint(cfg, root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dense = load(pretrained, device).eval()
+    source = hf_source(pretrained) if cfg.checkpoint else None
+    dense = (load_hf_source(source) if source is not None else load(pretrained, device)).to(device).eval()
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
-    probe_mode = dense.num_classes == 0
+    probe_mode = source is not None or dense.num_classes == 0
     train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train if probe_mode else None, cfg.val_limit)
-    fit_to_data(dense, info.in_chans, img_size)
+    if source is None:  # (a Hugging Face model was checked to fit the data by check_inputs)
+        fit_to_data(dense, info.in_chans, img_size)
     if probe_mode:
         rows, dense_acc = _probe_rows(cfg, root, dense, pretrained, train, val, device)
     else:
@@ -239,7 +263,10 @@ def _grid(cfg: CompareConfig, dense: torch.nn.Module) -> Iterator[tuple[int, int
 
 def _features_key(cfg: CompareConfig, dense: torch.nn.Module, pretrained: Path, train, val) -> str:
     """What the dense features and every probe measurement depend on: weights, data, size, subsets."""
-    return hashlib.sha256(f"{Path(pretrained).resolve()}:{Path(pretrained).stat().st_mtime_ns}:{cfg.data}:"
+    path = Path(pretrained)  # a file, a save_pretrained directory (its newest file), or hf:ID (no stamp)
+    stamp = max(p.stat().st_mtime_ns for p in [path, *(path.iterdir() if path.is_dir() else ())]) \
+        if path.exists() else 0
+    return hashlib.sha256(f"{Path(pretrained).resolve()}:{stamp}:{cfg.data}:"
                           f"{dense.patch_embed.img_size}:{len(train)}:{len(val)}".encode()).hexdigest()[:16]
 
 
@@ -255,11 +282,31 @@ def _dense_features(root: Path, key: str, dense: torch.nn.Module, train, val,
         log.warning("%s cannot be reused (%s); computing the dense features again", path, problem)
     log.info("dense features of %d training and %d test images (cached in %s)", len(train), len(val), path)
     dist = engine.Dist(device=device)
-    train_f, train_y = features(dense, engine.image_batches(engine.make_loader(train, 128, False, 0, 0, dist)), device)
-    test_f, test_y = features(dense, engine.image_batches(engine.make_loader(val, 128, False, 0, 0, dist)), device)
+    model = _feature_model(dense)
+    train_f, train_y = features(model, engine.image_batches(engine.make_loader(train, 128, False, 0, 0, dist)), device)
+    test_f, test_y = features(model, engine.image_batches(engine.make_loader(val, 128, False, 0, 0, dist)), device)
     cached = {"train": train_f, "train_labels": train_y, "test": test_f, "test_labels": test_y}
     torch_save(cached, path)
     return cached
+
+
+class HFFeatures(torch.nn.Module):
+    """A Hugging Face model with what ``probe.features`` reads of a timm one: ``forward_features`` (the tokens after
+    the final norm: ``last_hidden_state``) and ``forward_head(..., pre_logits=True)`` (the CLS token)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.base_model(pixel_values=x).last_hidden_state
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = True) -> torch.Tensor:
+        return tokens[:, 0]
+
+
+def _feature_model(model: torch.nn.Module) -> torch.nn.Module:
+    return HFFeatures(model) if is_hf_model(model) else model
 
 
 FEATURE_KEYS = ("train", "train_labels", "test", "test_labels")
@@ -300,7 +347,7 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
         measured = finished.get((entry.name, cost, repr(method)))
         if measured is None:
             model = method.apply(copy.deepcopy(dense)).eval()
-            feats, labels = features(model, engine.image_batches(loader), device)
+            feats, labels = features(_feature_model(model), engine.image_batches(loader), device)
             measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
                         "cost": flops(model).ratio, "zero_top1": probe.accuracy(feats, labels),
                         "cosine": mean_cosine(feats, cached["test"])}

@@ -1,13 +1,17 @@
-"""`amod flops`: the analytic cost of timm ViTs, dense, as MoD at several capacities, and with token merging."""
+"""`amod flops`: the analytic cost of timm ViTs (or Hugging Face ones: a ``save_pretrained`` directory or
+``hf:ID``), dense, as MoD at several capacities, and with token merging."""
 from __future__ import annotations
 
+import copy
 import warnings
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import timm
 import torch
+from torch import nn
 
 from ..cost import CostReport, flops, img_size_of
+from ..hf.loading import hf_source, load_hf_source
 from ..methods import Dense, Method, MoD, TokenMerging
 from ..mod.config import validate_capacity
 from ..mod.convert import lowest_capacity
@@ -29,18 +33,34 @@ def flops_methods(capacities: Sequence[float], router: str = "attention", layers
     return rows
 
 
+def dense_models(models: Sequence[str]) -> list[tuple[str, Callable[[], nn.Module]]]:
+    """(name, a function making a fresh dense copy) of every model, checked before any is priced: a timm name
+    (made on the ``meta`` device: costs need shapes only), or a Hugging Face model (loaded once)."""
+    makers = []
+    for name in models:
+        source = hf_source(name)
+        if source is not None:
+            hf_model = load_hf_source(source)
+            makers.append((name, lambda m=hf_model: copy.deepcopy(m)))
+            continue
+        if name not in timm.list_models():
+            raise ValueError(f"unknown timm model {name!r} (a Hugging Face model: its save_pretrained directory, "
+                             "with config.json, or hf:ID)")
+        check_vit_name(name)
+        makers.append((name, lambda n=name: timm.create_model(n, pretrained=False)))
+    return makers
+
+
 def flops_table(models: Sequence[str], methods: Sequence[tuple[str, Method]],
                 img_size: Optional[int] = None) -> list[tuple[str, str, CostReport]]:
-    """(model, label, cost) for every model and method; costs need shapes only, so no weights are made."""
+    """(model, label, cost) for every model and method; costs need shapes only, so no weights are made (but a
+    Hugging Face model's, loaded from its directory or the hub)."""
     rows = []
-    for name in models:
-        if name not in timm.list_models():
-            raise ValueError(f"unknown timm model {name!r}")
-        check_vit_name(name)
+    for name, make in dense_models(models):
         for label, method in methods:
             with torch.device("meta"), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a fold capacity below its floor: floor_notes says so, at this size
-                model = timm.create_model(name, pretrained=False)
+                model = make()
                 if isinstance(method, TokenMerging) and method.cost is not None:  # matched at the table's size
                     model = TokenMerging(r=tuple(schedule_for_cost(model, method.cost, img_size))).apply(model)
                 else:
@@ -55,10 +75,10 @@ def floor_notes(models: Sequence[str], methods: Sequence[tuple[str, Method]], im
     (``amod.lowest_capacity``): those rows cost what that capacity costs."""
     folds = [m for _, m in methods if isinstance(m, MoD) and m.skipped == "fold"]
     notes = []
-    for name in models if folds else ():
+    for name, make in dense_models(models) if folds else ():
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = folds[0].apply(timm.create_model(name, pretrained=False))
+            model = folds[0].apply(make())
         lowest = lowest_capacity(model, img_size)  # the same for every fold row: they differ in capacity only
         below = [m.capacity for m in folds if m.capacity < lowest]
         if below:

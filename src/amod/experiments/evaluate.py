@@ -9,13 +9,15 @@ import torch
 from ..cost import flops
 from ..mod.convert import set_capacity
 from ..checkpoint import load
+from ..hf import is_hf_model, prepare
+from ..hf.loading import hf_source, load_hf_source
 from ..train.data import build_datasets
 from ..train.engine import BadImages, Dist, evaluate, make_loader
 
 
 @dataclass
 class EvalConfig:
-    checkpoint: str  # model.safetensors of a run, or any amod.save file
+    checkpoint: str  # model.safetensors of a run, any amod.save file, or a Hugging Face model (directory or hf:ID)
     data: str = "fashion-mnist"
     img_size: Optional[int] = None  # must be the model's own input size
     val_limit: Optional[int] = None
@@ -28,9 +30,17 @@ class EvalConfig:
 def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     """Top-1/top-5, loss, images/s, MACs per image and unreadable images skipped, for ``cfg.checkpoint``."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load(cfg.checkpoint, device)
+    source = hf_source(cfg.checkpoint)
+    model = load_hf_source(source).to(device) if source is not None else load(cfg.checkpoint, device)
     if cfg.capacity is not None:
         set_capacity(model, cfg.capacity)
+    counted = model  # what amod.flops prices
+    if is_hf_model(model):  # its classes: config.num_labels if it has a classifier; the loop needs the logits tensor
+        from ..hf.adapter import TensorOutput
+
+        model = TensorOutput(prepare(model))  # (an amod.save file of a dense HF model loads unprepared)
+        classifier = any(n in counted._modules for n in ("classifier", "cls_classifier"))
+        model.num_classes = counted.config.num_labels if classifier else 0
     native = model.patch_embed.img_size[0]
     if cfg.img_size is not None and cfg.img_size != native:
         raise ValueError(f"{cfg.checkpoint} takes {native}-px images, not {cfg.img_size}: drop --img-size, "
@@ -46,4 +56,4 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     bad_images = BadImages(skip=cfg.skip_bad_images)
     metrics = evaluate(model, make_loader(val, cfg.batch_size, False, 0, 0, dist_info), device, cfg.amp, dist_info,
                        progress=progress, bad_images=bad_images)
-    return {**metrics, "macs": flops(model).macs, "skipped_images": len(bad_images.paths)}
+    return {**metrics, "macs": flops(counted).macs, "skipped_images": len(bad_images.paths)}

@@ -105,3 +105,8 @@ def keep_frequency_figure(frequency: dict[int, torch.Tensor], grid: tuple[int, i
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def accuracy_vs_steps(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path, title: str) -> Path:
+    """One line per method: (finetuning steps, accuracies)."""
+    return _line_plot(curves, path, title, "finetuning step (0 = zero-training)")

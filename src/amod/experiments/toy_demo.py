@@ -1,4 +1,4 @@
-"""`make demo`: the paper's comparison in small, on the embedded Fashion-MNIST.
+"""`amod demo --toy`: the paper's comparison in small, on a ViT pretrained here on Fashion-MNIST.
 
 1. Pretrain a small dense ViT (28x28, patch 4: 49 patches + CLS), or reuse it.
 2. Convert it to A-MoD and to standard MoD at 50 % and 12.5 % capacity (alternate blocks) and
@@ -43,7 +43,7 @@ def _slug(name: str) -> str:
     return name.lower().replace(" ", "_").replace("-", "")
 
 
-def run_demo(out: str, quick: bool = False) -> Path:
+def run_toy_demo(out: str, quick: bool = False) -> Path:
     """Run every step (reusing finished ones) and return the path of report.md."""
     return run_in_directory(out, BASE["data"], lambda root: _run_demo(root, quick))
 

