@@ -563,8 +563,11 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
             if r["cost_target"] in (cost, 1.0) and None not in r["curve"]:
                 series[r["method"]] = (r["steps"], r["curve"])
         if series:
+            done = sorted({r["seeds_done"] for r in table if r["method"] in series and r["cost_target"] in (cost, 1.0)})
+            seeds = f"{done[0]}" if len(done) == 1 else f"{done[0]}–{done[-1]}"
             curves_png.append(accuracy_vs_steps(series, root / f"finetune_curves_{cost:g}.png",
-                                                f"finetuning at {cost:g} of dense MACs (mean of {cfg.seeds} seeds)"))
+                                                f"finetuning at {cost:g} of dense MACs (mean of {seeds} of "
+                                                f"{cfg.seeds} seeds)"))
     lines += [""] + [f"![curves at {p.stem}]({p.name})" for p in curves_png]
     lines += ["", f"images/s: inference at batch {cfg.speed_batch}, every architecture interleaved in one process, "
                   f"median of {cfg.speed_repeats}. Steps to target: the first evaluation step at which the seed-mean "
