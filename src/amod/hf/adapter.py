@@ -55,7 +55,7 @@ from ..mod.routers import build_router, router_class
 from ..ops import attention_inputs, attention_output, tracing
 from ..reduce import SizedAttention, SizedTokensBlock
 from ..tokens import TokenSizes
-from ..tome.merging import ToMeBlock, ToMeConfig, ToMeSettings, _validate_schedule, schedule_for_cost, set_schedule
+from ..tome.merging import ToMeBlock, merge_blocks
 from . import SUPPORTED
 
 # HF layer / attention classes amod knows, by name (the class objects differ between transformers versions)
@@ -458,21 +458,7 @@ def tome_apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost
                img_size=None) -> nn.Module:
     """``amod.tome.apply`` on a Hugging Face model: every layer becomes a ``ToMeBlock``."""
     prepare(model)
-    if getattr(model, "amod_config", None) is not None:
-        raise ValueError("model is an MoD model; token merging applies to a dense model")
-    if getattr(model, "amod_tome", None) is not None:
-        raise ValueError("model already merges tokens; use amod.tome.set_schedule to change it")
-    if (r is None) == (cost is None):
-        raise ValueError("give exactly one of r= (tokens merged per block) and cost= (share of dense MACs)")
-    for i, blk in enumerate(model.blocks):
-        _check_layer(blk, i)
-    schedule = schedule_for_cost(model, cost, img_size) if cost is not None else _validate_schedule(model, r)
-    sizes = TokenSizes()
-    for i, blk in enumerate(model.blocks):
-        _make_sized(blk, ToMeBlock, ToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes, first=i == 0))
-    model.amod_tome = ToMeConfig(schedule=[])
-    set_schedule(model, schedule)
-    return model
+    return merge_blocks(model, r, cost, img_size, _check_layer, _make_sized)
 
 
 # ---------------------------------------------------------------- amod.save / amod.load

@@ -21,7 +21,7 @@ so state_dict keys are unchanged and a merged model finetunes with the usual pip
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from timm.layers import Attention
@@ -160,6 +160,19 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
         return tome_apply(model, r=r, cost=cost, img_size=img_size)
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"amod.tome supports timm VisionTransformer models, got {type(model).__name__}")
+    return merge_blocks(model, r, cost, img_size, _check_timm_block, make_sized)
+
+
+def _check_timm_block(blk: nn.Module, i: int) -> None:
+    if type(blk) is not Block or type(blk.attn) is not Attention:
+        raise TypeError(f"block {i} is a {type(blk).__name__} with {type(blk.attn).__name__}; "
+                        "token merging supports timm's Block with timm.layers.Attention only")
+
+
+def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, check_block: Callable[[nn.Module, int], None],
+                 make: Callable[..., Any]) -> nn.Module:
+    """What ``apply`` does once the model family is known: the shared checks, ``check_block(block, i)`` on each
+    block, then every block made a ``ToMeBlock`` by ``make`` (timm's ``make_sized``, or amod.hf's class swap)."""
     if getattr(model, "amod_config", None) is not None:
         raise ValueError("model is an MoD model; token merging applies to a dense model")
     if getattr(model, "amod_tome", None) is not None:
@@ -167,13 +180,11 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
     if (r is None) == (cost is None):
         raise ValueError("give exactly one of r= (tokens merged per block) and cost= (share of dense MACs)")
     for i, blk in enumerate(model.blocks):
-        if type(blk) is not Block or type(blk.attn) is not Attention:
-            raise TypeError(f"block {i} is a {type(blk).__name__} with {type(blk.attn).__name__}; "
-                            "token merging supports timm's Block with timm.layers.Attention only")
+        check_block(blk, i)
     schedule = schedule_for_cost(model, cost, img_size) if cost is not None else _validate_schedule(model, r)
     sizes = TokenSizes()
     for i, blk in enumerate(model.blocks):
-        make_sized(blk, ToMeBlock, ToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes, first=i == 0))
+        make(blk, ToMeBlock, ToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes, first=i == 0))
     model.amod_tome = ToMeConfig(schedule=[])
     set_schedule(model, schedule)
     return model
