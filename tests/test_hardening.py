@@ -500,15 +500,20 @@ def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architect
 def test_pretrained_weights_without_a_network_fail_fast_with_one_line(tmp_path):
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "PYTHONUNBUFFERED": "1"}
     env.pop("HF_HUB_OFFLINE", None)
+    # what starting the command costs on this machine now (imports; slow on a busy machine), measured the same way
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import amod.cli, amod.train.run, timm, torch"], check=True, env=env,
+                   timeout=300)
+    startup = time.perf_counter() - start
     start = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "amod", "finetune", "--pretrained", "--model", "vit_tiny_patch16_224",
                           "--img-size", "32", *SHORT, "--out", str(tmp_path / "r")], capture_output=True, text=True,
                          timeout=300, env=env)
-    took = time.perf_counter() - start
+    took = time.perf_counter() - start - startup  # beyond start-up: the download attempt, no retries with back-off
     assert res.returncode == 2, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Retrying" not in res.stderr, res.stderr
     assert "cannot download the pretrained weights of vit_tiny_patch16_224" in res.stderr
-    assert took < 60, f"took {took:.0f} s"
+    assert took < 30, f"took {took:.0f} s beyond the {startup:.0f} s start-up"
     assert not (tmp_path / "r").exists()
 
 
