@@ -12,8 +12,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "amod"
 LIBRARY = ("amod.mod", "amod.tome", "amod.ops", "amod.cost", "amod.tokens", "amod.checkpoint", "amod.weights",
-           "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy", "amod.hf")
-APPLICATION = ("amod.train", "amod.experiments")
+           "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy", "amod.hf", "amod.detr")
+APPLICATION = ("amod.train", "amod.experiments", "amod.detect")
 
 
 def module_name(path: Path) -> str:

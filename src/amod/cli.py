@@ -27,6 +27,7 @@ from .experiments.evaluate import EvalConfig, evaluate_checkpoint
 from .experiments.export import export_checkpoint
 from .experiments.study import StudyConfig, run_study
 from .experiments.finetune import FinetuneConfig, run_finetune_study
+from .detect.config import DetectConfig, DetectStudyConfig
 from .checkpoint import skeleton
 from .files import dumps
 from .mod.config import validate_capacity
@@ -436,6 +437,63 @@ def _weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _detect_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("train", "study"),
+                   help="train: a DETR from scratch, or a finetune of --init (converted with --router); study: "
+                        "--dense converted at matched encoder costs, zero-training and finetuned (docs/detr.md)")
+    p.add_argument("--out", default=None, help=f"run directory (default {_default(DetectConfig, 'out')}; study: "
+                                               f"{_default(DetectStudyConfig, 'out')})")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help=f"training steps (default {_default(DetectConfig, 'steps')}; study: each finetune's, "
+                        f"{_default(DetectStudyConfig, 'steps')})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"default {_default(DetectConfig, 'lr')}; study: {_default(DetectStudyConfig, 'lr')}")
+    p.add_argument("--batch-size", type=positive_int, default=_default(DetectConfig, "batch_size"))
+    p.add_argument("--train-canvases", type=positive_int, default=_default(DetectConfig, "train_canvases"))
+    p.add_argument("--val-canvases", type=positive_int, default=_default(DetectConfig, "val_canvases"))
+    t = p.add_argument_group("train")
+    t.add_argument("--init", default=None, help="an amod.save file of a DETR to finetune (default: a new small DETR)")
+    t.add_argument("--router", default=None, help="convert --init: attention, standard, random or feature-norm")
+    t.add_argument("--encoder-cost", type=float, default=_default(DetectConfig, "encoder_cost"),
+                   help="share of the dense encoder's MACs the converted encoder costs")
+    t.add_argument("--layers", type=int, nargs="+", default=None, help="MoD encoder layers (default: alternate)")
+    t.add_argument("--eval-every", type=positive_int, default=_default(DetectConfig, "eval_every"))
+    t.add_argument("--seed", type=int, default=_default(DetectConfig, "seed"))
+    t.add_argument("--amp", choices=("off", "bf16"), default=_default(DetectConfig, "amp"))
+    st = p.add_argument_group("study")
+    st.add_argument("--dense", default=None, help="the dense detector (a train run's model.safetensors)")
+    st.add_argument("--cost", type=float, nargs="+", default=_default(DetectStudyConfig, "costs"),
+                    help="encoder costs, shares of the dense encoder's MACs")
+    st.add_argument("--routers", nargs="+", default=_default(DetectStudyConfig, "routers"))
+    st.add_argument("--seeds", type=positive_int, default=_default(DetectStudyConfig, "seeds"))
+    st.add_argument("--report-only", action="store_true", help="write the report from the finished runs; train nothing")
+
+
+def _detect(args: argparse.Namespace) -> int:
+    if args.action == "study":
+        from .detect.study import run_detect_study  # (imports transformers: the optional extra)
+        if args.dense is None:
+            raise ValueError("amod detect study needs --dense (a dense detector's model.safetensors)")
+        cfg = DetectStudyConfig(dense=args.dense, out=args.out or _default(DetectStudyConfig, "out"),
+                                costs=tuple(args.cost), routers=tuple(args.routers), seeds=args.seeds,
+                                steps=args.steps or _default(DetectStudyConfig, "steps"),
+                                lr=args.lr or _default(DetectStudyConfig, "lr"), batch_size=args.batch_size,
+                                train_canvases=args.train_canvases, val_canvases=args.val_canvases,
+                                report_only=args.report_only)
+        print(run_detect_study(cfg))
+        return 0
+    from .detect.train import train_detector  # (imports transformers: the optional extra)
+    out = args.out or _default(DetectConfig, "out")
+    cfg = DetectConfig(out=out, init=args.init, router=args.router, encoder_cost=args.encoder_cost,
+                       layers=args.layers, steps=args.steps or _default(DetectConfig, "steps"),
+                       batch_size=args.batch_size, lr=args.lr or _default(DetectConfig, "lr"),
+                       eval_every=args.eval_every, train_canvases=args.train_canvases,
+                       val_canvases=args.val_canvases, seed=args.seed, amp=args.amp)
+    row = train_detector(cfg)
+    print(f"{out}: step {row['step']}, COCO AP {row['AP']:.4f}, AP50 {row['AP50']:.4f}")
+    return 0
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand: its name, its help line, its flags and what it runs."""
@@ -462,6 +520,8 @@ COMMANDS: tuple[Command, ...] = (
             _compare_flags, _compare),
     Command("demo", "the main job: pretrain, convert, finetune and compare on Fashion-MNIST", _demo_flags, _demo),
     Command("weights", "real pretrained weights, converted once and cached", _weights_flags, _weights),
+    Command("detect", "DETR with an MoD encoder on Fashion-MNIST canvases, scored with COCO AP", _detect_flags,
+            _detect),
 )
 
 

@@ -36,17 +36,11 @@ class BlockCost:
     macs: int
 
 
-@dataclass
-class CostReport:
-    """Per-image cost of a model at one input size."""
+class MacsRatios:
+    """``flops``, ``gmacs`` and ``ratio`` of a report that has ``macs`` and ``dense_macs``."""
 
-    img_size: tuple[int, int]
-    num_tokens: int  # N = prefix + patch tokens
     macs: int
-    dense_macs: int  # the same model with every block dense and no scoring overhead
-    embed_macs: int
-    head_macs: int
-    blocks: list[BlockCost] = field(default_factory=list)
+    dense_macs: int
 
     @property
     def flops(self) -> int:
@@ -60,6 +54,19 @@ class CostReport:
     def ratio(self) -> float:
         """Cost relative to dense; 1 / ratio is the ideal (FLOP-bound) speed-up."""
         return self.macs / self.dense_macs
+
+
+@dataclass
+class CostReport(MacsRatios):
+    """Per-image cost of a model at one input size."""
+
+    img_size: tuple[int, int]
+    num_tokens: int  # N = prefix + patch tokens
+    macs: int
+    dense_macs: int  # the same model with every block dense and no scoring overhead
+    embed_macs: int
+    head_macs: int
+    blocks: list[BlockCost] = field(default_factory=list)
 
 
 def validate_cost(cost: Any, name: str = "cost") -> float:
@@ -124,16 +131,20 @@ def flops(model: nn.Module, img_size: ImgSize = None, capacity: Optional[float] 
     """Analytic cost of one image through ``model`` (dense, MoD-converted or token-merging).
 
     Args:
-        model: a timm ViT, converted or not.
-        img_size: input size (int or (H, W)); defaults to the model's own.
+        model: a timm ViT, converted or not (or a Hugging Face one; a DETR gets a ``DetrCostReport``,
+            ``amod.detr.cost``).
+        img_size: input size (int or (H, W)); defaults to the model's own (a DETR needs it).
         capacity: price an MoD model as if set to this capacity (the model is not changed).
 
     Returns:
         A ``CostReport``: ``.macs``, ``.flops``, ``.gmacs``, ``.ratio`` to dense, per-block costs
         (``tokens``: the tokens a block's attention runs on).
     """
-    from .hf import prepare  # (amod.hf imports nothing at module level) a Hugging Face model gets timm's names
-    prepare(model)
+    from .hf import is_detr_model, prepare  # (amod.hf imports nothing at module level)
+    if is_detr_model(model):  # encoder analytic, backbone and decoder measured (amod.detr.cost)
+        from .detr.cost import detr_flops
+        return detr_flops(model, img_size, capacity)
+    prepare(model)  # a Hugging Face ViT/DeiT/DINOv2 gets timm's names
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         raise TypeError(f"amod.flops expects a timm VisionTransformer, got {type(model).__name__}")
     (h, w), n, p = token_sizes(model, img_size)

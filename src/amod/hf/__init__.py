@@ -19,6 +19,15 @@ SUPPORTED = ("ViTModel", "ViTForImageClassification", "DeiTModel", "DeiTForImage
              "Dinov2WithRegistersModel", "Dinov2WithRegistersForImageClassification")
 
 
+# Hugging Face DETRs: amod.detr converts their encoders (MoD on the feature-map positions)
+DETR = ("DetrModel", "DetrForObjectDetection")
+
+
+def is_detr_model(model: Any) -> bool:
+    """Whether ``model`` is a Hugging Face DETR (by its classes' names: nothing is imported)."""
+    return any(c.__name__ in DETR and c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def is_hf_model(model: Any) -> bool:
     """Whether ``model`` is a ``transformers`` model (by its class's module: nothing is imported)."""
     return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
@@ -28,7 +37,7 @@ def prepare(model: Any) -> Any:
     """Give a Hugging Face model the timm-style views amod's library code reads (``blocks``, ``patch_embed``,
     ``num_prefix_tokens``, ...), once; anything else is returned untouched. Called by ``amod.convert``,
     ``amod.tome.apply``, ``amod.flops``, ``amod.save`` and ``amod.export``."""
-    if is_hf_model(model):
+    if is_hf_model(model) and not is_detr_model(model):  # a DETR keeps its own names (amod.detr)
         from .adapter import prepare as _prepare
 
         _prepare(model)

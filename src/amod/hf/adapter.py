@@ -56,7 +56,7 @@ from ..ops import attention_inputs, attention_output, tracing
 from ..reduce import SizedAttention, SizedTokensBlock
 from ..tokens import TokenSizes
 from ..tome.merging import ToMeBlock, merge_blocks
-from . import SUPPORTED
+from . import DETR, SUPPORTED, is_detr_model
 
 # HF layer / attention classes amod knows, by name (the class objects differ between transformers versions)
 VIT_LAYERS = ("ViTLayer", "DeiTLayer")  # layernorm_before, attention, dropout, layernorm_after, mlp
@@ -465,7 +465,7 @@ def tome_apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost
 
 def _constructor_kwargs(model: nn.Module) -> dict[str, Any]:
     """The constructor arguments besides the config that change the state_dict (ViTModel/DeiTModel's pooler)."""
-    if supported_class(model) in ("ViTModel", "DeiTModel"):
+    if not is_detr_model(model) and supported_class(model) in ("ViTModel", "DeiTModel"):
         return {"add_pooling_layer": model.pooler is not None}
     return {}
 
@@ -473,17 +473,20 @@ def _constructor_kwargs(model: nn.Module) -> dict[str, Any]:
 def model_info(model: nn.Module) -> dict[str, Any]:
     """What ``amod.save`` stores under ``amod.model`` for a Hugging Face model: its class, config and
     constructor arguments (instead of timm's architecture name and ``create_model`` arguments)."""
-    return {"hf": supported_class(model), "config": json.loads(model.config.to_json_string(use_diff=False)),
+    name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in DETR), None) or supported_class(model)
+    return {"hf": name, "config": json.loads(model.config.to_json_string(use_diff=False)),
             "kwargs": _constructor_kwargs(model), "transformers": transformers.__version__}
 
 
 def build_model(info: dict[str, Any]) -> nn.Module:
     """The (randomly initialised) Hugging Face model ``model_info`` describes."""
     name = info["hf"]
-    if name not in SUPPORTED:
-        raise ValueError(f"unknown Hugging Face class {name!r}; amod supports {', '.join(SUPPORTED)}")
+    if name not in SUPPORTED + DETR:
+        raise ValueError(f"unknown Hugging Face class {name!r}; amod supports {', '.join(SUPPORTED + DETR)}")
     cls = getattr(transformers, name)
     config = cls.config_class.from_dict(info["config"])
+    if name in DETR:  # every weight comes from the file: never ask for a pretrained backbone as well
+        config.use_pretrained_backbone = False
     return cls(config, **info.get("kwargs", {})).eval()
 
 

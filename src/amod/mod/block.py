@@ -95,6 +95,17 @@ class ScoringAttention(Attention):
         return attention_output(self, x, gate)
 
 
+def gated_updates(router: Router, scale_output: bool, ys: torch.Tensor, xs: torch.Tensor,
+                  kept_scores: torch.Tensor) -> torch.Tensor:
+    """Kept tokens ``xs`` (B, k, D) plus their block updates ``ys - xs`` times the router gate of their scores
+    ``kept_scores`` (B, k); without ``scale_output``, the straight-through estimator (forward x 1, backward the
+    gate's gradient, so that a learned router still learns)."""
+    gate = router.gate(kept_scores)  # (B, k)
+    if not scale_output:
+        gate = 1.0 + (gate - gate.detach())
+    return xs + (ys - xs) * gate.unsqueeze(-1).to(ys.dtype)
+
+
 @dataclass
 class MoDSettings:
     """What an MoD block knows besides its weights and its router; set once by ``amod.convert``."""
@@ -191,11 +202,9 @@ class MoDBlock(Block):
         if not self._gated:
             return ys
         p = self.amod.num_prefix
-        gate = self.router.gate(patch_scores.gather(1, patch_idx))  # (B, k)
-        if not self.amod.config.scale_output:  # straight-through: forward x 1, backward the gate's gradient
-            gate = 1.0 + (gate - gate.detach())
-        update = (ys[:, p:] - xs[:, p:]) * gate.unsqueeze(-1).to(ys.dtype)
-        return torch.cat([ys[:, :p], xs[:, p:] + update], dim=1)
+        out = gated_updates(self.router, self.amod.config.scale_output, ys[:, p:], xs[:, p:],
+                            patch_scores.gather(1, patch_idx))
+        return torch.cat([ys[:, :p], out], dim=1)
 
     def _publish_scores(self, prev_scores: Optional[torch.Tensor], index: Optional[torch.Tensor], n_full: int) -> None:
         """Turn the scores our attention measured on the gathered tokens into full-sequence scores."""

@@ -12,7 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..cost import flops, token_sizes, validate_cost
-from ..hf import policy as hf_policy
+from ..hf import is_detr_model, policy as hf_policy
 from .block import MoDBlock
 from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
                      validate_skipped)
@@ -68,7 +68,9 @@ def convert(
     Weights and state_dict keys stay as they were (the standard router adds ``blocks.i.router.*``).
 
     Args:
-        model: a timm ``VisionTransformer`` (vit_*, deit_* incl. distilled, deit3_*, *_reg*, *_dinov2).
+        model: a timm ``VisionTransformer`` (vit_*, deit_* incl. distilled, deit3_*, *_reg*, *_dinov2), a Hugging
+            Face ViT/DeiT/DINOv2 (``amod.hf``) or DETR (its encoder; ``amod.detr.convert``, bypass only, routers
+            attention, standard, random and feature-norm).
         router: ``"attention"`` (A-MoD, parameter-free), ``"standard"`` (learned linear), or one of the
             controls: ``"random"`` (a random subset), ``"shuffled-attention"`` (A-MoD's scores permuted
             among the patch tokens), ``"inverse-attention"`` (the tokens A-MoD would skip).
@@ -90,6 +92,10 @@ def convert(
             most redundant of the rest fold.
         protect: ``"fold"`` only: share in [0, 1) of a fold block's patch tokens the router protects.
     """
+    if is_detr_model(model):  # MoD on a DETR's encoder positions (amod.detr.convert)
+        from ..detr.convert import convert_detr
+        return convert_detr(model, router=router, capacity=capacity, layers=layers, scale_output=scale_output,
+                            seed=seed, skipped=skipped)
     router = validate_router(router)
     mode = skipped_mode(validate_skipped(skipped))
     capacity = validate_capacity(capacity)

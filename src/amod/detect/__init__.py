@@ -1,0 +1,1 @@
+"""Object detection: DETR with Mixture-of-Depths encoders on Fashion-MNIST canvases."""

@@ -1,0 +1,83 @@
+"""The settings of one detection run (``amod detect``); importing it needs no ``transformers``."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..train.rundir import check_output_dir
+
+
+@dataclass
+class DetectConfig:
+    """One detection run. ``init`` None: a new ``small_detr`` trained from scratch."""
+
+    out: str = "runs/detect/dense"
+    seed: int = 0
+    init: Optional[str] = None  # an amod.save file to finetune
+    router: Optional[str] = None  # convert ``init`` with this router (A-MoD: "attention")
+    encoder_cost: float = 0.5  # ... at the capacity whose encoder MACs are closest to this share of dense
+    layers: Optional[list[int]] = None  # MoD encoder layers (default: alternate)
+    canvas_size: int = 128
+    train_canvases: int = 20000
+    val_canvases: int = 1000
+    data_seed: int = 0  # which canvases (the same for every run that compares)
+    steps: int = 6000
+    batch_size: int = 16
+    lr: float = 2e-4
+    weight_decay: float = 1e-4
+    warmup: int = 200
+    clip: float = 0.1  # DETR's gradient clipping
+    eval_every: int = 500
+    amp: str = "off"
+    d_model: int = 128  # the new model's width (init None only)
+
+    def validate(self) -> "DetectConfig":
+        for name in ("canvas_size", "train_canvases", "val_canvases", "steps", "batch_size", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.amp not in ("off", "bf16"):
+            raise ValueError(f"amp must be 'off' or 'bf16', got {self.amp!r}")
+        if self.router is not None and self.init is None:
+            raise ValueError("router converts a trained DETR: give init (an amod.save file of the dense detector)")
+        if self.init is not None and not Path(self.init).expanduser().is_file():
+            raise FileNotFoundError(f"init {self.init} does not exist")
+        check_output_dir(self.out)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class DetectStudyConfig:
+    """The detection study (``amod detect study``): ``dense`` converted at each encoder cost with each router,
+    every (cost, router) finetuned ``seeds`` times, and the dense detector finetuned the same way."""
+
+    dense: str  # the dense detector: an amod.save file (a ``amod detect train`` run's model.safetensors)
+    out: str = "runs/detect/study"
+    costs: tuple[float, ...] = (0.5, 0.25)
+    routers: tuple[str, ...] = ("attention", "standard", "random", "feature-norm")
+    layers: tuple[int, ...] = (1, 2, 3, 4, 5)
+    seeds: int = 3
+    steps: int = 300
+    lr: float = 5e-5
+    batch_size: int = 16
+    train_canvases: int = 20000  # the dense run's data (the same canvases: data_seed 0)
+    val_canvases: int = 1000
+    canvas_size: int = 128
+    speed_batch: int = 32
+    speed_repeats: int = 10
+    report_only: bool = False
+
+    def run_config(self, cost: Optional[float], router: Optional[str], seed: int) -> DetectConfig:
+        name = "dense" if router is None else f"cost{cost:g}/{router}"
+        return DetectConfig(out=str(Path(self.out) / name / f"seed{seed}"), seed=seed, init=self.dense, router=router,
+                            encoder_cost=cost if cost is not None else 1.0,
+                            layers=list(self.layers) if router is not None else None, steps=self.steps,
+                            batch_size=self.batch_size, lr=self.lr, warmup=max(1, self.steps // 10),
+                            eval_every=self.steps, train_canvases=self.train_canvases,
+                            val_canvases=self.val_canvases, canvas_size=self.canvas_size)

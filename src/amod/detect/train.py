@@ -1,0 +1,185 @@
+"""Train, finetune and evaluate a DETR on the Fashion-MNIST canvases, resumable, scored with COCO AP.
+
+A run directory holds what a classification run's does: ``config.yaml``, ``checkpoint.pt`` (model, optimizer,
+schedule, step, RNG and router states, written atomically at every evaluation: a killed run resumes there),
+``metrics.jsonl`` (one row per evaluation: step, images seen, training loss, COCO AP/AP50/AP75, training
+images/s), ``model.safetensors`` (``amod.save``: ``amod.load`` rebuilds the converted DETR) and ``train.log``.
+
+The loss is ``transformers``' DETR loss (Hungarian matching; cross-entropy, L1 and GIoU terms); AP is
+``pycocotools``' (``amod.detect.evaluate``). A new model is ``small_detr``; a finetune starts from an
+``amod.save`` file (``init``) and, given ``router``, converts it at the capacity whose encoder cost is
+``encoder_cost`` of the dense encoder's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import yaml
+from torch import nn
+
+from .. import files
+from ..checkpoint import load, read_metadata, to_bytes
+from ..mod.convert import convert, set_capacity
+from ..train import engine
+from ..train.rundir import RunDirectory
+from .config import DetectConfig
+from .canvases import CanvasSpec, DetectionCanvases, coco_ground_truth, collate
+from ..detr.cost import capacity_for_encoder_cost
+from .evaluate import coco_ap, detections_from_outputs
+from ..detr.models import CONTENT_QUERIES, ContentQueries, small_detr, use_content_queries
+
+log = logging.getLogger("amod")
+# ImageNet statistics, as Hugging Face's DetrImageProcessor normalises (canvases arrive in [0, 1])
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FORMAT = 1
+
+
+def normalise(images: torch.Tensor) -> torch.Tensor:
+    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
+    return (images - mean) / std
+
+
+def datasets(cfg: DetectConfig) -> tuple[DetectionCanvases, DetectionCanvases]:
+    spec = CanvasSpec(size=cfg.canvas_size).validate()
+    return (DetectionCanvases("train", cfg.train_canvases, spec, seed=cfg.data_seed),
+            DetectionCanvases("val", cfg.val_canvases, spec, seed=cfg.data_seed))
+
+
+def build_model(cfg: DetectConfig) -> nn.Module:
+    """The run's starting model: a new small DETR, or ``init`` (converted when ``router`` is given)."""
+    if cfg.init is None:
+        return use_content_queries(small_detr(d_model=cfg.d_model, ffn=4 * cfg.d_model))
+    model = load_detector(cfg.init)
+    if cfg.router is not None:
+        if getattr(model, "amod_config", None) is not None:
+            raise ValueError(f"init {cfg.init} is already converted; give the dense detector")
+        convert(model, router=cfg.router, capacity=1.0, layers=cfg.layers, seed=cfg.seed)
+        set_capacity(model, capacity_for_encoder_cost(model, cfg.encoder_cost, cfg.canvas_size))
+    return model
+
+
+def load_detector(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """``amod.load`` of a detector ``amod detect`` saved, with its content queries (``use_content_queries``) where
+    it was trained with them."""
+    path = Path(path).expanduser()
+    model = load(path, device)
+    if read_metadata(path).get(CONTENT_QUERIES) == "1":
+        use_content_queries(model)
+    return model
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: DetectionCanvases, ground_truth: dict[str, Any], batch_size: int = 32,
+             amp: str = "off") -> dict[str, float]:
+    """COCO AP of ``model`` on the validation canvases (every one of them)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    detections = []
+    try:
+        for start in range(0, len(val), batch_size):
+            batch = [val[i] for i in range(start, min(len(val), start + batch_size))]
+            images, targets = collate(batch)
+            with engine.autocast(amp, device):
+                out = model(pixel_values=normalise(images.to(device)))
+            detections += detections_from_outputs(out.logits.float(), out.pred_boxes.float(),
+                                                  [t["image_id"] for t in targets], val.spec.size)
+    finally:
+        model.train(was_training)
+    return coco_ap(ground_truth, detections)
+
+
+def _batches(cfg: DetectConfig, train: DetectionCanvases, start_step: int) -> Iterator[list[int]]:
+    """The canvas indices of every step from ``start_step`` on: a fresh seeded permutation per pass."""
+    per_pass = len(train) // cfg.batch_size
+    step = start_step
+    while True:
+        epoch, offset = divmod(step, per_pass)
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        for b in range(offset, per_pass):
+            yield order[b * cfg.batch_size:(b + 1) * cfg.batch_size].tolist()
+        step = (epoch + 1) * per_pass
+
+
+def train_detector(cfg: DetectConfig) -> dict[str, Any]:
+    """Run (or resume) ``cfg``; returns the last evaluation row."""
+    cfg.validate()
+    out = Path(cfg.out)
+    with RunDirectory(out):
+        return _train(cfg, out)
+
+
+def _train(cfg: DetectConfig, out: Path) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train, val = datasets(cfg)
+    if len(train) < cfg.batch_size:
+        raise ValueError(f"train_canvases ({len(train)}) is smaller than one batch ({cfg.batch_size})")
+    ground_truth = coco_ground_truth(val)
+    engine.seed_everything(cfg.seed)  # a new run's router init and dropout (a resumed run restores its RNG below)
+    model = build_model(cfg).to(device)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(cfg.steps, cfg.warmup))
+    ckpt_path, metrics_path = out / "checkpoint.pt", out / "metrics.jsonl"
+    step, rows = 0, []
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if state.get("format") != FORMAT or state["config"] != {**cfg.to_dict(), "out": state["config"]["out"]}:
+            raise ValueError(f"{out} holds a run of other settings; choose another out directory")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        engine.set_rng_state(state["rng"])
+        engine.set_router_state(model, state["routers"])
+        step, rows = state["step"], state["rows"]
+        log.info("resumed %s at step %d", out, step)
+    else:
+        files.write_text(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if cfg.router is not None:
+            log.info("converted %s: %s at capacity %.3f", cfg.init, cfg.router, model.amod_config.capacity)
+        rows = [{"step": 0, "images_seen": 0, **evaluate(model, val, ground_truth, amp=cfg.amp)}]
+        log.info("step 0: AP %.4f AP50 %.4f", rows[0]["AP"], rows[0]["AP50"])
+        files.write_text(metrics_path, "".join(files.dumps(r) + "\n" for r in rows))
+    model.train()
+    losses, images, started = [], 0, time.perf_counter()
+    batches = _batches(cfg, train, step)
+    while step < cfg.steps:
+        images_cpu, targets = collate([train[i] for i in next(batches)])
+        labels = [{"class_labels": t["class_labels"].to(device), "boxes": t["boxes"].to(device)} for t in targets]
+        with engine.autocast(cfg.amp, device):
+            loss = model(pixel_values=normalise(images_cpu.to(device)), labels=labels).loss
+        if not torch.isfinite(loss):
+            raise engine.NonFiniteError(f"the loss is {loss.item()} at step {step}; lower lr (now {cfg.lr:g})")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        losses.append(loss.item())
+        images += len(targets)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            speed = images / (time.perf_counter() - started)
+            row = {"step": step, "images_seen": step * cfg.batch_size, "train_loss": sum(losses) / len(losses),
+                   "train_images_per_s": speed, **evaluate(model, val, ground_truth, amp=cfg.amp)}
+            rows.append(row)
+            log.info("step %d/%d: loss %.3f, AP %.4f AP50 %.4f (%.1f training images/s)", step, cfg.steps,
+                     row["train_loss"], row["AP"], row["AP50"], speed)
+            state = {"format": FORMAT, "config": cfg.to_dict(), "model": model.state_dict(),
+                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                     "rng": engine.rng_state(), "routers": engine.router_state(model), "rows": rows}
+            content = any(isinstance(h, ContentQueries) for h in model.model._forward_pre_hooks.values())
+            weights = to_bytes(model, metadata={"amod.detect.step": str(step), CONTENT_QUERIES: str(int(content))})
+            files.write_together([
+                (ckpt_path, lambda f: torch.save(state, f)),
+                (metrics_path, lambda f: f.write("".join(files.dumps(r) + "\n" for r in rows).encode())),
+                (out / "model.safetensors", lambda f: f.write(weights))])
+            losses, images, started = [], 0, time.perf_counter()
+    return rows[-1]

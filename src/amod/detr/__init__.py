@@ -1,0 +1,6 @@
+"""Hugging Face DETRs with a Mixture-of-Depths encoder: ``convert`` (what ``amod.convert`` runs on a DETR),
+``cost`` (what ``amod.flops`` returns for one) and ``models`` (the small DETR amod trains and tests).
+
+Importing this package imports nothing; its modules need ``transformers`` (``pip install 'amod[detr]'``).
+Training and evaluation on the Fashion-MNIST canvases live in ``amod.detect`` (the application side).
+"""
