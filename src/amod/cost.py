@@ -166,12 +166,15 @@ def _cpu_sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) 
     return sdpa_flop_count(q_shape, k_shape, v_shape)
 
 
-def count_flops(model: nn.Module, x: torch.Tensor) -> int:
-    """FLOPs of ``model(x)`` measured by ``torch.utils.flop_counter.FlopCounterMode``.
-
-    Also counts PyTorch's fused CPU attention kernel, which the stock counter leaves out.
-    """
+def flop_counter() -> FlopCounterMode:
+    """A silent ``FlopCounterMode`` that also counts PyTorch's fused CPU attention kernel, which the stock counter
+    leaves out."""
     cpu_sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    with FlopCounterMode(display=False, custom_mapping={cpu_sdpa: _cpu_sdpa_flops}) as counter, torch.no_grad():
+    return FlopCounterMode(display=False, custom_mapping={cpu_sdpa: _cpu_sdpa_flops})
+
+
+def count_flops(model: nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of ``model(x)`` measured by ``torch.utils.flop_counter.FlopCounterMode`` (``flop_counter``)."""
+    with flop_counter() as counter, torch.no_grad():
         model(x)
     return counter.get_total_flops()

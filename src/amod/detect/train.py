@@ -30,7 +30,7 @@ from .config import DetectConfig
 from .canvases import CanvasSpec, DetectionCanvases, coco_ground_truth, collate
 from ..detr.cost import capacity_for_encoder_cost
 from .evaluate import coco_ap, detections_from_outputs
-from ..detr.models import CONTENT_QUERIES, ContentQueries, small_detr, use_content_queries
+from ..detr.models import CONTENT_QUERIES, has_content_queries, small_detr, use_content_queries
 
 log = logging.getLogger("amod")
 # ImageNet statistics, as Hugging Face's DetrImageProcessor normalises (canvases arrive in [0, 1])
@@ -175,8 +175,8 @@ def _train(cfg: DetectConfig, out: Path) -> dict[str, Any]:
             state = {"format": FORMAT, "config": cfg.to_dict(), "model": model.state_dict(),
                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                      "rng": engine.rng_state(), "routers": engine.router_state(model), "rows": rows}
-            content = any(isinstance(h, ContentQueries) for h in model.model._forward_pre_hooks.values())
-            weights = to_bytes(model, metadata={"amod.detect.step": str(step), CONTENT_QUERIES: str(int(content))})
+            weights = to_bytes(model, metadata={"amod.detect.step": str(step),
+                                                CONTENT_QUERIES: str(int(has_content_queries(model)))})
             files.write_together([
                 (ckpt_path, lambda f: torch.save(state, f)),
                 (metrics_path, lambda f: f.write("".join(files.dumps(r) + "\n" for r in rows).encode())),

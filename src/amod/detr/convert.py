@@ -38,7 +38,7 @@ try:
 except ImportError:  # pragma: no cover - the optional extra is missing
     raise ImportError("DETR models need transformers, the optional extra: pip install 'amod[detr]'") from None
 
-from ..mod.block import ScoreHandoff, gated_updates
+from ..mod.block import ScoreHandoff, gated_updates, publish_scores
 from ..mod.config import MoDConfig, resolve_layers, validate_capacity
 from ..mod.routers import ROUTER_CLASSES, Router, build_router
 from ..mod.routing import num_kept, select_tokens
@@ -182,19 +182,10 @@ class DetrMoDEncoderLayer(DetrEncoderLayer):
         ys = super().forward(xs, None, spatial_position_embeddings=ps, **kwargs)
         if self._gated:
             ys = gated_updates(self.router, self.amod.config.scale_output, ys, xs, scores.gather(1, idx))
-        self._publish_scores(scores_in, idx, N)
+        publish_scores(self.amod.out_handoff, scores_in, idx, N)
         if not replay:
             self._record(idx)
         return scatter_tokens(x, idx, ys)
-
-    def _publish_scores(self, scores_in: Optional[torch.Tensor], idx: torch.Tensor, n_full: int) -> None:
-        """Our attention measured scores over the k gathered positions: rescale them by k / N (uniform attention
-        is then 1/N, as over the full sequence) and keep the previous scores of the skipped positions."""
-        out = self.amod.out_handoff
-        if out is None:
-            return
-        sub = out.scores * (idx.shape[1] / n_full)
-        out.scores = scores_in.to(sub.dtype).scatter(1, idx, sub)
 
     def _record(self, idx: torch.Tensor) -> None:
         if self.amod.record:

@@ -13,9 +13,8 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from ..cost import BlockCost, MacsRatios, _cpu_sdpa_flops, validate_cost
+from ..cost import BlockCost, MacsRatios, flop_counter, validate_cost
 from ..mod.routing import num_kept
 from .convert import DetrMoDEncoderLayer, DetrScoringSelfAttention, detr_base, encoder_layers
 
@@ -73,11 +72,10 @@ def measured(model: nn.Module, img_size: ImgSize) -> tuple[int, int, int]:
     hook = encoder.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append(kwargs.get("inputs_embeds", args[0] if args else None).shape[1]),
         with_kwargs=True)
-    cpu_sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     was_training = model.training
     try:
         model.eval()
-        with FlopCounterMode(display=False, custom_mapping={cpu_sdpa: _cpu_sdpa_flops}) as counter, torch.no_grad():
+        with flop_counter() as counter, torch.no_grad():
             model(pixel_values=x)
     finally:
         hook.remove()
@@ -88,13 +86,17 @@ def measured(model: nn.Module, img_size: ImgSize) -> tuple[int, int, int]:
     return total // 2, sum(counts[name].values()) // 2, seen[0]
 
 
+def _positions_and_rest(model: nn.Module, img_size: tuple[int, int]) -> tuple[int, int]:
+    """(encoder positions, MACs of everything but the encoder) at ``img_size``, measured."""
+    total, encoder_counted, n = measured(model, img_size)
+    return n, total - encoder_counted
+
+
 def detr_flops(model: nn.Module, img_size: ImgSize = None, capacity: Optional[float] = None) -> DetrCostReport:
     """Cost of one ``img_size`` image through the DETR ``model`` (dense or converted), priced at ``capacity``
     if given (the model is not changed). The encoder is analytic; the rest is measured (``measured``)."""
     h, w = _img_size(img_size)
-    total, encoder_counted, n = measured(model, (h, w))
-    other = total - encoder_counted
-    return _report(model, (h, w), n, other, capacity)
+    return _report(model, (h, w), *_positions_and_rest(model, (h, w)), capacity)
 
 
 def _report(model: nn.Module, img_size: tuple[int, int], n: int, other: int,
@@ -121,7 +123,6 @@ def capacity_for_encoder_cost(model: nn.Module, cost: float, img_size: ImgSize) 
     if getattr(model, "amod_config", None) is None:
         raise ValueError("model is not an amod MoD model; convert it with amod.convert first")
     h, w = _img_size(img_size)
-    total, encoder_counted, n = measured(model, (h, w))
-    other = total - encoder_counted
+    n, other = _positions_and_rest(model, (h, w))
     ratios = {k / n: _report(model, (h, w), n, other, k / n).encoder_ratio for k in range(1, n + 1)}
     return min(ratios, key=lambda c: (abs(ratios[c] - cost), -c))

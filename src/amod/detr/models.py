@@ -64,9 +64,17 @@ class ContentQueries:
         return args, {**kwargs, "decoder_inputs_embeds": queries.unsqueeze(0).repeat(batch, 1, 1)}
 
 
+def _base(model: nn.Module) -> nn.Module:
+    return model.model if hasattr(model, "class_labels_classifier") else model
+
+
+def has_content_queries(model: nn.Module) -> bool:
+    """Whether the DETR ``model`` starts its decoder from the query embeddings (``use_content_queries``)."""
+    return any(isinstance(h, ContentQueries) for h in _base(model)._forward_pre_hooks.values())
+
+
 def use_content_queries(model: nn.Module) -> nn.Module:
     """Make a DETR start its decoder from the object queries' embeddings (``ContentQueries``), once; in place."""
-    base = model.model if hasattr(model, "class_labels_classifier") else model
-    if not any(isinstance(h, ContentQueries) for h in base._forward_pre_hooks.values()):
-        base.register_forward_pre_hook(ContentQueries(), with_kwargs=True)
+    if not has_content_queries(model):
+        _base(model).register_forward_pre_hook(ContentQueries(), with_kwargs=True)
     return model

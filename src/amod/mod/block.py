@@ -106,6 +106,19 @@ def gated_updates(router: Router, scale_output: bool, ys: torch.Tensor, xs: torc
     return xs + (ys - xs) * gate.unsqueeze(-1).to(ys.dtype)
 
 
+def publish_scores(out: Optional[ScoreHandoff], prev_scores: Optional[torch.Tensor], index: torch.Tensor,
+                   n_full: int) -> None:
+    """Turn the scores a routed block's attention measured over its M gathered tokens (at ``index`` (B, M) of
+    the ``n_full``-token sequence) into full-sequence scores for the next block: rescaled by M / N, so that
+    uniform attention gives 1/N as over the full sequence; the tokens it skipped keep ``prev_scores``."""
+    if out is None:
+        return
+    if prev_scores is None:
+        raise RuntimeError("an MoD block scoring for the next block must itself be attention-routed")
+    sub = out.scores * (index.shape[1] / n_full)  # (B, M) from the scoring attention, over the gathered tokens
+    out.scores = prev_scores.to(sub.dtype).scatter(1, index, sub)
+
+
 @dataclass
 class MoDSettings:
     """What an MoD block knows besides its weights and its router; set once by ``amod.convert``."""
@@ -208,13 +221,9 @@ class MoDBlock(Block):
 
     def _publish_scores(self, prev_scores: Optional[torch.Tensor], index: Optional[torch.Tensor], n_full: int) -> None:
         """Turn the scores our attention measured on the gathered tokens into full-sequence scores."""
-        out = self.amod.out_handoff
-        if out is None or index is None:
-            return  # nothing to do, or every token was processed and the scores are already full length
-        if prev_scores is None:
-            raise RuntimeError("an MoD block scoring for the next block must itself be attention-routed")
-        sub = out.scores * (index.shape[1] / n_full)  # (B, M) from ScoringAttention, over the gathered tokens
-        out.scores = prev_scores.to(sub.dtype).scatter(1, index, sub)
+        if index is None:
+            return  # every token was processed: the scores are already full length
+        publish_scores(self.amod.out_handoff, prev_scores, index, n_full)
 
     def _record(self, patch_idx: torch.Tensor) -> None:
         if self.amod.record:
