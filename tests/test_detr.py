@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -170,6 +171,20 @@ def test_training_with_gradient_checkpointing_gives_the_same_gradients(dense, im
         assert torch.allclose(plain[name], checkpointed[name], atol=1e-6, rtol=1e-4), name
 
 
+def test_reentrant_checkpointing_refuses_scaled_a_mod_and_trains_the_rest(dense, images):
+    """Reentrant checkpointing runs each layer's forward without grad: the gradient that scaled A-MoD outputs send
+    through the scores into the layer before would be lost, so it is refused; unscaled A-MoD trains."""
+    def loss_of(scale_output: bool) -> torch.Tensor:
+        model = amod.convert(copy.deepcopy(dense), router="attention", capacity=0.5, scale_output=scale_output)
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return model(pixel_values=images.clone().requires_grad_(), labels=_targets()).loss
+
+    with pytest.raises(RuntimeError, match="use_reentrant': False"):
+        loss_of(True)
+    loss_of(False).backward()
+
+
 def test_bf16_autocast_runs_and_stays_close(dense, images):
     model = amod.convert(copy.deepcopy(dense), router="attention", capacity=0.5)
     with torch.no_grad():
@@ -208,3 +223,97 @@ def test_a_detr_with_a_timm_backbone_saves_and_loads(images, tmp_path):
     loaded = amod.load(path)
     with torch.no_grad():
         assert torch.equal(loaded(pixel_values=images).logits, model(pixel_values=images).logits)
+
+
+# ---------------------------------------------------------------- what users do with a model: compile, ONNX, DDP
+
+@pytest.mark.parametrize("router", ["attention", "feature-norm"])
+def test_compiles_without_graph_breaks_and_matches_eager(dense, images, router):
+    """fullgraph=True fails on any graph break. While tracing, transformers hands the all-ones pixel mask on as
+    a built mask rather than None; the MoD layers take it (a trace cannot read its values)."""
+    import torch._dynamo
+
+    model = amod.convert(copy.deepcopy(dense), router=router, capacity=0.5).eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(pixel_values=images)
+        got = torch.compile(model, backend="aot_eager", fullgraph=True)(pixel_values=images)
+    torch._dynamo.reset()
+    assert (got.logits - expected.logits).abs().max() < 1e-5
+    assert (got.pred_boxes - expected.pred_boxes).abs().max() < 1e-5
+
+
+def test_onnx_export_with_a_dynamic_batch_matches_onnx_runtime(dense, images, tmp_path):
+    """torch.onnx.export (dynamo) of a converted DETR, its two outputs checked in ONNX Runtime on two batch sizes."""
+    pytest.importorskip("onnxscript", reason="the dynamo exporter needs the onnx extra: pip install 'amod[onnx]'")
+    ort = pytest.importorskip("onnxruntime", reason="the check needs the onnx extra: pip install 'amod[onnx]'")
+
+    class Boxes(torch.nn.Module):  # tensors out, as an exporter wants
+        def __init__(self, detr: torch.nn.Module) -> None:
+            super().__init__()
+            self.detr = detr
+
+        def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = self.detr(pixel_values=pixel_values)
+            return out.logits, out.pred_boxes
+
+    model = Boxes(amod.convert(copy.deepcopy(dense), router="attention", capacity=0.5)).eval()
+    path = tmp_path / "detr.onnx"
+    with pytest.raises(TypeError, match="for a DETR, torch.onnx.export a wrapper"):  # amod.export is for ViTs
+        amod.export(model.detr, path)
+    with torch.no_grad():
+        torch.onnx.export(model, (images,), str(path), dynamo=True, input_names=["pixel_values"],
+                          output_names=["logits", "pred_boxes"], external_data=False, verbose=False,
+                          dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (images, torch.rand(3, 3, IMG, IMG, generator=torch.Generator().manual_seed(2))):
+        with torch.no_grad():
+            expected = model(batch)
+        got = session.run(None, {"pixel_values": batch.numpy()})
+        for g, e in zip(got, expected):
+            assert g.shape == tuple(e.shape) and abs(g - e.numpy()).max() < 1e-4
+
+
+DDP_SCRIPT = """
+import sys, torch, torch.distributed as dist, amod
+from amod.detr.models import small_detr
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = small_detr(d_model=32, ffn=64, heads=4, encoder_layers=4, decoder_layers=1, num_queries=4)
+model = amod.convert(model, router=sys.argv[1], capacity=0.5).train()
+ddp = torch.nn.parallel.DistributedDataParallel(model)  # no find_unused_parameters: every parameter trains
+optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(10 + rank)  # each rank its own images
+for _ in range(2):
+    x = torch.rand(2, 3, 64, 64, generator=g)
+    labels = [{"class_labels": torch.tensor([rank]), "boxes": torch.tensor([[0.4, 0.5, 0.2, 0.3]])}] * 2
+    loss = ddp(pixel_values=x, labels=labels).loss
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+router_weight = sum(p.detach().abs().sum() for n, p in model.named_parameters() if ".router." in n)
+checksum = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters())), float(router_weight)])
+sums = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
+dist.all_gather(sums, checksum.double())
+if rank == 0:
+    print("CHECKSUMS", [s.tolist() for s in sums], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_two_processes_train_a_learned_router_to_identical_weights(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_detr.py"
+    script.write_text(DDP_SCRIPT)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), "standard"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [s for s in res.stdout.splitlines() if s.startswith("CHECKSUMS")]
+    assert lines, res.stdout[-3000:] + res.stderr[-3000:]
+    (total0, router0), (total1, router1) = json.loads(lines[0].split(" ", 1)[1])
+    assert total0 == total1 and router0 == router1 and router0 > 0, lines[0]

@@ -348,7 +348,9 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     path = check_output_file(path)
     prepare_hf(model)  # a Hugging Face ViT/DeiT/DINOv2 gets timm's names (amod.hf)
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
-        raise TypeError(f"amod.export takes a timm VisionTransformer, got {type(model).__name__}")
+        detr = " (for a DETR, torch.onnx.export a wrapper returning its logits and pred_boxes: docs/detr.md)" \
+            if type(model).__name__ in ("DetrModel", "DetrForObjectDetection") else ""
+        raise TypeError(f"amod.export takes a timm VisionTransformer, got {type(model).__name__}{detr}")
     hf = is_hf_model(model)
     if hf and img_size is not None and pair(img_size) != pair(model.patch_embed.img_size):
         raise ValueError(f"a Hugging Face model exports at its config's image_size {pair(model.patch_embed.img_size)}; "

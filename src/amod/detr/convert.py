@@ -38,11 +38,11 @@ try:
 except ImportError:  # pragma: no cover - the optional extra is missing
     raise ImportError("DETR models need transformers, the optional extra: pip install 'amod[detr]'") from None
 
-from ..mod.block import ScoreHandoff, gated_updates, publish_scores
+from ..mod.block import RoutedForward, ScoreHandoff, gated_updates, publish_scores
 from ..mod.config import MoDConfig, resolve_layers, validate_capacity
 from ..mod.routers import ROUTER_CLASSES, Router, build_router
 from ..mod.routing import num_kept, select_tokens
-from ..ops import attention_with_scores, recomputing
+from ..ops import attention_with_scores, recomputing, tracing
 from ..tokens import ForwardMemo, gather_tokens, scatter_tokens
 
 DETR_CLASSES = ("DetrModel", "DetrForObjectDetection")
@@ -137,37 +137,24 @@ class DetrMoDSettings:
     memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False, compare=False)
 
 
-class DetrMoDEncoderLayer(DetrEncoderLayer):
+class DetrMoDEncoderLayer(RoutedForward, DetrEncoderLayer):
     """A ``DetrEncoderLayer`` that processes the top-k positions of its router and copies the others through."""
 
-    router: Router
     amod: DetrMoDSettings
-
-    @property
-    def _gated(self) -> bool:
-        return self.amod.config.scale_output or (self.router.learnable and torch.is_grad_enabled())
+    amod_label = "DETR MoD layer"
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 spatial_position_embeddings: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
         _refuse_mask(attention_mask)
-        x = hidden_states
-        if recomputing():  # gradient checkpointing's recompute: route as the forward did, hand nothing on
-            scores_in, draws = self.amod.memo.recall(x, "DETR MoD layer")
-            try:
-                return self._route(x, spatial_position_embeddings, scores_in, draws, True, kwargs)
-            finally:
-                if self.amod.out_handoff is not None:
-                    self.amod.out_handoff.scores = None
-        if self.amod.feature_norms is not None:
-            scores_in = self.amod.feature_norms.norms
-        else:
-            scores_in = self.amod.in_handoff.take() if self.amod.in_handoff is not None else None
-        draws = self.router.draw_state()
-        self.amod.memo.remember(x, (scores_in, draws))
-        return self._route(x, spatial_position_embeddings, scores_in, draws, False, kwargs)
+        return self._routed(hidden_states, spatial_position_embeddings, kwargs)
 
-    def _route(self, x: torch.Tensor, pos: Optional[torch.Tensor], scores_in: Optional[torch.Tensor],
-               draws: Optional[int], replay: bool, kwargs: dict) -> torch.Tensor:
+    def _incoming_scores(self) -> Optional[torch.Tensor]:
+        if self.amod.feature_norms is not None:  # the encoder input's norms, the same for every MoD layer
+            return self.amod.feature_norms.norms
+        return super()._incoming_scores()
+
+    def _route(self, x: torch.Tensor, scores_in: Optional[torch.Tensor], draws: Optional[int], replay: bool,
+               pos: Optional[torch.Tensor], kwargs: dict) -> torch.Tensor:
         B, N, D = x.shape
         k = num_kept(self.amod.config.capacity, N)
         if k == N and not self._gated:  # every position processed: the layer as it was
@@ -187,13 +174,15 @@ class DetrMoDEncoderLayer(DetrEncoderLayer):
             self._record(idx)
         return scatter_tokens(x, idx, ys)
 
-    def _record(self, idx: torch.Tensor) -> None:
-        if self.amod.record:
-            self.amod_last_index = idx.detach()
-
 
 def _refuse_mask(attention_mask: Optional[torch.Tensor]) -> None:
-    if attention_mask is not None:
+    """Refuse a mask that masks anything. transformers hands an all-ones pixel mask on as None in eager mode,
+    but as a built mask while tracing (torch.compile, export), whose values a trace cannot read: there the
+    batch is taken to be pad-free, as documented."""
+    if attention_mask is None or tracing():
+        return
+    attends = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    if not bool(attends.all()):
         raise ValueError("an amod DETR encoder takes batches without padding (a pixel_mask of ones: images of one "
                          "size); its MoD layers run attention on a subset of the positions, without a mask")
 

@@ -1,6 +1,6 @@
 """The DETRs amod trains and tests: Hugging Face ``DetrForObjectDetection`` built from a config (no hub).
 
-``small_detr`` is sized for a CPU: a three-stage ResNet (``transformers``' own, random weights) to stride 8, so a
+``small_detr`` is sized for a CPU: a two-stage ResNet (``transformers``' own, random weights) to stride 8, so a
 128 x 128 canvas gives the encoder 16 x 16 = 256 positions, enough for routing to matter; a 6-layer encoder
 (MoD on layers 1, 3, 5 by default) and a 3-layer decoder of width 128. A user with a network loads a
 pretrained one instead (``DetrForObjectDetection.from_pretrained("facebook/detr-resnet-50")``): amod's
@@ -23,8 +23,10 @@ def small_detr_config(num_labels: int = 10, d_model: int = 128, encoder_layers: 
                       **overrides: Any) -> DetrConfig:
     """A ``DetrConfig`` with a small random-weight ResNet backbone of stride 8 (``overrides``: any other
     ``DetrConfig`` field)."""
+    # two stages, the second's output (stride 8) feeding the encoder: a stage after it would run, and train
+    # nothing, on every forward (and leave DDP parameters without a gradient)
     backbone = ResNetConfig(num_channels=3, embedding_size=backbone_width,
-                            hidden_sizes=[backbone_width, 2 * backbone_width, 4 * backbone_width], depths=[1, 1, 1],
+                            hidden_sizes=[backbone_width, 2 * backbone_width], depths=[1, 1],
                             layer_type="basic", out_features=["stage2"])
     return DetrConfig(use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
                       d_model=d_model, encoder_layers=encoder_layers, decoder_layers=decoder_layers,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,58 @@ class MoDSettings:
     memo: ForwardMemo = field(default_factory=ForwardMemo, repr=False, compare=False)
 
 
-class MoDBlock(Block):
+class RoutedForward:
+    """The forward every MoD layer shares, timm's ``MoDBlock`` and DETR's ``DetrMoDEncoderLayer``: read the
+    incoming scores and the router's draw state and remember them; in gradient checkpointing's recompute,
+    route as the forward did and hand nothing on.
+
+    A subclass has ``router``, ``amod`` (its settings: ``config``, ``in_handoff``, ``out_handoff``, ``record``,
+    ``memo``) and ``_route(x, scores, draws, replay, *args)``, which it calls through ``_routed(x, *args)``.
+    """
+
+    router: Router
+    amod_label = "MoD block"  # in the errors
+
+    @property
+    def _gated(self) -> bool:
+        """Whether kept tokens' updates go through the router gate: scaled outputs, or the straight-through
+        estimator of a learned router whose output is not scaled (so that the router still learns)."""
+        return self.amod.config.scale_output or (self.router.learnable and torch.is_grad_enabled())
+
+    def _routed(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        if not recomputing():
+            return self._route(x, *self._read_inputs(x), False, *args)
+        # gradient checkpointing's recompute: route as the forward did (its scores, its draws), hand nothing on
+        try:
+            return self._route(x, *self.amod.memo.recall(x, self.amod_label), True, *args)
+        finally:  # (also when the recompute stops early, as soon as it has what the backward needs)
+            if self.amod.out_handoff is not None:
+                self.amod.out_handoff.scores = None
+
+    def _incoming_scores(self) -> Optional[torch.Tensor]:
+        """The scores this forward ranks by, before its router: the previous layer's attention, if any."""
+        return self.amod.in_handoff.take() if self.amod.in_handoff is not None else None
+
+    def _read_inputs(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[int]]:
+        """The incoming scores and the router's draw state for this forward, remembered for a recompute."""
+        scores = self._incoming_scores()
+        if self.amod.in_handoff is not None and scores is not None and self.amod.config.scale_output \
+                and not torch.is_grad_enabled() and x.requires_grad:  # reentrant checkpointing's forward
+            raise RuntimeError("reentrant gradient checkpointing runs the layers without grad, so the gradient that "
+                               "A-MoD's scaled outputs send through the scores into the layer before would be "
+                               "lost; use non-reentrant checkpointing (timm's default: "
+                               "timm.layers.set_reentrant_ckpt(False); transformers: gradient_checkpointing_kwargs="
+                               "{'use_reentrant': False}) or scale_output=False")
+        draws = self.router.draw_state()
+        self.amod.memo.remember(x, (scores, draws))
+        return scores, draws
+
+    def _record(self, idx: torch.Tensor) -> None:
+        if self.amod.record:
+            self.amod_last_index = idx.detach()
+
+
+class MoDBlock(RoutedForward, Block):
     """timm ``Block`` that processes only the prefix tokens and the top-k routed patch tokens.
 
     Attributes set by ``amod.convert``: ``router`` (a submodule; a learned router has parameters) and
@@ -140,7 +191,6 @@ class MoDBlock(Block):
     ``amod_last_index`` holds the (B, k) kept patch indices.
     """
 
-    router: Router
     amod: MoDSettings
 
     def block_output(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -148,26 +198,12 @@ class MoDBlock(Block):
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
-    @property
-    def _gated(self) -> bool:
-        """Whether kept tokens' updates go through the router gate: scaled outputs, or the straight-through
-        estimator of a learned router whose output is not scaled (so that the router still learns)."""
-        config = self.amod.config
-        return config.scale_output or (self.router.learnable and torch.is_grad_enabled())
-
     def forward(
         self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
     ) -> torch.Tensor:
         if attn_mask is not None or is_causal:
             raise NotImplementedError("MoD blocks do not support attention masks or causal attention")
-        if not recomputing():
-            return self._route(x, *self._read_inputs(x), replay=False)
-        # gradient checkpointing's recompute: route as the forward did (its scores, its draws), hand nothing on
-        try:
-            return self._route(x, *self.amod.memo.recall(x, "MoD block"), replay=True)
-        finally:  # (also when the recompute stops early, as soon as it has what the backward needs)
-            if self.amod.out_handoff is not None:
-                self.amod.out_handoff.scores = None
+        return self._routed(x)
 
     def _route(self, x: torch.Tensor, prev_scores: Optional[torch.Tensor], draws: Optional[int],
                replay: bool) -> torch.Tensor:
@@ -193,20 +229,6 @@ class MoDBlock(Block):
             self._record(patch_idx)
         return out
 
-    def _read_inputs(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[int]]:
-        """The previous block's scores and the router's draw state for this forward, remembered for a
-        recompute (gradient checkpointing)."""
-        prev_scores = self.amod.in_handoff.take() if self.amod.in_handoff is not None else None
-        if prev_scores is not None and self.amod.config.scale_output and not torch.is_grad_enabled() \
-                and x.requires_grad:  # no grad, yet an input that wants it: reentrant checkpointing's forward
-            raise RuntimeError("reentrant gradient checkpointing runs the blocks without grad, so the gradient that "
-                               "A-MoD's scaled outputs send through the scores into the block before would be "
-                               "lost; use timm.layers.set_reentrant_ckpt(False) (timm's default) or "
-                               "scale_output=False")
-        draws = self.router.draw_state()
-        self.amod.memo.remember(x, (prev_scores, draws))
-        return prev_scores, draws
-
     # ------------------------------------------------------------ shared pieces
 
     def gate_updates(self, ys: torch.Tensor, xs: torch.Tensor, patch_idx: torch.Tensor,
@@ -224,10 +246,6 @@ class MoDBlock(Block):
         if index is None:
             return  # every token was processed: the scores are already full length
         publish_scores(self.amod.out_handoff, prev_scores, index, n_full)
-
-    def _record(self, patch_idx: torch.Tensor) -> None:
-        if self.amod.record:
-            self.amod_last_index = patch_idx.detach()
 
     # ------------------------------------------------------------ cost
 
