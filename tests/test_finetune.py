@@ -79,7 +79,7 @@ def test_every_method_is_set_to_the_cost_or_named(backbone_path):
 def test_the_study_resumes_after_a_kill_with_the_same_results(backbone_path, tmp_path, capsys):
     """One uninterrupted study; a second one killed (SIGKILL) right after an evaluation in the middle of a
     run, then rerun: every row, down to each test image's correctness, is the same."""
-    extra = ["--methods", "A-MoD fold", "random"]
+    extra = ["--methods", "A-MoD fold", "random", "--amp", "bf16"]  # and the one fp32 dense run that checks it
     assert amod_main(study_argv(backbone_path, tmp_path / "whole", *extra)) == 0
     whole = final_rows(tmp_path / "whole")
     report = json.loads((tmp_path / "whole" / "finetune.json").read_text())
