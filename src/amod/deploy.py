@@ -37,7 +37,7 @@ from torch import nn
 
 from .arch import pair, set_input_size
 from .files import _remove_quietly
-from .hf import is_hf_model, prepare as prepare_hf
+from .hf import is_detr_model, is_hf_model, prepare as prepare_hf
 from .methods import method_of
 from .mod.routers import SeededDraws
 
@@ -349,7 +349,7 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     prepare_hf(model)  # a Hugging Face ViT/DeiT/DINOv2 gets timm's names (amod.hf)
     if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
         detr = " (for a DETR, torch.onnx.export a wrapper returning its logits and pred_boxes: docs/detr.md)" \
-            if type(model).__name__ in ("DetrModel", "DetrForObjectDetection") else ""
+            if is_detr_model(model) else ""
         raise TypeError(f"amod.export takes a timm VisionTransformer, got {type(model).__name__}{detr}")
     hf = is_hf_model(model)
     if hf and img_size is not None and pair(img_size) != pair(model.patch_embed.img_size):
