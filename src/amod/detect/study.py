@@ -91,16 +91,25 @@ def summarise(cfg: DetectStudyConfig) -> list[dict[str, Any]]:
     return table
 
 
-def speeds(cfg: DetectStudyConfig) -> dict[str, dict[str, float]]:
+Arm = tuple[Optional[float], Optional[str]]
+
+
+def seed0_models(cfg: DetectStudyConfig) -> dict[Arm, nn.Module]:
+    """Seed 0's finished model of every arm that has one, loaded once for the report's speeds, costs and picture."""
+    models = {}
+    for cost, router in arms(cfg):
+        path = Path(cfg.run_config(cost, router, 0).out) / "model.safetensors"
+        if path.exists():
+            models[(cost, router)] = load_detector(path).eval()
+    return models
+
+
+def speeds(cfg: DetectStudyConfig, arm_models: dict[Arm, nn.Module]) -> dict[str, dict[str, float]]:
     """Images/s of the whole model and of the encoder alone, every arm (seed 0's model) interleaved with dense."""
     _, val = datasets(cfg.run_config(None, None, 0))
     images, _ = collate([val[i] for i in range(min(cfg.speed_batch, len(val)))])
     x = normalise(images)
-    models: dict[str, nn.Module] = {}
-    for cost, router in arms(cfg):
-        path = Path(cfg.run_config(cost, router, 0).out) / "model.safetensors"
-        if path.exists():
-            models["dense" if router is None else f"{router} @ {cost:g}"] = load_detector(path).eval()
+    models = {"dense" if router is None else f"{router} @ {cost:g}": m for (cost, router), m in arm_models.items()}
     encoder_inputs = {}
     for name, model in models.items():
         captured = {}
@@ -118,7 +127,8 @@ def speeds(cfg: DetectStudyConfig) -> dict[str, dict[str, float]]:
             for name in models}
 
 
-def kept_positions_figure(cfg: DetectStudyConfig, path: Path, cost: float, canvases: int = 4) -> Optional[Path]:
+def kept_positions_figure(cfg: DetectStudyConfig, arm_models: dict[Arm, nn.Module], path: Path, cost: float,
+                          canvases: int = 4) -> Optional[Path]:
     """For each router at ``cost`` (seed 0's finetuned model): a few validation canvases with, per feature-map
     position, how many of the MoD layers processed it."""
     import matplotlib
@@ -129,10 +139,9 @@ def kept_positions_figure(cfg: DetectStudyConfig, path: Path, cost: float, canva
     images, targets = collate([val[i] for i in range(canvases)])
     rows = []
     for router in cfg.routers:
-        model_path = Path(cfg.run_config(cost, router, 0).out) / "model.safetensors"
-        if not model_path.exists():
+        model = arm_models.get((cost, router))
+        if model is None:
             continue
-        model = load_detector(model_path).eval()
         set_recording(model)
         seen = {}
         hook = model.model.encoder.register_forward_pre_hook(
@@ -170,18 +179,15 @@ def kept_positions_figure(cfg: DetectStudyConfig, path: Path, cost: float, canva
 def write_report(cfg: DetectStudyConfig) -> Path:
     out = Path(cfg.out)
     table = summarise(cfg)
-    speed = speeds(cfg)
-    dense_model = Path(cfg.run_config(None, None, 0).out) / "model.safetensors"
+    models = seed0_models(cfg)
+    speed = speeds(cfg, models)
     costs = {}
-    if dense_model.exists():
-        for cost, router in arms(cfg):
-            path = Path(cfg.run_config(cost, router, 0).out) / "model.safetensors"
-            if path.exists():
-                model = load_detector(path)
-                report = detr_flops(model, cfg.run_config(cost, router, 0).canvas_size)
-                costs[(cost, router)] = {"capacity": getattr(getattr(model, "amod_config", None), "capacity", 1.0),
-                                         "encoder": report.encoder_ratio, "model": report.ratio}
-    picture = kept_positions_figure(cfg, out / "detr_kept_positions.png", min(cfg.costs))
+    if (None, None) in models:  # ratios need the dense model
+        for (cost, router), model in models.items():
+            report = detr_flops(model, cfg.run_config(cost, router, 0).canvas_size)
+            costs[(cost, router)] = {"capacity": getattr(getattr(model, "amod_config", None), "capacity", 1.0),
+                                     "encoder": report.encoder_ratio, "model": report.ratio}
+    picture = kept_positions_figure(cfg, models, out / "detr_kept_positions.png", min(cfg.costs))
 
     def fmt(ms: Optional[tuple[float, float]]) -> str:
         return "–" if ms is None else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
