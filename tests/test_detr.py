@@ -277,6 +277,7 @@ def test_onnx_export_with_a_dynamic_batch_matches_onnx_runtime(dense, images, tm
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist, amod
 from amod.detr.models import small_detr
+from amod.train.engine import teardown_distributed
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
@@ -298,7 +299,7 @@ sums = [torch.zeros(2, dtype=torch.float64) for _ in range(2)]
 dist.all_gather(sums, checksum.double())
 if rank == 0:
     print("CHECKSUMS", [s.tolist() for s in sums], flush=True)
-dist.destroy_process_group()
+teardown_distributed()  # barrier, then destroy: a rank that leaves first can make the other abort at exit
 """
 
 

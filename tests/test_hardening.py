@@ -193,34 +193,34 @@ def test_an_empty_batch_gives_an_empty_output_like_timm(skipped):
 
 # ---------------------------------------------------------------- one run per directory
 
-def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(tmp_path):
+def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["train", *TINY, "--train-limit", "15000", "--epochs", "3", "--out", str(out)]
     first = subprocess.Popen([sys.executable, "-m", "amod", *args, "--seed", "1"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while not (out / "train.log").exists() and time.time() < deadline and first.poll() is None:
+        started = (out / "train.log", out / "config.yaml")
+        while not all(f.exists() for f in started) and time.time() < deadline and first.poll() is None:
             time.sleep(0.05)
         assert first.poll() is None, "the first run ended before the second could start"
         second = amod_cli(*args, "--seed", "2")
         assert second.returncode == 2
         assert f"is in use by another amod run (pid {first.pid})" in second.stderr
         assert len(second.stderr.strip().splitlines()) == 1
-    finally:
-        _, err = first.communicate(timeout=600)
-    assert first.returncode == 0, err
-    rows = read_metrics(out / "metrics.jsonl")
-    assert [r["epoch"] for r in rows] == [1, 2, 3]
-    import yaml
+        import yaml
 
-    assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == 1
+        assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == 1  # the refused run wrote nothing
+        assert first.poll() in (None, 0), "the first run failed when the second was refused"
+    finally:
+        first.kill()  # its own finishing is what every other training test checks
+        first.communicate(timeout=60)
     # a lock file left by a process that no longer exists does not block a new run
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / ".amod.lock").write_text("999999\n")
-    res = amod_cli("train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(stale))
-    assert res.returncode == 0, res.stderr
+    code, err = run_in_process(["train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(stale)], capsys)
+    assert code == 0, err
 
 
 def test_resuming_with_more_epochs_is_refused_and_changes_nothing(tmp_path, capsys):
@@ -424,12 +424,15 @@ FOLDER_MODEL = ["--model", "vit_tiny_patch16_224", "--img-size", "32", "--patch-
                 "--embed-dim", "32", "--num-heads", "2", "--batch-size", "8"]
 
 
-def test_unreadable_images_are_named_or_skipped_and_counted(image_folder, tmp_path):
+def test_unreadable_images_are_named_or_skipped_and_counted(image_folder, tmp_path, capsys):
+    # the refusals run in this process (an uncaught exception would fail the test); the skipping train runs as
+    # a console command, so its log lines on stderr are what a user sees
     data = f"imagefolder:{image_folder}"
-    res = amod_cli("train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--out", str(tmp_path / "a"))
-    assert res.returncode == 2
-    last = res.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in res.stderr and "cannot read image" in last and "--skip-bad-images" in last
+    code, err = run_in_process(["train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--out", str(tmp_path / "a")],
+                               capsys)
+    assert code == 2
+    last = err.splitlines()[-1]
+    assert "cannot read image" in last and "--skip-bad-images" in last
     assert any(name in last for name in ("empty.jpg", "corrupt.png", "truncated.jpg"))
 
     res = amod_cli("train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--skip-bad-images", "--out", str(tmp_path / "b"))
@@ -439,11 +442,10 @@ def test_unreadable_images_are_named_or_skipped_and_counted(image_folder, tmp_pa
     assert "skipped 6 unreadable images" in res.stderr
 
     model = str(tmp_path / "b" / "model.safetensors")
-    res = amod_cli("eval", "--checkpoint", model, "--data", data)
-    assert res.returncode == 2 and "cannot read image" in res.stderr and "Traceback" not in res.stderr
-    res = amod_cli("eval", "--checkpoint", model, "--data", data, "--skip-bad-images", "--json")
-    assert res.returncode == 0, res.stderr
-    out = strict_json(res.stdout)
+    code, err = run_in_process(["eval", "--checkpoint", model, "--data", data], capsys)
+    assert code == 2 and "cannot read image" in err
+    assert amod_main(["eval", "--checkpoint", model, "--data", data, "--skip-bad-images", "--json"]) == 0
+    out = strict_json(capsys.readouterr().out)
     assert out["images"] == 24 and out["skipped_images"] == 3
 
 
