@@ -32,3 +32,14 @@ def images(model: torch.nn.Module, batch: int = 2, seed: int = 1) -> torch.Tenso
 @pytest.fixture
 def tiny_vit():
     return make_model("vit")
+
+
+def run_in_process(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit status, stderr) of ``amod argv`` run in this process (argparse errors exit by SystemExit)."""
+    from amod.cli import main as amod_main
+
+    try:
+        code = amod_main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip()

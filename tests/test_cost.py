@@ -7,7 +7,7 @@ import sys
 import pytest
 import timm
 import torch
-from conftest import images, make_model
+from conftest import images, make_model, run_in_process
 
 import amod
 from amod.cost import count_flops
@@ -78,19 +78,11 @@ def test_cli_flops_prints_the_table_and_fails_cleanly(capsys):
     run = subprocess.run([sys.executable, "-m", "amod", "flops", "deit_tiny_patch16_224", "--capacity", "1", "0.125"],
                          capture_output=True, text=True, check=True)
     assert "deit_tiny_patch16_224" in run.stdout and "1.254" in run.stdout and "0.568" in run.stdout
-
-    def refused(*argv: str) -> str:
-        try:
-            code = amod_main(["flops", *argv])
-        except SystemExit as e:  # argparse's errors exit
-            code = e.code
-        assert code == 2
-        return capsys.readouterr().err
-
-    err = refused("no_such_model")
-    assert len(err.strip().splitlines()) == 1
+    code, err = run_in_process(["flops", "no_such_model"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith("amod flops: error: unknown timm model 'no_such_model' (a Hugging Face model: ")
-    assert "capacity must be in (0, 1]" in refused("deit_tiny_patch16_224", "--capacity", "2")
+    code, err = run_in_process(["flops", "deit_tiny_patch16_224", "--capacity", "2"], capsys)
+    assert code == 2 and "capacity must be in (0, 1]" in err
     assert amod_main(["flops", "deit_tiny_patch16_224", "--capacity", "0.5", "--skipped", "merge",
                       "--tome-cost", "0.56"]) == 0
     stdout = capsys.readouterr().out
