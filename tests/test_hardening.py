@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import timm
-from conftest import run_in_process
 import torch
-from conftest import make_model
+from conftest import make_model, run_in_process
 
 import amod
 from amod import files
