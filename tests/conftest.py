@@ -1,6 +1,8 @@
 """Small registered timm models, one per supported family, cheap enough for the CPU."""
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import timm
 import torch
@@ -34,12 +36,22 @@ def tiny_vit():
     return make_model("vit")
 
 
-def run_in_process(argv: list[str], capsys) -> tuple[int, str]:
-    """(exit status, stderr) of ``amod argv`` run in this process (argparse errors exit by SystemExit)."""
+def cli_in_process(argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """``amod argv`` run in this process, returned as a CompletedProcess (code, stdout, stderr). It starts at
+    once: a subprocess spends seconds importing torch, timm and torchvision on this 2-core machine.
+    Argparse errors exit by SystemExit."""
     from amod.cli import main as amod_main
 
+    capsys.readouterr()  # drop what the test printed before
     try:
         code = amod_main(argv)
     except SystemExit as e:
         code = e.code
-    return code, capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["amod", *argv], code, out, err)
+
+
+def run_in_process(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit status, stderr) of ``amod argv`` run in this process."""
+    res = cli_in_process(argv, capsys)
+    return res.returncode, res.stderr.strip()

@@ -1,13 +1,11 @@
 """Analytic cost against FlopCounterMode and timm's published figures; the isoFLOP baseline."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import timm
 import torch
-from conftest import images, make_model, run_in_process
+from conftest import cli_in_process, images, make_model, run_in_process
 
 import amod
 from amod.cost import count_flops
@@ -74,9 +72,8 @@ def test_isoflop_baseline_matches_cost_and_keeps_pretrained_blocks(capacity):
 def test_cli_flops_prints_the_table_and_fails_cleanly(capsys):
     from amod.cli import main as amod_main
 
-    # one run of the console command itself (stdout, exit status 0); the rest in this process
-    run = subprocess.run([sys.executable, "-m", "amod", "flops", "deit_tiny_patch16_224", "--capacity", "1", "0.125"],
-                         capture_output=True, text=True, check=True)
+    run = cli_in_process(["flops", "deit_tiny_patch16_224", "--capacity", "1", "0.125"], capsys)
+    assert run.returncode == 0, run.stderr
     assert "deit_tiny_patch16_224" in run.stdout and "1.254" in run.stdout and "0.568" in run.stdout
     code, err = run_in_process(["flops", "no_such_model"], capsys)
     assert code == 2 and len(err.splitlines()) == 1

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import make_model, run_in_process
+from conftest import cli_in_process, make_model, run_in_process
 
 import amod
 from amod import files
@@ -261,18 +261,18 @@ def _small_tmpfs(path: Path, size: str) -> bool:
     return res.returncode == 0
 
 
-def test_training_on_a_full_disk_stops_with_one_line_and_no_temporary_file(tmp_path):
+def test_training_on_a_full_disk_stops_with_one_line_and_no_temporary_file(tmp_path, capsys):
     disk = tmp_path / "disk"
     if not _small_tmpfs(disk, "300k"):
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
     try:
-        res = amod_cli("train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(disk / "run"))
+        res = cli_in_process(["train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(disk / "run")], capsys)
         assert res.returncode == 2
         assert "no space left on device while writing" in res.stderr and len(res.stderr.strip().splitlines()) >= 1
         last = res.stderr.strip().splitlines()[-1]
         assert last.startswith("amod train: error: no space left on device while writing")
         assert not [p for p in (disk / "run").iterdir() if p.name.endswith(".tmp")]
-        again = amod_cli("train", "--resume", "--out", str(disk / "run"))
+        again = cli_in_process(["train", "--resume", "--out", str(disk / "run")], capsys)
         assert again.returncode == 2 and "Traceback" not in again.stderr
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
@@ -309,7 +309,7 @@ def test_a_full_disk_in_epoch_2_leaves_the_run_at_epoch_1(name, tmp_path, monkey
     assert [r["epoch"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
 
 
-def test_a_completely_full_disk_names_the_lock_file(tmp_path, monkeypatch):
+def test_a_completely_full_disk_names_the_lock_file(tmp_path, monkeypatch, capsys):
     import amod.train.rundir as rundir
 
     def no_space(fd, data):
@@ -332,7 +332,7 @@ def test_a_completely_full_disk_names_the_lock_file(tmp_path, monkeypatch):
             pass
         finally:
             os.close(fd)
-        res = amod_cli("train", *TINY, *SHORT, "--out", str(disk / "run"))
+        res = cli_in_process(["train", *TINY, *SHORT, "--out", str(disk / "run")], capsys)
         assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
         assert f"no space left on device while writing {disk / 'run' / '.amod.lock'}" in res.stderr
     finally:
@@ -341,8 +341,9 @@ def test_a_completely_full_disk_names_the_lock_file(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- diverging runs, strict JSON
 
-def test_a_diverging_run_stops_with_a_clear_message_and_no_nan_in_any_file(tmp_path):
-    res = amod_cli("train", *TINY, "--train-limit", "128", "--epochs", "1", "--lr", "1e6", "--out", str(tmp_path / "r"))
+def test_a_diverging_run_stops_with_a_clear_message_and_no_nan_in_any_file(tmp_path, capsys):
+    res = cli_in_process(["train", *TINY, "--train-limit", "128", "--epochs", "1", "--lr", "1e6", "--out", str(tmp_path / "r")],
+                         capsys)
     assert res.returncode == 2, res.stderr
     assert "training stopped" in res.stderr and "no checkpoint was written" in res.stderr
     assert not (tmp_path / "r" / "summary.json").exists() and not (tmp_path / "r" / "model.safetensors").exists()
@@ -416,8 +417,7 @@ FOLDER_MODEL = ["--model", "vit_tiny_patch16_224", "--img-size", "32", "--patch-
 
 
 def test_unreadable_images_are_named_or_skipped_and_counted(image_folder, tmp_path, capsys):
-    # the refusals run in this process (an uncaught exception would fail the test); the skipping train runs as
-    # a console command, so its log lines on stderr are what a user sees
+    # in this process: an uncaught exception fails the test, and stderr holds the log lines a user sees
     data = f"imagefolder:{image_folder}"
     code, err = run_in_process(["train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--out", str(tmp_path / "a")],
                                capsys)
@@ -426,7 +426,8 @@ def test_unreadable_images_are_named_or_skipped_and_counted(image_folder, tmp_pa
     assert "cannot read image" in last and "--skip-bad-images" in last
     assert any(name in last for name in ("empty.jpg", "corrupt.png", "truncated.jpg"))
 
-    res = amod_cli("train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--skip-bad-images", "--out", str(tmp_path / "b"))
+    res = cli_in_process(["train", *FOLDER_MODEL, "--data", data, "--epochs", "1", "--skip-bad-images", "--out",
+                          str(tmp_path / "b")], capsys)
     assert res.returncode == 0, res.stderr
     summary = strict_json((tmp_path / "b" / "summary.json").read_text())
     assert summary["skipped_images"] == 6 and summary["val_images"] == 24

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import FAMILIES, images, make_model
+from conftest import FAMILIES, cli_in_process, images, make_model
 from timm.models.vision_transformer import Block
 
 import amod
@@ -187,10 +185,9 @@ def test_merge_and_mode_errors_are_clear():
     assert type(model.blocks[1]) is Block  # a refused conversion leaves the model as it was
 
 
-def test_compare_quick_writes_table_plot_and_json(tmp_path):
+def test_compare_quick_writes_table_plot_and_json(tmp_path, capsys):
     out = tmp_path / "compare"
-    proc = subprocess.run([sys.executable, "-m", "amod", "compare", "--quick", "--out", str(out), "--cost", "0.6"],
-                          capture_output=True, text=True, timeout=900)
+    proc = cli_in_process(["compare", "--quick", "--out", str(out), "--cost", "0.6"], capsys)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (out / "compare.md").read_text()
     assert (out / "compare.png").stat().st_size > 10_000

@@ -17,6 +17,7 @@ from amod.cli import main as amod_main
 from amod.train.engine import read_metrics
 from amod.train.config import RunConfig
 from amod.train.run import train
+from conftest import cli_in_process
 
 TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
         "--num-heads", "2", "--val-limit", "256", "--batch-size", "64"]
@@ -34,7 +35,7 @@ def without_timings(rows):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
-def test_training_lowers_the_loss_and_eval_agrees(tmp_path):
+def test_training_lowers_the_loss_and_eval_agrees(tmp_path, capsys):
     cfg = RunConfig(**TINY_CFG, train_limit=1024, epochs=3, lr=2e-3, warmup_epochs=0.5, router="attention",
                     capacity=0.5, eval_before_training=True, out=str(tmp_path / "run"))
     summary = train(cfg)
@@ -45,7 +46,8 @@ def test_training_lowers_the_loss_and_eval_agrees(tmp_path):
     assert rows[-1]["val_top1"] > 0.18  # 10 classes: chance is 0.1
     csv = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert csv[0].startswith("epoch,") and len(csv) == 5
-    res = amod_cli("eval", "--checkpoint", str(tmp_path / "run" / "model.safetensors"), "--val-limit", "256", "--json")
+    res = cli_in_process(["eval", "--checkpoint", str(tmp_path / "run" / "model.safetensors"), "--val-limit", "256",
+                          "--json"], capsys)
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     assert {"top1", "top5", "loss", "macs", "images_per_s"} <= set(got)
@@ -89,13 +91,12 @@ KILL_ARGS = [*TINY, "--train-limit", "512", "--epochs", "3", "--router", "random
 @pytest.fixture(scope="module")
 def uninterrupted_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
-    res = amod_cli("train", *KILL_ARGS, "--out", str(out))
-    assert res.returncode == 0, res.stderr
+    assert amod_main(["train", *KILL_ARGS, "--out", str(out)]) == 0
     return out
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run, when):
+def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run, when, capsys):
     """Killed between writing the metrics row of epoch 2 and its checkpoint, or right after the checkpoint."""
     script = tmp_path / "kill_at.py"
     script.write_text(KILL_AT)
@@ -106,7 +107,7 @@ def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run,
     assert torch.load(killed / "checkpoint.pt", weights_only=True)["epoch"] == (1 if when == "before" else 2)
     # each epoch's row is written before its checkpoint: the metrics are never behind the checkpoint
     assert [r["epoch"] for r in read_metrics(killed / "metrics.jsonl")] == [1, 2]
-    res = amod_cli("train", "--resume", "--out", str(killed))
+    res = cli_in_process(["train", "--resume", "--out", str(killed)], capsys)  # resumed in this process
     assert res.returncode == 0, res.stderr
     full = uninterrupted_run
     assert without_timings(read_metrics(killed / "metrics.jsonl")) == without_timings(read_metrics(full / "metrics.jsonl"))
@@ -115,7 +116,7 @@ def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run,
     b = amod.load(full / "model.safetensors").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # a finished run is not silently restarted
-    again = amod_cli("train", *KILL_ARGS, "--out", str(killed))
+    again = cli_in_process(["train", *KILL_ARGS, "--out", str(killed)], capsys)
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
