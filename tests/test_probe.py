@@ -106,3 +106,41 @@ def test_a_corrupt_or_foreign_dense_features_file_is_computed_again_with_a_warni
             assert all(torch.equal(v, fresh[k]) for k, v in torch.load(path, weights_only=True).items()), what
     finally:
         log.removeHandler(caplog.handler)
+
+
+def test_the_fitted_probe_is_kept_and_fitted_again_only_for_other_features_or_a_bad_file(tmp_path, caplog):
+    import logging
+
+    from amod.experiments.probe import LinearProbe, fit_probe_cached
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(90) % 3
+    feats = torch.randn(3, 8, generator=g)[labels] * 2 + torch.randn(90, 8, generator=g)
+    path = tmp_path / "probe.pt"
+
+    def probe_of(f: torch.Tensor) -> tuple[LinearProbe, str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="amod"):
+            probe = fit_probe_cached(path, f, labels)
+        return probe, caplog.text
+
+    def same(a: LinearProbe, b: LinearProbe) -> bool:
+        return all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("mean", "std", "weight", "bias")) and \
+            (a.l2, a.held_out_accuracy) == (b.l2, b.held_out_accuracy)
+
+    log = logging.getLogger("amod")  # amod's CLI stops it propagating to the root logger
+    log.addHandler(caplog.handler)
+    try:
+        first, text = probe_of(feats)
+        assert "chosen" in text and same(first, fit_probe(feats, labels))
+        again, text = probe_of(feats)
+        assert f"linear probe reused from {path}" in text and "chosen" not in text and same(again, first)
+        other, text = probe_of(feats + 0.5)  # other features (a changed backbone): fitted again, and kept
+        assert "chosen" in text and not same(other, first)
+        assert "reused" in probe_of(feats + 0.5)[1]
+        for bad in (b"not a torch file", path.read_bytes()[:100]):
+            path.write_bytes(bad)
+            refit, text = probe_of(feats)
+            assert f"{path} cannot be reused" in text and "chosen" in text and same(refit, first)
+    finally:
+        log.removeHandler(caplog.handler)

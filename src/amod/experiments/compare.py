@@ -46,7 +46,7 @@ from ..train.rundir import check_output_dir, run_dir_name
 from .bench import time_models
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
-from .probe import LinearProbe, features, fit_probe, mean_cosine
+from .probe import LinearProbe, features, fit_probe_cached, mean_cosine
 
 log = logging.getLogger("amod")
 COST_TOLERANCE = 0.02  # a method whose closest cost is further off than this is flagged in the report
@@ -334,7 +334,7 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
     """Zero-training probe accuracy and feature cosine of every (cost, method)."""
     key = _features_key(cfg, dense, pretrained, train, val)
     cached = _dense_features(root, key, dense, train, val, device)
-    probe: LinearProbe = fit_probe(cached["train"], cached["train_labels"])
+    probe: LinearProbe = fit_probe_cached(root / f"dense_probe_{key}.pt", cached["train"], cached["train_labels"])
     dense_acc = probe.accuracy(cached["test"], cached["test_labels"])
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images (probe fitted on %d, L2 %g)", pretrained,
              dense.patch_embed.img_size[0], dense_acc, len(val), len(train), probe.l2)

@@ -7,13 +7,18 @@ training subset, L-BFGS in float64) and returns a ``LinearProbe`` that scores an
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..files import torch_save
 
 log = logging.getLogger("amod")
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -104,6 +109,30 @@ def fit_probe(feats: torch.Tensor, labels: torch.Tensor, held_out: float = 0.2, 
     log.info("linear probe: L2 %g chosen on %d held-out samples (accuracy %.4f); %s", best, n_val, scores[best],
              ", ".join(f"{k:g}: {v:.4f}" for k, v in scores.items()))
     return LinearProbe(mean, std, w, b, best, scores[best])
+
+
+def fit_probe_cached(path: Path, feats: torch.Tensor, labels: torch.Tensor) -> LinearProbe:
+    """``fit_probe(feats, labels)``, kept in ``path``: a resumed study or comparison reuses it instead of
+    running the L-BFGS fits again (about 20 s on DINOv2 features). It is fitted again when the features, the
+    labels or ``fit_probe``'s defaults differ from the ones it was fitted with, or when the file is unreadable."""
+    digest = hashlib.sha256(repr(fit_probe.__defaults__).encode())
+    for t in (feats.float().contiguous(), labels.long().contiguous()):
+        digest.update(repr(tuple(t.shape)).encode())
+        digest.update(t.numpy().tobytes())
+    digest = digest.hexdigest()
+    if path.exists():
+        try:
+            saved = torch.load(path, weights_only=True)
+            if saved["digest"] == digest:
+                probe = LinearProbe(**{f.name: saved[f.name] for f in dataclasses.fields(LinearProbe)})
+                log.info("linear probe reused from %s (L2 %g, held-out accuracy %.4f)", path, probe.l2,
+                         probe.held_out_accuracy)
+                return probe
+        except Exception as e:  # a torn or foreign file is fitted again, not trusted
+            log.warning("%s cannot be reused (%s: %s); fitting the linear probe again", path, type(e).__name__, e)
+    probe = fit_probe(feats, labels)
+    torch_save({"digest": digest, **dataclasses.asdict(probe)}, path)
+    return probe
 
 
 def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
