@@ -1,7 +1,6 @@
 """Analytic cost against FlopCounterMode and timm's published figures; the isoFLOP baseline."""
 from __future__ import annotations
 
-
 import pytest
 import timm
 import torch

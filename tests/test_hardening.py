@@ -266,7 +266,8 @@ def test_training_on_a_full_disk_stops_with_one_line_and_no_temporary_file(tmp_p
     if not _small_tmpfs(disk, "300k"):
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
     try:
-        res = cli_in_process(["train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(disk / "run")], capsys)
+        res = cli_in_process(["train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(disk / "run")],
+                             capsys)
         assert res.returncode == 2
         assert "no space left on device while writing" in res.stderr and len(res.stderr.strip().splitlines()) >= 1
         last = res.stderr.strip().splitlines()[-1]
@@ -342,8 +343,8 @@ def test_a_completely_full_disk_names_the_lock_file(tmp_path, monkeypatch, capsy
 # ---------------------------------------------------------------- diverging runs, strict JSON
 
 def test_a_diverging_run_stops_with_a_clear_message_and_no_nan_in_any_file(tmp_path, capsys):
-    res = cli_in_process(["train", *TINY, "--train-limit", "128", "--epochs", "1", "--lr", "1e6", "--out", str(tmp_path / "r")],
-                         capsys)
+    res = cli_in_process(["train", *TINY, "--train-limit", "128", "--epochs", "1", "--lr", "1e6", "--out",
+                          str(tmp_path / "r")], capsys)
     assert res.returncode == 2, res.stderr
     assert "training stopped" in res.stderr and "no checkpoint was written" in res.stderr
     assert not (tmp_path / "r" / "summary.json").exists() and not (tmp_path / "r" / "model.safetensors").exists()

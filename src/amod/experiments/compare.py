@@ -290,6 +290,11 @@ def _dense_features(root: Path, key: str, dense: torch.nn.Module, train, val,
     return cached
 
 
+def _dense_probe(root: Path, key: str, cached: dict[str, torch.Tensor]) -> LinearProbe:
+    """The linear probe fitted on the cached dense training features, itself cached under ``root``."""
+    return fit_probe_cached(root / f"dense_probe_{key}.pt", cached["train"], cached["train_labels"])
+
+
 class HFFeatures(torch.nn.Module):
     """A Hugging Face model with what ``probe.features`` reads of a timm one: ``forward_features`` (the tokens after
     the final norm: ``last_hidden_state``) and ``forward_head(..., pre_logits=True)`` (the CLS token)."""
@@ -334,7 +339,7 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
     """Zero-training probe accuracy and feature cosine of every (cost, method)."""
     key = _features_key(cfg, dense, pretrained, train, val)
     cached = _dense_features(root, key, dense, train, val, device)
-    probe: LinearProbe = fit_probe_cached(root / f"dense_probe_{key}.pt", cached["train"], cached["train_labels"])
+    probe = _dense_probe(root, key, cached)
     dense_acc = probe.accuracy(cached["test"], cached["test_labels"])
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images (probe fitted on %d, L2 %g)", pretrained,
              dense.patch_embed.img_size[0], dense_acc, len(val), len(train), probe.l2)

@@ -41,10 +41,10 @@ from ..train.data import build_datasets, collate_checked
 from ..train.models import fit_to_data
 from ..train.rundir import run_dir_name
 from .bench import time_models
-from .compare import _dense_features, _features_key
+from .compare import _dense_features, _dense_probe, _features_key
 from .plots import accuracy_vs_steps
 from .presets import run_in_directory
-from .probe import LinearProbe, fit_probe_cached
+from .probe import LinearProbe
 from .stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
@@ -388,7 +388,7 @@ def prepare(cfg: FinetuneConfig, root: Path, device: torch.device) -> Prepared:
     train, _, _ = build_datasets(cfg.data, cfg.img_size)
     key = _features_key(_ProbeKey(cfg.data), backbone, checkpoint, probe_train, test)
     cached = _dense_features(root, key, backbone, probe_train, test, device)
-    probe = fit_probe_cached(root / f"dense_probe_{key}.pt", cached["train"], cached["train_labels"])
+    probe = _dense_probe(root, key, cached)
     rows = EvalRows(root / "evals.jsonl", cfg.fingerprint(weights_digest(checkpoint)))
     test_loader = DataLoader(test, batch_size=128, shuffle=False, collate_fn=collate_checked)
     return Prepared(with_probe_head(backbone, probe), probe, train, test_loader, len(test), rows)

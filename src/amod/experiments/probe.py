@@ -115,11 +115,11 @@ def fit_probe_cached(path: Path, feats: torch.Tensor, labels: torch.Tensor) -> L
     """``fit_probe(feats, labels)``, kept in ``path``: a resumed study or comparison reuses it instead of
     running the L-BFGS fits again (about 20 s on DINOv2 features). It is fitted again when the features, the
     labels or ``fit_probe``'s defaults differ from the ones it was fitted with, or when the file is unreadable."""
-    digest = hashlib.sha256(repr(fit_probe.__defaults__).encode())
+    h = hashlib.sha256(repr(fit_probe.__defaults__).encode())
     for t in (feats.float().contiguous(), labels.long().contiguous()):
-        digest.update(repr(tuple(t.shape)).encode())
-        digest.update(t.numpy().tobytes())
-    digest = digest.hexdigest()
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    digest = h.hexdigest()
     if path.exists():
         try:
             saved = torch.load(path, weights_only=True)
