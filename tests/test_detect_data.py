@@ -127,6 +127,8 @@ def test_coco_ground_truth_and_ap(tmp_path):
     worse = coco_ap(gt, shifted)
     assert worse["AP50"] < 1.0 and worse["AP"] < ap["AP"]
     assert coco_ap(gt, []) == {k: 0.0 for k in ap}
+    misnamed = [{**d, "category_id": d["category_id"] % 10 + 1} for d in perfect]  # right boxes, wrong classes
+    assert coco_ap(gt, misnamed)["AP50"] == 0.0 and coco_ap(gt, misnamed, class_agnostic=True)["AP50"] > 1 - 1e-6
     assert coco_ap(gt, [{**perfect[0], "image_id": 10_000}]) == {k: 0.0 for k in ap}  # not in the gt
 
     # round trip through DETR's output format: all probability on the true class at the true box,

@@ -63,10 +63,13 @@ def detections_from_outputs(logits: torch.Tensor, pred_boxes: torch.Tensor, imag
     return detections
 
 
-def coco_ap(ground_truth: dict[str, Any], detections: list[dict[str, Any]]) -> dict[str, float]:
+def coco_ap(ground_truth: dict[str, Any], detections: list[dict[str, Any]],
+            class_agnostic: bool = False) -> dict[str, float]:
     """COCO bbox AP (IoU .50:.95), AP50, AP75 and AP by object size of ``detections``.
 
-    Only the images of ``ground_truth`` are evaluated (detections on other images are ignored).
+    ``class_agnostic``: every detection may match any object whatever the two classes (COCOeval's
+    ``useCats = 0``), which separates finding the objects from naming them. Only the images of
+    ``ground_truth`` are evaluated (detections on other images are ignored).
     As in COCOeval, a size class without any ground-truth object scores -1. With no detections at
     all every value is 0.0.
 
@@ -90,6 +93,7 @@ def coco_ap(ground_truth: dict[str, Any], detections: list[dict[str, Any]]) -> d
         gt.createIndex()
         evaluation = COCOeval(gt, gt.loadRes(detections), "bbox")
         evaluation.params.imgIds = image_ids
+        evaluation.params.useCats = 0 if class_agnostic else 1
         evaluation.evaluate()
         evaluation.accumulate()
         evaluation.summarize()

@@ -46,8 +46,10 @@ def run_detect_study(cfg: DetectStudyConfig) -> Path:
         raise FileNotFoundError(f"no dense detector at {cfg.dense}; train one with `amod detect train`")
     out = Path(cfg.out)
     with RunDirectory(out, log_name="study.log"):
-        for cost, router in arms(cfg):
-            for seed in range(cfg.seeds):
+        # Seed-major: one pass gives every arm's zero-training AP and a first finetune, so a study stopped
+        # early still fills every row of the report.
+        for seed in range(cfg.seeds):
+            for cost, router in arms(cfg):
                 run = cfg.run_config(cost, router, seed)
                 if not cfg.report_only and not _finished(run):
                     log.info("%s", run.out)
@@ -192,13 +194,14 @@ def write_report(cfg: DetectStudyConfig) -> Path:
     def fmt(ms: Optional[tuple[float, float]]) -> str:
         return "–" if ms is None else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
 
-    lines = [f"Finetune: {cfg.steps} steps x {cfg.batch_size} canvases, lr {cfg.lr:g}, seeds {cfg.seeds}; "
+    lines = [f"Finetune: {cfg.steps} steps x {cfg.batch_size} canvases, lr {cfg.lr:g}, {cfg.seeds} seeds planned "
+             "(finetuned seeds: how many have finished); "
              f"MoD on encoder layers {', '.join(map(str, cfg.layers))}. AP and AP50 in % (COCO, pycocotools), "
              "mean ± std over seeds; the difference to A-MoD is in AP50 points with a 95 % paired bootstrap CI "
              "over seeds.", "",
              "| encoder cost | router | capacity | encoder MACs | model MACs | zero-training AP / AP50 | "
-             "finetuned AP | finetuned AP50 | AP50 − A-MoD | encoder speed-up | model speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "finetuned seeds | finetuned AP | finetuned AP50 | AP50 − A-MoD | encoder speed-up | model speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         key = (e["cost"], None if e["router"] == "dense" else e["router"])
         c = costs.get(key, {})
@@ -206,12 +209,18 @@ def write_report(cfg: DetectStudyConfig) -> Path:
         s, d = speed.get(name), speed.get("dense")
         ci = e["vs_a_mod_AP50"]
         cost = "1" if e["cost"] is None else f"{e['cost']:g}"
-        diff = "–" if ci is None else f"{100 * ci['mean']:+.1f} [{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]"
+        if ci is None:
+            diff = "–"
+        elif len(e["seeds"]) < 2:  # one paired seed: a difference, no interval
+            diff = f"{100 * ci['mean']:+.1f} (1 seed)"
+        else:
+            diff = f"{100 * ci['mean']:+.1f} [{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]"
         up_encoder = "–" if not (s and d) else f"{s['encoder'] / d['encoder']:.2f}x"
         up_model = "–" if not (s and d) else f"{s['model'] / d['model']:.2f}x"
         lines.append(f"| {cost} | {e['router']} | {c.get('capacity', float('nan')):.3f} | "
                      f"{c.get('encoder', float('nan')):.3f} | {c.get('model', float('nan')):.3f} | "
-                     f"{fmt(e['zero_AP'])} / {fmt(e['zero_AP50'])} | {fmt(e['final_AP'])} | {fmt(e['final_AP50'])} | "
+                     f"{fmt(e['zero_AP'])} / {fmt(e['zero_AP50'])} | {len(e['seeds'])} | {fmt(e['final_AP'])} | "
+                     f"{fmt(e['final_AP50'])} | "
                      f"{diff} | {up_encoder} | {up_model} |")
     if picture is not None:
         lines += ["", f"![kept positions]({picture.name})"]
