@@ -74,9 +74,8 @@ def load_detector(path: str | Path, device: str | torch.device = "cpu") -> nn.Mo
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: DetectionCanvases, ground_truth: dict[str, Any], batch_size: int = 32,
-             amp: str = "off", class_agnostic: bool = False) -> dict[str, float]:
-    """COCO AP of ``model`` on the validation canvases (every one of them); ``class_agnostic`` as in ``coco_ap``."""
+def predict(model: nn.Module, val: DetectionCanvases, batch_size: int = 32, amp: str = "off") -> list[dict[str, Any]]:
+    """COCO-format detections of ``model`` on every validation canvas, ready for ``coco_ap``."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -91,7 +90,13 @@ def evaluate(model: nn.Module, val: DetectionCanvases, ground_truth: dict[str, A
                                                   [t["image_id"] for t in targets], val.spec.size)
     finally:
         model.train(was_training)
-    return coco_ap(ground_truth, detections, class_agnostic)
+    return detections
+
+
+def evaluate(model: nn.Module, val: DetectionCanvases, ground_truth: dict[str, Any], batch_size: int = 32,
+             amp: str = "off", class_agnostic: bool = False) -> dict[str, float]:
+    """COCO AP of ``model`` on the validation canvases (every one of them); ``class_agnostic`` as in ``coco_ap``."""
+    return coco_ap(ground_truth, predict(model, val, batch_size, amp), class_agnostic)
 
 
 def _batches(cfg: DetectConfig, train: DetectionCanvases, start_step: int) -> Iterator[list[int]]:
