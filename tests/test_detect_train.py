@@ -65,7 +65,7 @@ def test_the_study_finetunes_each_router_at_a_matched_encoder_cost_and_reports(t
     assert abs(costs["0.5|attention"]["encoder"] - 0.5) < 0.05 and costs["None|None"]["encoder"] == 1.0
     rows = {(r["cost"], r["router"]): r for r in data["table"]}
     assert rows[(0.5, "feature-norm")]["seeds"] == [0, 1]
-    assert rows[(0.5, "feature-norm")]["vs_a_mod_AP50"]["paired_seeds"] == [0, 1]
+    assert rows[(0.5, "feature-norm")]["vs_a_mod_AP50"]["n_seeds"] == 2
     assert set(data["speeds"]) == {"dense", "attention @ 0.5", "feature-norm @ 0.5"}
     # a detector trained here starts its decoder from the query embeddings, and says so in its file
     finetuned = detect_train.load_detector(tmp_path / "study" / "cost0.5" / "attention" / "seed0" / "model.safetensors")

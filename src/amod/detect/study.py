@@ -89,7 +89,7 @@ def summarise(cfg: DetectStudyConfig) -> list[dict[str, Any]]:
         entry["vs_a_mod_AP50"] = None
         if entry["router"] not in ("dense", REFERENCE) and both:
             ci = paired_bootstrap_ci(np.array([own[s]["AP50"] for s in both]), np.array([ref[s]["AP50"] for s in both]))
-            entry["vs_a_mod_AP50"] = {**dataclasses.asdict(ci), "paired_seeds": both}
+            entry["vs_a_mod_AP50"] = dataclasses.asdict(ci)
     return table
 
 
@@ -211,7 +211,7 @@ def write_report(cfg: DetectStudyConfig) -> Path:
         cost = "1" if e["cost"] is None else f"{e['cost']:g}"
         if ci is None:
             diff = "–"
-        elif len(ci["paired_seeds"]) < 2:  # one paired seed: a difference, no interval
+        elif ci["n_seeds"] < 2:  # one paired seed: a difference, no interval
             diff = f"{100 * ci['mean']:+.1f} (1 seed)"
         else:
             diff = f"{100 * ci['mean']:+.1f} [{100 * ci['low']:+.1f}, {100 * ci['high']:+.1f}]"

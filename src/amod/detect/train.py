@@ -94,9 +94,9 @@ def predict(model: nn.Module, val: DetectionCanvases, batch_size: int = 32, amp:
 
 
 def evaluate(model: nn.Module, val: DetectionCanvases, ground_truth: dict[str, Any], batch_size: int = 32,
-             amp: str = "off", class_agnostic: bool = False) -> dict[str, float]:
-    """COCO AP of ``model`` on the validation canvases (every one of them); ``class_agnostic`` as in ``coco_ap``."""
-    return coco_ap(ground_truth, predict(model, val, batch_size, amp), class_agnostic)
+             amp: str = "off") -> dict[str, float]:
+    """COCO AP of ``model`` on the validation canvases (every one of them)."""
+    return coco_ap(ground_truth, predict(model, val, batch_size, amp))
 
 
 def _batches(cfg: DetectConfig, train: DetectionCanvases, start_step: int) -> Iterator[list[int]]:
