@@ -9,10 +9,12 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("pycocotools")
 
+import amod  # noqa: E402
 from amod.detect import train as detect_train  # noqa: E402
 from amod.detect.config import DetectConfig, DetectStudyConfig  # noqa: E402
 from amod.detect.study import run_detect_study  # noqa: E402
-from amod.detr.models import ContentQueries  # noqa: E402
+from amod.detr.models import ContentQueries, small_detr  # noqa: E402
+from conftest import run_in_process  # noqa: E402
 from amod.train.engine import read_metrics  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -71,3 +73,56 @@ def test_the_study_finetunes_each_router_at_a_matched_encoder_cost_and_reports(t
     finetuned = detect_train.load_detector(tmp_path / "study" / "cost0.5" / "attention" / "seed0" / "model.safetensors")
     assert any(isinstance(h, ContentQueries) for h in finetuned.model._forward_pre_hooks.values())
     assert finetuned.amod_config.router == "attention" and finetuned.amod_config.layers == [1, 2, 3, 4, 5]
+
+
+def test_what_amod_detect_train_saves_amod_load_rebuilds(tmp_path):
+    cfg = DetectConfig(out=str(tmp_path / "run"), steps=1, eval_every=1, **TINY)
+    detect_train.train_detector(cfg)
+    path = tmp_path / "run" / "model.safetensors"
+    images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = amod.load(path)(pixel_values=images).logits
+        b = detect_train.load_detector(path)(pixel_values=images).logits
+        c = detect_train.build_model(cfg)(pixel_values=images).logits  # a new model: other weights
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.fixture(scope="module")
+def detector_files(tmp_path_factory):
+    """(a dense small DETR, a ViT classifier) saved with amod.save: neither trained."""
+    import timm
+
+    root = tmp_path_factory.mktemp("detectors")
+    detr = amod.save(small_detr(d_model=32, ffn=64), root / "detr.safetensors")
+    vit = amod.save(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                                      num_classes=10), root / "vit.safetensors")
+    return detr, vit
+
+
+TINY_FLAGS = ["--steps", "1", "--batch-size", "4", "--train-canvases", "8", "--val-canvases", "2"]
+REFUSED = [
+    (["train", "--init", "{vit}"], "init {vit} holds a vit_tiny_patch16_224, not a DETR"),
+    (["train", "--init", "{detr}", "--router", "bogus"], "unknown router 'bogus' for a DETR encoder"),
+    (["train", "--init", "{detr}", "--router", "attention", "--encoder-cost", "1.5"], "encoder_cost must be in (0, 1]"),
+    (["train", "--train-canvases", "2"], "train_canvases (2) is smaller than one batch (4)"),
+    (["study", "--dense", "{vit}"], "dense {vit} holds a vit_tiny_patch16_224, not a DETR"),
+    (["study", "--dense", "{detr}", "--cost", "0"], "each encoder cost must be in (0, 1)"),
+    (["study", "--dense", "{detr}", "--cost", "0.5", "1.5"], "each encoder cost must be in (0, 1)"),
+    (["study", "--dense", "{detr}", "--routers", "attention", "bogus"], "unknown router 'bogus' for a DETR encoder"),
+    (["study", "--dense", "{detr}", "--report-only"], "holds no evaluated run of this study"),
+]
+
+
+@pytest.mark.parametrize("argv, words", REFUSED, ids=[" ".join(a[:2] + a[3:4]) for a, _ in REFUSED])
+def test_a_refused_detection_command_says_why_in_one_line_before_any_work_and_writes_nothing(
+        argv, words, detector_files, tmp_path, capsys):
+    detr, vit = detector_files
+    out = tmp_path / "out"
+    argv = [a.format(detr=detr, vit=vit) for a in argv]
+    if "--train-canvases" in argv:
+        argv = argv + TINY_FLAGS[:4]
+    code, err = run_in_process(["detect", *argv, "--out", str(out), *([] if "--train-canvases" in argv else TINY_FLAGS)],
+                               capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert words.format(detr=detr, vit=vit) in err, err
+    assert not out.exists()  # no lock, log or config.yaml: nothing

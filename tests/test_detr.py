@@ -128,6 +128,36 @@ def test_save_and_load_rebuild_the_converted_detr(dense, images, tmp_path):
     assert torch.equal(got.logits, expected.logits) and torch.equal(got.pred_boxes, expected.pred_boxes)
 
 
+def test_save_load_and_save_pretrained_keep_the_content_queries(dense, images, tmp_path):
+    """What amod.save writes, amod.load rebuilds: the content queries are a forward hook, in neither the weights nor
+    the config; files from before the hook was recorded in amod.model say it in their own metadata entry."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from amod.detr.models import has_content_queries, use_content_queries
+
+    model = use_content_queries(amod.convert(copy.deepcopy(dense), router="standard", capacity=0.5))
+    with torch.no_grad():
+        for _, layer in mod_layers(model):
+            layer.router.proj.weight.normal_()
+        expected = model(pixel_values=images).logits
+    path = amod.save(model, tmp_path / "detr.safetensors")
+    model.save_pretrained(tmp_path / "hf")
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    info = json.loads(meta["amod.model"])
+    assert info["content_queries"] is True
+    info.pop("content_queries")
+    legacy = tmp_path / "legacy.safetensors"
+    save_file(tensors, str(legacy), metadata={**meta, "amod.model": json.dumps(info), "amod.detr.content_queries": "1"})
+    for source in (path, tmp_path / "hf", legacy):
+        loaded = amod.load(source)
+        assert has_content_queries(loaded) and loaded.amod_config == model.amod_config, source
+        with torch.no_grad():
+            assert torch.equal(loaded(pixel_values=images).logits, expected), source
+    plain = amod.save(copy.deepcopy(dense), tmp_path / "plain.safetensors")
+    assert not has_content_queries(amod.load(plain))
+
+
 def test_refusals_name_the_problem(dense, images):
     with pytest.raises(ValueError, match="decoder reads every position"):
         amod.convert(copy.deepcopy(dense), skipped="fold")
@@ -142,6 +172,8 @@ def test_refusals_name_the_problem(dense, images):
     mask[:, :, 40:] = 0  # a padded batch
     with pytest.raises(ValueError, match="without padding"), torch.no_grad():
         model(pixel_values=images, pixel_mask=mask)
+    with pytest.raises(ValueError, match="output_attentions is not available"), torch.no_grad():
+        model(pixel_values=images, output_attentions=True)  # (the dense model returns them with eager attention)
 
 
 @pytest.mark.parametrize("router", ["attention", "standard", "random"])

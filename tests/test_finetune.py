@@ -1,6 +1,7 @@
 """The matched-cost finetune study on a backbone (`amod study --checkpoint BACKBONE`) and the real-model demo,
 on a small random backbone: the probe's head, matched costs, resume after a kill, the report."""
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -70,6 +71,7 @@ def test_every_method_is_set_to_the_cost_or_named(backbone_path):
     for p in planned:
         assert abs(p.cost - p.cost_target) / p.cost_target <= 0.02 or p.note, (p.arm.name, p.cost_target, p.cost)
     # alternate-block MoD cannot reach 0.40: it moves to every block after the first, and says so
+    assert planned[0].setting == "all 4 blocks"  # the backbone's own depth
     paper = next(p for p in planned if p.arm.name == "A-MoD (paper)" and p.cost_target == 0.4)
     assert paper.method.layers == (1, 2, 3) and "alternate blocks reach" in paper.note
     iso = next(p for p in planned if p.arm.name == "isoFLOP dense" and p.cost_target == 0.4)
@@ -106,7 +108,20 @@ def test_the_study_resumes_after_a_kill_with_the_same_results(backbone_path, tmp
     proc.wait()
     partial = final_rows(out)
     assert not all(k in partial for k in whole), "the study finished before it could be killed"
-    assert list(out.glob("runs/seed0/*/*/state.pt")), "no saved run state to resume from"
+    states = list(out.glob("runs/seed0/*/*/state.pt"))
+    assert states, "no saved run state to resume from"
+    # a crafted state (a pickle whose unpickling would run code) is refused in one line naming it, unread
+    saved = states[0].read_bytes()
+
+    class Payload:
+        def __reduce__(self):
+            return open, (str(tmp_path / "payload_ran"), "w")
+
+    torch.save({"model": Payload(), "step": 2}, states[0])
+    assert amod_main(study_argv(backbone_path, out, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(states[0]) in err and "pickle" in err and not (tmp_path / "payload_ran").exists()
+    states[0].write_bytes(saved)
     assert amod_main(study_argv(backbone_path, out, *extra)) == 0
     assert final_rows(out) == whole
     assert not list(out.glob("runs/**/state.pt"))  # finished runs leave no state behind
@@ -137,8 +152,28 @@ def test_rows_of_other_settings_are_not_reused(tmp_path, backbone_path):
     rows.add({"seed": 0, "cost_target": 0.56, "method": "ToMe", "amp": "bf16", "step": 8, "top1": 0.5})
     with open(tmp_path / "evals.jsonl", "a") as f:
         f.write('{"fingerprint": "aaa", "seed": 0, "cost_tar')  # a torn last line
-    assert EvalRows(tmp_path / "evals.jsonl", "aaa").get(0, 0.56, "ToMe", "bf16", 8)["top1"] == 0.5
+    with open(tmp_path / "evals.jsonl", "a") as f:
+        f.write("\nnot a row\n")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("amod").addHandler(handler)
+    try:
+        assert EvalRows(tmp_path / "evals.jsonl", "aaa").get(0, 0.56, "ToMe", "bf16", 8)["top1"] == 0.5
+    finally:
+        logging.getLogger("amod").removeHandler(handler)
+    assert len(said) == 1 and "2 lines that are not an evaluation row, skipped (line 2, 3)" in said[0], said
     assert EvalRows(tmp_path / "evals.jsonl", "bbb").get(0, 0.56, "ToMe", "bf16", 8) is None
+
+
+def test_report_only_without_evaluations_says_so_and_does_nothing(backbone_path, tmp_path, capsys):
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        assert amod_main(study_argv(backbone_path, out, "--report-only")) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "holds no evaluation of this study's settings" in err, err
+        assert sorted(out.iterdir()) == [] if out.exists() else out.name == "missing"
 
 
 def test_the_demo_on_a_backbone(backbone_path, tmp_path, capsys):

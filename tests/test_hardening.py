@@ -340,6 +340,20 @@ def test_a_completely_full_disk_names_the_lock_file(tmp_path, monkeypatch, capsy
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+def test_a_full_disk_during_export_is_named_as_such_not_as_an_exporter_failure(checkpoints, tmp_path, capsys):
+    disk = tmp_path / "disk"
+    if not _small_tmpfs(disk, "100k"):  # the ONNX file of the 2-block model is larger
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
+    try:
+        res = cli_in_process(["export", "--checkpoint", str(checkpoints / "dense.safetensors"), "--out",
+                              str(disk / "m.onnx")], capsys)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert f"no space left on device while writing {disk / 'm.onnx'}" in res.stderr and "exporter" not in res.stderr
+        assert list(disk.iterdir()) == []  # no temporary file left
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 # ---------------------------------------------------------------- diverging runs, strict JSON
 
 def test_a_diverging_run_stops_with_a_clear_message_and_no_nan_in_any_file(tmp_path, capsys):

@@ -264,18 +264,43 @@ def test_save_load_and_save_pretrained(tmp_path):
     assert type(back) is type(hf) and amod.get_config(back) == amod.get_config(hf)
     with torch.no_grad():
         assert (back(x).logits - ref).abs().max().item() == 0.0
-    # Hugging Face's own files: the converted model's weights load into a plain model of its class
     _, hf = pair("dinov2")
     amod.tome.apply(hf, r=2)
-    hf.save_pretrained(tmp_path / "hf")
-    plain = transformers.Dinov2Model.from_pretrained(tmp_path / "hf")
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), hf.state_dict().values()))
-    loaded = amod.hf.load_hf_model(tmp_path / "hf")
-    assert type(loaded).__name__ == "Dinov2Model"
     amod.save(hf, tmp_path / "t.safetensors")
     assert amod.load(tmp_path / "t.safetensors").amod_tome.schedule == hf.amod_tome.schedule
     skeleton = amod.checkpoint.skeleton(tmp_path / "t.safetensors")  # what the CLI checks settings on
     assert next(skeleton.parameters()).is_meta and amod.flops(skeleton).macs == amod.flops(hf).macs
+
+
+@pytest.mark.parametrize("conversion", ["standard", "fold", "tome"])
+def test_save_pretrained_keeps_the_conversion(conversion, tmp_path):
+    """transformers' own from_pretrained reads the folder as the dense model, with no unexpected key; amod.load (and
+    the CLI) read it back converted, down to the standard router's trained weights."""
+    _, hf = pair("vit", classifier=True)
+    if conversion == "tome":
+        amod.tome.apply(hf, r=3)
+    else:
+        amod.convert(hf, router="attention" if conversion == "fold" else conversion, capacity=0.75 if conversion ==
+                     "fold" else 0.5, skipped="fold" if conversion == "fold" else "bypass")
+        for blk in hf.blocks:
+            if hasattr(blk, "router") and hasattr(blk.router, "proj"):
+                torch.nn.init.normal_(blk.router.proj.weight)  # trained, not the initial weights
+    x = images(hf)
+    with torch.no_grad():
+        ref = hf(pixel_values=x).logits
+    hf.save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / amod.hf.SIDECAR).is_file()
+    plain, info = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    back = amod.load(tmp_path / "hf")
+    assert amod.method_of(back) == amod.method_of(hf) and amod.flops(back).macs == amod.flops(hf).macs
+    with torch.no_grad():
+        assert torch.equal(back(pixel_values=x).logits, ref)
+    # a dense model's folder holds no sidecar (a stale one is removed)
+    dense = pair("vit", classifier=True)[1]
+    amod.flops(dense)  # (gives it amod's views, and save_pretrained)
+    dense.save_pretrained(tmp_path / "hf")
+    assert not (tmp_path / "hf" / amod.hf.SIDECAR).exists() and amod.method_of(amod.load(tmp_path / "hf")).kind == "dense"
 
 
 def test_load_hf_model_refuses_a_hub_id_offline(monkeypatch):

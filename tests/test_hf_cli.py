@@ -136,3 +136,43 @@ def test_a_directory_without_config_json_is_not_a_hf_model(tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path)]) == 2  # amod.load's own words, as before
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a directory" in err
+
+
+def test_a_converted_models_save_pretrained_folder_evaluates_as_the_converted_model(vit_dir, tmp_path, capsys):
+    model = amod.convert(amod.hf.load_hf_model(vit_dir), router="standard", capacity=0.5)
+    model.save_pretrained(tmp_path / "converted")
+    assert main(["eval", "--checkpoint", str(tmp_path / "converted"), "--val-limit", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["macs"] == amod.flops(model).macs < amod.flops(
+        amod.hf.load_hf_model(vit_dir)).macs
+    # router weights without amod's record of the conversion (transformers' own save_pretrained): refused, not dense
+    type(model).save_pretrained(model, tmp_path / "raw")
+    capsys.readouterr()  # (its progress bar)
+    for argv in (["eval", "--checkpoint", str(tmp_path / "raw")], ["flops", str(tmp_path / "raw")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "router weights" in err and "amod.safetensors" in err
+
+
+FOLDER_FAULTS = {
+    "bad config.json": (lambda d: (d / "config.json").write_text("{not json"), "config.json is not valid JSON"),
+    "no weights": (lambda d: (d / "model.safetensors").unlink(), "holds no weights"),
+    "unsupported model": (lambda d: (d / "config.json").write_text('{"model_type": "swin"}'),
+                          "config.json names no architecture (model_type 'swin')"),
+    "corrupt weights": (lambda d: (d / "model.safetensors").write_bytes(b"\x08" + bytes(40)),
+                        "cannot read the weights in {d} (model.safetensors)"),
+    "pickled weights": (lambda d: ((d / "model.safetensors").unlink(), torch.save({}, d / "pytorch_model.bin")),
+                        "{d}/pytorch_model.bin holds pickled weights"),
+}
+
+
+@pytest.mark.parametrize("fault", FOLDER_FAULTS)
+def test_a_broken_local_folder_is_named_in_one_line_not_taken_for_the_hub(fault, vit_dir, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(vit_dir, folder)
+    damage, words = FOLDER_FAULTS[fault]
+    damage(folder)
+    assert main(["flops", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words.format(d=folder) in err and "hub" not in err, err

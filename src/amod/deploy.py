@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .arch import pair, set_input_size
-from .files import _remove_quietly
+from .files import _remove_quietly, disk_full_error, naming_a_full_disk
 from .hf import is_detr_model, is_hf_model, prepare as prepare_hf
 from .methods import method_of
 from .mod.routers import SeededDraws
@@ -375,6 +375,9 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
                 except (ImportError, KeyboardInterrupt):
                     raise
                 except Exception as e:
+                    full = disk_full_error(e, path)  # the exporter's failed write, wrapped in its own error
+                    if full is not None:
+                        raise full from None
                     raise _export_error(e, exporter, label) from e
                 if not tmp.is_file():
                     raise RuntimeError(f"the {exporter} ONNX exporter wrote no file for {label}")
@@ -396,7 +399,8 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
                             raise RuntimeError(f"{e}; the dynamo exporter (the default) exports every amod "
                                                "model") from None
                         raise
-            os.replace(tmp, path)
+            with naming_a_full_disk(path):
+                os.replace(tmp, path)
         except BaseException:
             _remove_quietly(tmp)
             raise

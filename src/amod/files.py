@@ -9,6 +9,9 @@ a full disk is reported as ``DiskFullError`` naming the file. Files get the usua
 
 ``dumps`` is ``json.dumps`` that never writes ``NaN``/``Infinity`` (not JSON): non-finite floats
 become ``null``.
+
+``load_torch`` is the one place amod reads a ``torch.save`` file (training checkpoints, caches, a user's
+``.pth``): with ``weights_only=True``, so a crafted pickle cannot run code, and with errors that name the file.
 """
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ import io
 import json
 import math
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence, Union
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -153,6 +157,20 @@ def naming_a_full_disk(path: PathLike) -> Iterator[None]:
         raise
 
 
+def disk_full_error(e: BaseException, path: PathLike) -> Optional[DiskFullError]:
+    """A ``DiskFullError`` naming ``path`` if a full disk is what ``e`` (or an exception it came from: a library
+    that wraps the ``OSError`` of its failed write in an error of its own) reports; else None."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError):
+            return e
+        if (isinstance(e, OSError) and e.errno in _DISK_FULL) or "No space left on device" in str(e):
+            return DiskFullError(errno.ENOSPC, f"no space left on device while writing {path}")
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def write_bytes(path: PathLike, data: bytes) -> Path:
     """``atomic_write`` of a bytes object."""
     return atomic_write(path, lambda f: f.write(data))
@@ -166,6 +184,36 @@ def write_text(path: PathLike, text: str) -> Path:
 def torch_save(obj: Any, path: PathLike) -> Path:
     """``torch.save`` through ``atomic_write``."""
     return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+class UnreadableFileError(ValueError):
+    """A file amod was asked to read is missing its content: torn, corrupt, of another format, or a pickle
+    that holds more than tensors and plain containers (which amod never unpickles)."""
+
+
+def load_torch(path: PathLike) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU: tensors, numbers, strings and their containers only.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        UnreadableFileError: the file is torn, corrupt, not a ``torch.save`` file, or a pickle of other objects
+            (refused unread: it could run code); the message names the file and says which.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no file at {path}")
+    try:
+        with warnings.catch_warnings():  # torch's note on a pickle protocol it was not written with
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle, zip and storage errors of a torn, foreign or crafted file alike
+        first = " ".join(str(e).split())
+        if "GLOBAL" in first or "Unsupported global" in first:  # torch's refusal to unpickle an object
+            raise UnreadableFileError(f"cannot read {path}: it is a pickle of objects other than tensors (amod does "
+                                      "not unpickle those: they could run code)") from None
+        detail = first.split("WeightsUnpickler error: ")[-1][:160] if "WeightsUnpickler" in first else first[:160]
+        raise UnreadableFileError(f"{path} is corrupt or unreadable: torn, or not a torch.save file of tensors "
+                                  f"({type(e).__name__}: {detail})") from None
 
 
 def _finite(obj: Any) -> Any:

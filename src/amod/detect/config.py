@@ -2,11 +2,29 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..checkpoint import read_metadata
+from ..detr import ROUTERS
+from ..hf import DETR
 from ..train.rundir import check_output_dir
+
+
+def check_detector_file(path: str | Path, option: str) -> None:
+    """Refuse, before any work, a file that is not an ``amod.save`` file of a DETR (a ViT classifier, a foreign
+    file), naming the option."""
+    meta = read_metadata(Path(path).expanduser())  # (its own one-line errors name the file)
+    try:
+        info = json.loads(meta["amod.model"])
+        name = info.get("hf") or info.get("arch")
+    except (ValueError, AttributeError):
+        name = None
+    if name not in DETR:
+        raise ValueError(f"{option} {path} holds {'a ' + str(name) if name else 'no model amod can name'}, not a DETR; "
+                         "give a detector `amod detect train` saved (its model.safetensors)")
 
 
 @dataclass
@@ -43,8 +61,13 @@ class DetectConfig:
             raise ValueError(f"amp must be 'off' or 'bf16', got {self.amp!r}")
         if self.router is not None and self.init is None:
             raise ValueError("router converts a trained DETR: give init (an amod.save file of the dense detector)")
-        if self.init is not None and not Path(self.init).expanduser().is_file():
-            raise FileNotFoundError(f"init {self.init} does not exist")
+        if self.router is not None and self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r} for a DETR encoder; use one of {', '.join(ROUTERS)}")
+        if not 0 < self.encoder_cost <= 1:
+            raise ValueError(f"encoder_cost must be in (0, 1] (a share of the dense encoder's MACs), got "
+                             f"{self.encoder_cost:g}")
+        if self.init is not None:
+            check_detector_file(self.init, "init")
         check_output_dir(self.out)
         return self
 
@@ -72,6 +95,28 @@ class DetectStudyConfig:
     speed_batch: int = 32
     speed_repeats: int = 10
     report_only: bool = False
+
+    def validate(self) -> "DetectStudyConfig":
+        """Refuse, before the first run trains, any setting that one of the study's runs would refuse."""
+        check_detector_file(self.dense, "dense")
+        if not self.costs:
+            raise ValueError("give at least one encoder cost")
+        for cost in self.costs:
+            if not 0 < cost < 1:
+                raise ValueError(f"each encoder cost must be in (0, 1) (a share of the dense encoder's MACs; the "
+                                 f"dense reference is always run), got {cost:g}")
+        unknown = [r for r in self.routers if r not in ROUTERS]
+        if unknown or not self.routers:
+            raise ValueError(f"unknown router {unknown[0]!r} for a DETR encoder; use any of {', '.join(ROUTERS)}"
+                             if unknown else "give at least one router")
+        for name in ("seeds", "steps", "batch_size", "speed_batch", "speed_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_output_dir(self.out)
+        for cost, router in [(None, None)] + [(c, r) for c in self.costs for r in self.routers]:
+            run = self.run_config(cost, router, 0)
+            dataclasses.replace(run, init=None, router=None).validate()  # its other settings (the file: above)
+        return self
 
     def run_config(self, cost: Optional[float], router: Optional[str], seed: int) -> DetectConfig:
         name = "dense" if router is None else f"cost{cost:g}/{router}"

@@ -44,7 +44,11 @@ def run_detect_study(cfg: DetectStudyConfig) -> Path:
     """Run (or resume) every run of the study, then write ``OUT/detr.md``, ``detr.json`` and the picture."""
     if not Path(cfg.dense).expanduser().is_file():
         raise FileNotFoundError(f"no dense detector at {cfg.dense}; train one with `amod detect train`")
+    cfg.validate()
     out = Path(cfg.out)
+    if cfg.report_only and not any(_rows(cfg.run_config(c, r, s)) for s in range(cfg.seeds) for c, r in arms(cfg)):
+        raise ValueError(f"{out} holds no evaluated run of this study (no metrics.jsonl with these settings); run "
+                         "the study without --report-only first")
     with RunDirectory(out, log_name="study.log"):
         # Seed-major: one pass gives every arm's zero-training AP and a first finetune, so a study stopped
         # early still fills every row of the report.
@@ -182,7 +186,7 @@ def write_report(cfg: DetectStudyConfig) -> Path:
     out = Path(cfg.out)
     table = summarise(cfg)
     models = seed0_models(cfg)
-    speed = speeds(cfg, models)
+    speed = speeds(cfg, models) if models else {}
     costs = {}
     if (None, None) in models:  # ratios need the dense model
         for (cost, router), model in models.items():

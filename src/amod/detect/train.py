@@ -15,27 +15,29 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import yaml
 from torch import nn
 
 from .. import files
-from ..checkpoint import load, read_metadata, to_bytes
+from ..checkpoint import load, to_bytes
 from ..mod.convert import convert, set_capacity
 from ..train import engine
 from ..train.rundir import RunDirectory
-from .config import DetectConfig
+from .config import DetectConfig, check_detector_file
 from .canvases import CanvasSpec, DetectionCanvases, coco_ground_truth, collate
 from ..detr.cost import capacity_for_encoder_cost
 from .evaluate import coco_ap, detections_from_outputs
-from ..detr.models import CONTENT_QUERIES, has_content_queries, small_detr, use_content_queries
+from ..detr.models import small_detr, use_content_queries
 
 log = logging.getLogger("amod")
 # ImageNet statistics, as Hugging Face's DetrImageProcessor normalises (canvases arrive in [0, 1])
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FORMAT = 1
+# what every checkpoint.pt of a detection run holds (tensors, numbers, strings and lists: read with weights_only)
+CHECKPOINT_KEYS = frozenset({"format", "config", "model", "optimizer", "scheduler", "step", "rng", "routers", "rows"})
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,7 @@ def build_model(cfg: DetectConfig) -> nn.Module:
     """The run's starting model: a new small DETR, or ``init`` (converted when ``router`` is given)."""
     if cfg.init is None:
         return use_content_queries(small_detr(d_model=cfg.d_model, ffn=4 * cfg.d_model))
-    model = load_detector(cfg.init)
+    model = load_detector(cfg.init, option="init")
     if cfg.router is not None:
         if getattr(model, "amod_config", None) is not None:
             raise ValueError(f"init {cfg.init} is already converted; give the dense detector")
@@ -63,14 +65,11 @@ def build_model(cfg: DetectConfig) -> nn.Module:
     return model
 
 
-def load_detector(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """``amod.load`` of a detector ``amod detect`` saved, with its content queries (``use_content_queries``) where
-    it was trained with them."""
+def load_detector(path: str | Path, device: str | torch.device = "cpu", option: str = "detector") -> nn.Module:
+    """``amod.load`` of a DETR (``check_detector_file`` first: another model is refused in one line)."""
     path = Path(path).expanduser()
-    model = load(path, device)
-    if read_metadata(path).get(CONTENT_QUERIES) == "1":
-        use_content_queries(model)
-    return model
+    check_detector_file(path, option)
+    return load(path, device)
 
 
 @torch.no_grad()
@@ -112,21 +111,36 @@ def _batches(cfg: DetectConfig, train: DetectionCanvases, start_step: int) -> It
 
 
 def train_detector(cfg: DetectConfig) -> dict[str, Any]:
-    """Run (or resume) ``cfg``; returns the last evaluation row."""
+    """Run (or resume) ``cfg``; returns the last evaluation row. Every check (settings, data, the starting model,
+    a checkpoint to resume) comes before the run directory is created or locked: a refused run writes nothing."""
     cfg.validate()
     out = Path(cfg.out)
-    with RunDirectory(out):
-        return _train(cfg, out)
-
-
-def _train(cfg: DetectConfig, out: Path) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train, val = datasets(cfg)
     if len(train) < cfg.batch_size:
         raise ValueError(f"train_canvases ({len(train)}) is smaller than one batch ({cfg.batch_size})")
-    ground_truth = coco_ground_truth(val)
-    engine.seed_everything(cfg.seed)  # a new run's router init and dropout (a resumed run restores its RNG below)
+    engine.seed_everything(cfg.seed)  # a new run's router init and dropout (a resumed run restores its RNG)
     model = build_model(cfg).to(device)
+    state = _resumable_state(cfg, out)
+    with RunDirectory(out):
+        return _train(cfg, out, model, state, train, val, device)
+
+
+def _resumable_state(cfg: DetectConfig, out: Path) -> Optional[dict[str, Any]]:
+    """The run's ``checkpoint.pt`` (``engine.load_training_checkpoint``: never unpickled beyond tensors and plain
+    containers), or None for a new run; a run of other settings is refused."""
+    ckpt_path = out / "checkpoint.pt"
+    if not ckpt_path.exists():
+        return None
+    state = engine.load_training_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    if state["format"] != FORMAT or state["config"] != {**cfg.to_dict(), "out": state["config"]["out"]}:
+        raise ValueError(f"{out} holds a run of other settings; choose another out directory")
+    return state
+
+
+def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[str, Any]], train: DetectionCanvases,
+           val: DetectionCanvases, device: torch.device) -> dict[str, Any]:
+    ground_truth = coco_ground_truth(val)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -134,10 +148,7 @@ def _train(cfg: DetectConfig, out: Path) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(cfg.steps, cfg.warmup))
     ckpt_path, metrics_path = out / "checkpoint.pt", out / "metrics.jsonl"
     step, rows = 0, []
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if state.get("format") != FORMAT or state["config"] != {**cfg.to_dict(), "out": state["config"]["out"]}:
-            raise ValueError(f"{out} holds a run of other settings; choose another out directory")
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -180,8 +191,7 @@ def _train(cfg: DetectConfig, out: Path) -> dict[str, Any]:
             state = {"format": FORMAT, "config": cfg.to_dict(), "model": model.state_dict(),
                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
                      "rng": engine.rng_state(), "routers": engine.router_state(model), "rows": rows}
-            weights = to_bytes(model, metadata={"amod.detect.step": str(step),
-                                                CONTENT_QUERIES: str(int(has_content_queries(model)))})
+            weights = to_bytes(model, metadata={"amod.detect.step": str(step)})
             files.write_together([
                 (ckpt_path, lambda f: torch.save(state, f)),
                 (metrics_path, lambda f: f.write("".join(files.dumps(r) + "\n" for r in rows).encode())),

@@ -38,6 +38,9 @@ try:
 except ImportError:  # pragma: no cover - the optional extra is missing
     raise ImportError("DETR models need transformers, the optional extra: pip install 'amod[detr]'") from None
 
+from ..hf import DETR, attentions_requested
+from ..hf.adapter import install_save_pretrained
+from . import ROUTERS
 from ..mod.block import RoutedForward, ScoreHandoff, gated_updates, publish_scores
 from ..mod.config import MoDConfig, resolve_layers, validate_capacity
 from ..mod.routers import ROUTER_CLASSES, Router, build_router
@@ -45,8 +48,7 @@ from ..mod.routing import num_kept, select_tokens
 from ..ops import attention_with_scores, recomputing, tracing
 from ..tokens import ForwardMemo, gather_tokens, scatter_tokens
 
-DETR_CLASSES = ("DetrModel", "DetrForObjectDetection")
-ROUTERS = ("attention", "standard", "random", "feature-norm")
+DETR_CLASSES = DETR
 SKIPPED = ("bypass",)
 
 
@@ -176,9 +178,14 @@ class DetrMoDEncoderLayer(RoutedForward, DetrEncoderLayer):
 
 
 def _refuse_mask(attention_mask: Optional[torch.Tensor]) -> None:
-    """Refuse a mask that masks anything. transformers hands an all-ones pixel mask on as None in eager mode,
+    """Refuse ``output_attentions`` (the routed layers compute attention on a subset of the positions, the scoring
+    ones without returning its probabilities) and a mask that masks anything. transformers hands an all-ones pixel mask on as None in eager mode,
     but as a built mask while tracing (torch.compile, export), whose values a trace cannot read: there the
     batch is taken to be pad-free, as documented."""
+    if attentions_requested():
+        raise ValueError("output_attentions is not available on an amod-converted DETR encoder: its MoD layers attend "
+                         "over the positions they keep and its scoring layers return no probabilities; use the "
+                         "dense model")
     if attention_mask is None or tracing():
         return
     attends = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
@@ -237,6 +244,7 @@ def convert_detr(model: nn.Module, router: str = "attention", capacity: float = 
                 prev.self_attn.amod_relayed = True
             blocks[i].amod.in_handoff = handoff
     model.amod_config = config
+    install_save_pretrained(model)  # save_pretrained keeps the conversion (amod.safetensors beside config.json)
     return model
 
 

@@ -46,9 +46,6 @@ def small_detr(**kwargs: Any) -> nn.Module:
     return model
 
 
-CONTENT_QUERIES = "amod.detr.content_queries"  # the amod.save metadata key that says a detector uses them
-
-
 class ContentQueries:
     """Forward pre-hook of a ``DetrModel``: the decoder starts from the object queries' embeddings instead of zeros
     (``decoder_inputs_embeds``), unless the caller passes its own. With zeros, every query's content is the same and

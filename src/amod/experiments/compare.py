@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..cost import flops, validate_cost
-from ..files import dumps, torch_save, write_json, write_text
+from ..files import UnreadableFileError, dumps, load_torch, torch_save, write_json, write_text
 from ..hf import is_hf_model
 from ..hf.loading import hf_source, load_hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of
@@ -321,9 +321,9 @@ def _read_features(path: Path, n_train: int, n_test: int) -> tuple[Optional[dict
     """(the cached dense features, "") if ``path`` holds them for ``n_train`` and ``n_test`` images, else
     (None, what is wrong with it): a torn, corrupt or foreign file is computed again, not trusted."""
     try:
-        cached = torch.load(path, weights_only=True)
-    except Exception as e:  # pickle, zip and storage errors of a torn or foreign file alike
-        return None, f"unreadable: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        cached = load_torch(path)
+    except (OSError, UnreadableFileError) as e:  # a torn, foreign or crafted file alike
+        return None, f"unreadable: {e}"
     if not isinstance(cached, dict) or not all(isinstance(cached.get(k), torch.Tensor) for k in FEATURE_KEYS):
         return None, f"not a dense-features file: it needs the tensors {', '.join(FEATURE_KEYS)}"
     sizes = {k: len(cached[k]) for k in FEATURE_KEYS}

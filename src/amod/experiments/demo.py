@@ -94,10 +94,9 @@ def write_report(root: Path, study: FinetuneConfig, planned: list[Planned], zero
              f"{study.speed_batch}, all models interleaved in one process, median of {study.speed_repeats}.", "",
              "| cost target | method | setting | cost vs dense | zero-training top-1 | images/s | speed-up |",
              "|---|---|---|---|---|---|---|"]
-    from .finetune import _setting
     for p in planned:
         key = label(p)
-        lines.append(f"| {p.cost_target:g} | {p.arm.name} | {_setting(p.method)} | {p.cost:.3f} | "
+        lines.append(f"| {p.cost_target:g} | {p.arm.name} | {p.setting} | {p.cost:.3f} | "
                      f"{100 * zero[key]:.2f} | {speeds[key]:.1f} | {speeds[key] / dense_ips:.2f}x |")
     curve = ", ".join(f"step {r['step']}: {100 * r['top1']:.2f} %" for r in tuned)
     lines += ["", f"Finetune of the best reduced model at cost {best.cost_target:g}, **{best.arm.name}** "

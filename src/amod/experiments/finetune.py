@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..checkpoint import load
 from ..cost import flops, validate_cost
-from ..files import dumps, torch_save, write_json, write_text
+from ..files import UnreadableFileError, dumps, load_torch, torch_save, write_json, write_text
 from ..methods import Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train import engine
 from ..train.data import build_datasets, collate_checked
@@ -148,7 +148,23 @@ class Planned:
     cost_target: float  # 1.0 for dense
     method: Method
     cost: float  # what it reaches, as a share of dense MACs
+    depth: int  # the backbone's blocks
     note: str = ""
+
+    @property
+    def setting(self) -> str:
+        """What the method runs, in words: its blocks, capacity or merge schedule."""
+        m = self.method
+        if isinstance(m, Dense):
+            return f"all {self.depth} blocks"
+        if isinstance(m, TokenMerging):
+            return f"r = {list(m.r)}"
+        if isinstance(m, IsoFLOP):
+            return f"isoFLOP of C = {m.capacity:.3f}"
+        layers = list(m.layers or [])
+        contiguous = len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1))
+        text = f"C = {m.capacity:.3f}, blocks {f'{layers[0]}–{layers[-1]}' if contiguous else layers}"
+        return text if m.skipped == "bypass" else f"{text}, {m.skipped}"
 
 
 def weights_digest(path: Path) -> str:
@@ -189,7 +205,7 @@ def plan(cfg: FinetuneConfig, model: nn.Module) -> list[Planned]:
     depth = len(model.blocks)
     planned: list[Planned] = []
     if any(a.name == DENSE for a in cfg.arms):
-        planned.append(Planned(next(a for a in cfg.arms if a.name == DENSE), 1.0, Dense(), 1.0))
+        planned.append(Planned(next(a for a in cfg.arms if a.name == DENSE), 1.0, Dense(), 1.0, depth))
     for cost in cfg.costs:
         resolved: dict[str, Method] = {}
         for arm in cfg.arms:
@@ -211,7 +227,7 @@ def plan(cfg: FinetuneConfig, model: nn.Module) -> list[Planned]:
             reached = share_of_dense(method, model)
             if abs(reached - cost) / cost > COST_TOLERANCE and not note:
                 note = f"closest cost it reaches is {reached:.3f}"
-            planned.append(Planned(arm, cost, method, reached, note))
+            planned.append(Planned(arm, cost, method, reached, depth, note))
     return planned
 
 
@@ -251,13 +267,19 @@ class EvalRows:
         self.path, self.fingerprint = path, fingerprint
         self.rows: dict[tuple, dict[str, Any]] = {}
         if path.exists():
-            for line in path.read_text().splitlines():
+            unreadable = []
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
                 try:
                     r = json.loads(line)
                     if r["fingerprint"] == fingerprint:
                         self.rows[self.key(r["seed"], r["cost_target"], r["method"], r["amp"], r["step"])] = r
                 except (ValueError, KeyError, TypeError):
-                    continue
+                    if line.strip():
+                        unreadable.append(number)
+            if unreadable:  # a torn last line after a kill, or an edit: said, then left out (the runs redo them)
+                shown = ", ".join(map(str, unreadable[:10])) + (", ..." if len(unreadable) > 10 else "")
+                log.warning("%s: %d line%s that %s not an evaluation row, skipped (line %s)", path, len(unreadable),
+                            "s" if len(unreadable) > 1 else "", "are" if len(unreadable) > 1 else "is", shown)
 
     @staticmethod
     def key(seed: Optional[int], cost: float, method: str, amp: str, step: int) -> tuple:
@@ -297,7 +319,10 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
     step = 0
     state_path = run_dir / "state.pt"
     if state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        try:
+            state = load_torch(state_path)
+        except UnreadableFileError as e:
+            raise ValueError(f"{e}; remove it to run {name} at cost {cost:g} (seed {seed}) again from step 0") from None
         if state.get("fingerprint") == rows.fingerprint and rows.get(seed, cost, name, amp, state["step"]):
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -409,7 +434,23 @@ def zero_training(prep: Prepared, planned: Planned, amp: str, device: torch.devi
 def run_finetune_study(cfg: FinetuneConfig) -> Path:
     """Run (or resume) the whole grid and write ``finetune.md``, ``finetune.json`` and the curves."""
     cfg.validate()
+    if cfg.report_only:
+        _check_has_rows(cfg)
     return run_in_directory(cfg.out, cfg.data, lambda root: _run_study(cfg, root))
+
+
+def _check_has_rows(cfg: FinetuneConfig) -> None:
+    """Refuse ``--report-only`` in one line, before any work, where ``OUT/evals.jsonl`` holds no evaluation of these
+    settings (a missing or empty folder, another backbone, other steps)."""
+    checkpoint = Path(cfg.checkpoint).expanduser()
+    path = Path(cfg.out) / "evals.jsonl"
+    if checkpoint.is_file() and path.is_file():
+        if EvalRows(path, cfg.fingerprint(weights_digest(checkpoint))).rows:
+            return
+    elif not checkpoint.is_file():
+        return  # prepare says what is wrong with the checkpoint
+    raise ValueError(f"{path} holds no evaluation of this study's settings (backbone, data, steps, batch, lr, images); "
+                     "--report-only writes the report of evaluations made: run the study without it first")
 
 
 def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
@@ -425,9 +466,11 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
              len(runs), cfg.steps, cfg.batch_size, cfg.amp, ", ".join(map(str, cfg.eval_steps())), prep.n_test)
     for p in planned:
         for amp in sorted({a for _, q, a in runs if q is p}):
-            row = zero_training(prep, p, amp, device)
-            log.info("step 0, %s at cost %g (%.3f)%s: top-1 %.4f", p.arm.name, p.cost_target, p.cost,
-                     " " + amp if amp != cfg.amp else "", row["top1"])
+            row = prep.rows.get(None, p.cost_target, p.arm.name, amp, 0) if cfg.report_only else \
+                zero_training(prep, p, amp, device)
+            if row is not None:
+                log.info("step 0, %s at cost %g (%.3f)%s: top-1 %.4f", p.arm.name, p.cost_target, p.cost,
+                         " " + amp if amp != cfg.amp else "", row["top1"])
     for i, (seed, p, amp) in enumerate(runs, start=1):
         done = prep.rows.get(seed, p.cost_target, p.arm.name, amp, cfg.steps)
         log.info("[%d/%d] seed %d, %s at cost %g (%.3f)%s%s", i, len(runs), seed, p.arm.name, p.cost_target, p.cost,
@@ -436,7 +479,7 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
             run_dir = root / "runs" / f"seed{seed}" / f"cost{p.cost_target:g}" / (run_dir_name(p.arm.name) + f"_{amp}")
             run_dir.mkdir(parents=True, exist_ok=True)
             finetune_run(cfg, prep.start, p, seed, amp, prep.train, prep.test_loader, prep.rows, run_dir, device)
-    speeds = speeds_of(cfg, prep.start, planned, device)
+    speeds = saved_speeds(root) if cfg.report_only else speeds_of(cfg, prep.start, planned, device)
     report = write_report(root, cfg, Path(cfg.checkpoint).expanduser(), planned, prep.rows, speeds, prep.n_test,
                           prep.probe)
     log.info("finetune study finished in %.0f s (this sitting)", time.perf_counter() - started)
@@ -455,6 +498,16 @@ def speeds_of(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned], dev
                     generator=torch.Generator().manual_seed(0)).to(device)
     timed = time_models(models, x, repeats=cfg.speed_repeats, warmup=2)
     return {k: v["images_per_s"] for k, v in timed.items()}
+
+
+def saved_speeds(root: Path) -> dict[str, float]:
+    """The images/s the last full sitting measured (``finetune.json``), for a ``--report-only`` report, which times
+    nothing; empty where there are none."""
+    try:
+        speeds = json.loads((root / "finetune.json").read_text()).get("speeds", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: v for k, v in speeds.items() if isinstance(v, (int, float))} if isinstance(speeds, dict) else {}
 
 
 def label(p: Planned) -> str:
@@ -495,27 +548,12 @@ def summarise(cfg: FinetuneConfig, planned: list[Planned], rows: EvalRows, n_tes
         to_target = None
         if target is not None and None not in curve:
             to_target = next((s for s, a in zip(steps, curve) if a >= target), "not reached")
-        out.append({"method": name, "cost_target": cost, "cost": p.cost, "setting": _setting(p.method),
+        out.append({"method": name, "cost_target": cost, "cost": p.cost, "setting": p.setting,
                     "note": p.note, "zero_top1": zero["top1"] if zero else None, "steps": steps, "curve": curve,
                     "finals": None if accs is None else accs.tolist(),
                     "final_mean_std": None if accs is None else mean_std(accs), "seeds_done": len(seeds),
                     "vs_reference": None if ci is None else dataclasses.asdict(ci), "steps_to_target": to_target})
     return out
-
-
-def _setting(m: Method) -> str:
-    if isinstance(m, Dense):
-        return "all 12 blocks"
-    if isinstance(m, TokenMerging):
-        return f"r = {list(m.r)}"
-    if isinstance(m, IsoFLOP):
-        return f"isoFLOP of C = {m.capacity:.3f}"
-    layers = list(m.layers or [])
-    text = f"{layers[0]}–{layers[-1]}" if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)) else str(layers)
-    text = f"C = {m.capacity:.3f}, blocks {text}"
-    if m.skipped != "bypass":
-        text += f", {m.skipped}"
-    return text
 
 
 def _pct(v: Optional[float]) -> str:

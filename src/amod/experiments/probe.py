@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..files import torch_save
+from ..files import load_torch, torch_save
 
 log = logging.getLogger("amod")
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -122,7 +122,7 @@ def fit_probe_cached(path: Path, feats: torch.Tensor, labels: torch.Tensor) -> L
     digest = h.hexdigest()
     if path.exists():
         try:
-            saved = torch.load(path, weights_only=True)
+            saved = load_torch(path)
             if saved["digest"] == digest:
                 probe = LinearProbe(**{f.name: saved[f.name] for f in dataclasses.fields(LinearProbe)})
                 log.info("linear probe reused from %s (L2 %g, held-out accuracy %.4f)", path, probe.l2,

@@ -19,8 +19,24 @@ SUPPORTED = ("ViTModel", "ViTForImageClassification", "DeiTModel", "DeiTForImage
              "Dinov2WithRegistersModel", "Dinov2WithRegistersForImageClassification")
 
 
+# save_pretrained of an amod model writes this file beside config.json: the conversion (the method's metadata) and
+# amod's own tensors (routers), which transformers' from_pretrained does not know (amod.hf.adapter._save_pretrained)
+SIDECAR = "amod.safetensors"
+SIDECAR_FORMAT = "1"
+
 # Hugging Face DETRs: amod.detr converts their encoders (MoD on the feature-map positions)
 DETR = ("DetrModel", "DetrForObjectDetection")
+
+
+def attentions_requested() -> bool:
+    """Whether the Hugging Face forward running now was asked for ``output_attentions`` (transformers' output
+    collector, read inside a layer's forward; imports ``transformers`` only when called)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another transformers layout: nothing to check
+        return False
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
 
 
 def is_detr_model(model: Any) -> bool:

@@ -35,10 +35,14 @@ neither an MoD-block mode nor fold. Unsupported classes get a ``TypeError`` nami
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
+from types import MethodType
 from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save as safetensors_bytes
 from timm.models.vision_transformer import Block
 from torch import nn
 
@@ -51,12 +55,13 @@ from ..mod.block import MoDBlock, MoDMode, MoDSettings, ScoreHandoff, ScoringAtt
 from ..mod.config import MoDConfig
 from ..mod.fold import FoldBlock, FoldMode, FoldSettings
 from ..mod.modes import skipped_mode
-from ..mod.routers import build_router, router_class
+from ..files import write_bytes
+from ..mod.routers import Router, build_router, router_class
 from ..ops import attention_inputs, attention_output, tracing
 from ..reduce import SizedAttention, SizedTokensBlock
 from ..tokens import TokenSizes
 from ..tome.merging import ToMeBlock, merge_blocks
-from . import DETR, SUPPORTED, is_detr_model
+from . import DETR, SIDECAR, SIDECAR_FORMAT, SUPPORTED, attentions_requested, is_detr_model
 
 # HF layer / attention classes amod knows, by name (the class objects differ between transformers versions)
 VIT_LAYERS = ("ViTLayer", "DeiTLayer")  # layernorm_before, attention, dropout, layernorm_after, mlp
@@ -220,12 +225,7 @@ def _refuse_kwargs(attention_mask: Optional[torch.Tensor]) -> None:
     if attention_mask is not None and not tracing() and not _attends_everywhere(attention_mask):
         raise ValueError("amod-converted Hugging Face models do not take an attention_mask (routing, folding and "
                          "merging decide which tokens attend); call the model without one")
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # another transformers layout: nothing to check
-        return
-    collected = _active_collector.get()
-    if collected is not None and "attentions" in collected:
+    if attentions_requested():
         raise ValueError("output_attentions is not available on an amod-converted Hugging Face model: amod's layers "
                          "compute attention without its probabilities (A-MoD's scores come from amod's own op) and "
                          "on fewer tokens; use output_hidden_states, or the dense model")
@@ -372,8 +372,48 @@ def prepare(model: nn.Module) -> nn.Module:
     _set_view(model, "num_reg_tokens", regs)
     _set_view(model, "head", head)
     _set_view(model, "head_dist", head_dist)
+    install_save_pretrained(model)
     _set_view(model, "amod_hf_prepared", True)
     return model
+
+
+# ---------------------------------------------------------------- save_pretrained
+
+def amod_state_keys(model: nn.Module) -> set[str]:
+    """The state_dict keys amod added to a Hugging Face model (its routers' parameters): the ones transformers'
+    ``from_pretrained`` does not know."""
+    return {f"{name}.{key}" for name, module in model.named_modules() if isinstance(module, Router)
+            for key in module.state_dict()}
+
+
+def _save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``save_pretrained`` of an amod-prepared model: the folder it writes holds the dense model
+    (what transformers' own ``from_pretrained`` reads without an unexpected key), and ``amod.safetensors`` holds
+    the conversion (the method's metadata, as ``amod.save`` writes it) and amod's own tensors, which
+    ``amod.load(folder)`` and the CLI read back. A dense model leaves no such file (and removes a stale one)."""
+    from ..methods import method_of  # (the method classes sit above the model families)
+
+    state = kwargs.pop("state_dict", None)
+    state = model.state_dict() if state is None else state
+    own = amod_state_keys(model)
+    result = type(model).save_pretrained(model, save_directory, *args,
+                                         state_dict={k: v for k, v in state.items() if k not in own}, **kwargs)
+    if kwargs.get("is_main_process", True):
+        sidecar = Path(save_directory) / SIDECAR
+        meta = method_of(model).metadata()
+        if meta:
+            tensors = {k: state[k].detach().contiguous().cpu() for k in sorted(own)}
+            meta = {"amod.format": SIDECAR_FORMAT, "amod.model": json.dumps(model_info(model)), **meta}
+            write_bytes(sidecar, safetensors_bytes(tensors, metadata=meta))
+        elif sidecar.exists():
+            sidecar.unlink()
+    return result
+
+
+def install_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` keep amod's conversion (``_save_pretrained``); an instance attribute, so
+    the class stays transformers' own (copies keep it, bound to the copy)."""
+    object.__setattr__(model, "save_pretrained", MethodType(_save_pretrained, model))
 
 
 # ---------------------------------------------------------------- amod.convert
@@ -474,8 +514,23 @@ def model_info(model: nn.Module) -> dict[str, Any]:
     """What ``amod.save`` stores under ``amod.model`` for a Hugging Face model: its class, config and
     constructor arguments (instead of timm's architecture name and ``create_model`` arguments)."""
     name = next((c.__name__ for c in type(model).__mro__ if c.__name__ in DETR), None) or supported_class(model)
-    return {"hf": name, "config": json.loads(model.config.to_json_string(use_diff=False)),
+    info = {"hf": name, "config": json.loads(model.config.to_json_string(use_diff=False)),
             "kwargs": _constructor_kwargs(model), "transformers": transformers.__version__}
+    if name in DETR:
+        from ..detr.models import has_content_queries
+
+        info["content_queries"] = has_content_queries(model)  # a forward hook: not in the weights or the config
+    return info
+
+
+def restore_forward_hooks(model: nn.Module, info: dict[str, Any]) -> nn.Module:
+    """Give a model built from ``info`` (``model_info``) what its forward had beyond weights and config: a DETR's
+    content queries."""
+    if info.get("content_queries"):
+        from ..detr.models import use_content_queries
+
+        use_content_queries(model)
+    return model
 
 
 def build_model(info: dict[str, Any]) -> nn.Module:
@@ -487,7 +542,7 @@ def build_model(info: dict[str, Any]) -> nn.Module:
     config = cls.config_class.from_dict(info["config"])
     if name in DETR:  # every weight comes from the file: never ask for a pretrained backbone as well
         config.use_pretrained_backbone = False
-    return cls(config, **info.get("kwargs", {})).eval()
+    return restore_forward_hooks(cls(config, **info.get("kwargs", {})).eval(), info)
 
 
 # ---------------------------------------------------------------- amod.export

@@ -6,13 +6,18 @@ The CLI's rule (``hf_source``): a model argument that is a directory holding a c
 is loaded."""
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
+import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from . import SUPPORTED
+from ..methods import method_from_metadata
+from . import DETR, SIDECAR, SIDECAR_FORMAT, SUPPORTED
 
 
 HF_PREFIX = "hf:"  # a hub id on the command line: hf:facebook/dinov2-small
@@ -82,11 +87,90 @@ def _check_hub_reachable(repo_id: str) -> None:
                          "directory") from None
 
 
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _check_local_folder(path: Path) -> None:
+    """Refuse, naming the file, a save_pretrained folder amod cannot read as it is: a config.json that is not a
+    JSON object, weights that are pickles (amod never unpickles a user's file), or no weights at all."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({' '.join(str(e).split())[:160]}); give a "
+                         "directory written by save_pretrained") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object; give a directory written by save_pretrained")
+    if any(f.name != SIDECAR for f in path.glob("*.safetensors")):
+        return
+    pickled = sorted(f for pattern in PICKLED_WEIGHTS for f in path.glob(pattern))
+    if pickled:
+        raise ValueError(f"{pickled[0]} holds pickled weights, which amod does not load (a pickle can run code); "
+                         "save the model again with save_pretrained, which writes model.safetensors")
+    raise ValueError(f"{path} holds no weights (no model.safetensors); give a directory written by save_pretrained")
+
+
+def _architecture(config: Any, source: str, cls: Optional[str]) -> str:
+    """The supported class to build, or a one-line refusal."""
+    name = cls or next(iter(getattr(config, "architectures", None) or []), None)
+    if name in SUPPORTED + DETR:
+        return name
+    supported = f"amod takes {', '.join(SUPPORTED + DETR)}"
+    if name is None:
+        kind = getattr(config, "model_type", None) or "unknown"
+        raise ValueError(f"{source}: config.json names no architecture (model_type {kind!r}); {supported} "
+                         "(pass cls= to choose one)")
+    raise ValueError(f"{source} holds a {name}, which amod does not take; {supported}")
+
+
+def read_sidecar(path: Path) -> Optional[tuple[dict[str, str], dict[str, torch.Tensor]]]:
+    """(metadata, tensors) of the ``amod.safetensors`` beside a save_pretrained folder's config.json (the conversion
+    ``save_pretrained`` of an amod model writes), or None where there is none."""
+    sidecar = path / SIDECAR
+    if not sidecar.is_file():
+        return None
+    try:
+        with safe_open(str(sidecar), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{sidecar} is corrupt ({' '.join(str(e).split())[:160]}); save the model again") from None
+    version = meta.get("amod.format", "")
+    if not version.isdigit() or int(version) > int(SIDECAR_FORMAT):
+        raise ValueError(f"{sidecar} is in amod format {version!r}; this amod reads format {SIDECAR_FORMAT} and "
+                         "older: upgrade amod to load it")
+    return meta, tensors
+
+
+def _rebuild_conversion(model: nn.Module, path: Path, meta: dict[str, str],
+                        tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Convert the dense ``model`` as the sidecar says and load amod's own tensors into it, exactly."""
+    from . import prepare
+    from .adapter import restore_forward_hooks
+
+    restore_forward_hooks(model, json.loads(meta.get("amod.model", "{}")))
+    dense_keys = set(model.state_dict())
+    try:
+        model = method_from_metadata(meta).apply(prepare(model))
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{path / SIDECAR}: its conversion cannot be applied to the model in {path} "
+                         f"({type(e).__name__}: {e})") from None
+    own = set(model.state_dict()) - dense_keys
+    if own != set(tensors):
+        missing, extra = sorted(own - set(tensors)), sorted(set(tensors) - own)
+        raise ValueError(f"{path / SIDECAR} does not fit its conversion: missing {missing[:3]}, unexpected "
+                         f"{extra[:3]}")
+    model.load_state_dict(tensors, strict=False)
+    return model.eval()
+
+
 def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None) -> nn.Module:
     """The supported Hugging Face model in ``path_or_id`` (a ``save_pretrained`` directory: config.json and the
-    weights; or a hub id), in eval mode. ``cls``: the class to build (default: the config's ``architectures``).
+    safetensors weights; or a hub id), in eval mode. ``cls``: the class to build (default: the config's
+    ``architectures``). A folder that ``save_pretrained`` of an amod-converted model wrote (its ``amod.safetensors``)
+    comes back converted, with its routers' weights.
 
-    Raises a ``ValueError`` (one line) for a file, a directory without config.json, an unsupported class, and a
+    Raises a ``ValueError`` (one line) for a file, a directory without config.json or with a broken one, pickled
+    weights (never unpickled), an unsupported class, router weights without amod's conversion beside them, and a
     hub id that cannot be fetched (offline, or the hub unreachable).
     """
     transformers = _transformers()
@@ -99,6 +183,7 @@ def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} has no config.json; give a directory written by save_pretrained")
+        _check_local_folder(path)
         source, local = str(path), True
     else:
         source, local = str(path_or_id), False
@@ -107,20 +192,49 @@ def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None
                              "(HF_HUB_OFFLINE); save the model with save_pretrained where the hub is reachable and "
                              "give that directory")
         _check_hub_reachable(source)
+    sidecar = read_sidecar(path) if local else None
     try:
         config = transformers.AutoConfig.from_pretrained(source, local_files_only=local)
-        name = cls or next(iter(config.architectures or []), None)
-        if name not in SUPPORTED:
-            raise ValueError(f"{source}: {name or 'no architecture in config.json'} is not a model amod takes; "
-                             f"supported: {', '.join(SUPPORTED)} (pass cls= to choose one)")
-        bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()  # ("Loading weights" on stderr; CLI errors are one line)
-        try:
-            return getattr(transformers, name).from_pretrained(source, local_files_only=local).eval()
-        finally:
-            if bars:
-                transformers.utils.logging.enable_progress_bar()
-    except OSError as e:  # the hub unreachable, or the id unknown
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load {source!r} from the Hugging Face hub ({first[:200]}); give a local "
-                         "save_pretrained directory") from None
+    except (OSError, ValueError) as e:
+        if local:
+            raise ValueError(f"{path / 'config.json'} is not a config transformers can read "
+                             f"({' '.join(str(e).split())[:200]})") from None
+        raise _hub_error(source, e) from None
+    name = _architecture(config, source, cls)
+    hf_logging = transformers.utils.logging
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()  # ("Loading weights" on stderr; CLI errors are one line)
+    hf_logging.set_verbosity_error()  # (its table of keys that did not fit: said below, in one line)
+    try:
+        # safetensors only: a hub repository with pickled weights alone is refused by transformers, never unpickled
+        model, info = getattr(transformers, name).from_pretrained(source, local_files_only=local, use_safetensors=True,
+                                                                   output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # unreadable weights; the hub unreachable
+        if local:
+            files = ", ".join(sorted(f.name for f in path.glob("*.safetensors") if f.name != SIDECAR))
+            raise ValueError(f"cannot read the weights in {path} ({files}): "
+                             f"{' '.join(str(e).split())[:200]}") from None
+        if not isinstance(e, OSError):
+            raise
+        raise _hub_error(source, e) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    unexpected, missing = list(info.get("unexpected_keys", [])), list(info.get("missing_keys", []))
+    routers = [k for k in unexpected if ".router." in k]
+    if sidecar is None and routers:
+        raise ValueError(f"{source} holds amod router weights ({routers[0]}) but not amod's conversion "
+                         f"({SIDECAR}): as a dense model its numbers would be another model's; save it with "
+                         "save_pretrained of the converted model (which writes both) or amod.save")
+    if unexpected or missing:
+        warnings.warn(f"{source}: the weights do not fit {name} exactly (missing {missing[:3]}, unexpected "
+                      f"{unexpected[:3]}); missing ones keep their initial values", stacklevel=2)
+    model = model.eval()
+    return model if sidecar is None else _rebuild_conversion(model, path, *sidecar)
+
+
+def _hub_error(source: str, e: BaseException) -> ValueError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ValueError(f"cannot load {source!r} from the Hugging Face hub ({first[:200]}); give a local "
+                      "save_pretrained directory")

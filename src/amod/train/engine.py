@@ -12,10 +12,10 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -59,9 +59,36 @@ class Dist:
         return t.tolist()
 
 
+def world_size() -> int:
+    """How many processes torchrun started for this run (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class RefusedOnEveryProcess(Exception):
+    """A run every torchrun process refused alike, before the processes met (``cause``: the refusal). The CLI
+    prints it once (rank 0) and every process exits with status 0: torchrun turns any other exit status of its
+    processes into a traceback of its own, after the one line."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@contextmanager
+def refused_alike(world: int) -> Iterator[None]:
+    """Under torchrun (``world`` > 1), a user's error raised inside (checks every process makes on the same
+    settings, files and data) as ``RefusedOnEveryProcess``; without torchrun as it is."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        if world > 1:
+            raise RefusedOnEveryProcess(e) from e
+        raise
+
+
 def setup_distributed() -> Dist:
     """Join the process group that torchrun describes (gloo on the CPU, NCCL on GPUs)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -132,16 +159,20 @@ def set_router_state(model: nn.Module, state: dict[str, int]) -> None:
 
 # ---------------------------------------------------------------- checkpoints
 
-def load_training_checkpoint(path: Path) -> dict[str, Any]:
-    """Read ``checkpoint.pt``; refuse a corrupt or foreign file with one clear message."""
+TRAINING_CHECKPOINT_KEYS = frozenset({"model", "optimizer", "scheduler", "epoch", "rng", "config", "format"})
+
+
+def load_training_checkpoint(path: Path, needed: frozenset[str] = TRAINING_CHECKPOINT_KEYS) -> dict[str, Any]:
+    """Read a run's ``checkpoint.pt`` (``files.load_torch``: never unpickled beyond tensors and plain containers);
+    refuse a missing, corrupt, crafted or foreign file with one clear message naming it. ``needed``: the entries
+    the run's checkpoints hold (``amod train``'s by default)."""
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint to resume from at {path}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}); "
-                         "start a new run in another --out directory, the files there were left as they are") from None
-    needed = {"model", "optimizer", "scheduler", "epoch", "rng", "config", "format"}
+        ckpt = files.load_torch(path)
+    except files.UnreadableFileError as e:
+        raise ValueError(f"{e}; start a new run in another --out directory, the files there were left as they "
+                         "are") from None
     if not isinstance(ckpt, dict) or not needed <= set(ckpt):
         raise ValueError(f"checkpoint {path} is not an amod training checkpoint")
     return ckpt
@@ -364,5 +395,13 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Rows of a metrics.jsonl file; a line that is not JSON is an error naming the file and the line."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                raise ValueError(f"{path} line {number} is not JSON ({line[:60]!r}); the run's metrics are damaged: "
+                                 "restore the file or start a new run") from None
+    return rows

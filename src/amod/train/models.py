@@ -14,6 +14,7 @@ from timm.models._manipulate import adapt_input_conv
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
+from .. import files
 from ..methods import Dense, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
 from ..checkpoint import load as load_amod, read_metadata
@@ -36,12 +37,12 @@ def model_overrides(cfg: Any, num_classes: int, in_chans: int, img_size: int) ->
 
 def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     """A plain state dict from a timm/DeiT ``.pth``/``.pt``/``.bin`` or a safetensors file."""
-    try:
-        if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors":
+        try:
             return load_file(str(path))
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path}: {e}") from None
+        except Exception as e:
+            raise ValueError(f"cannot read checkpoint {path}: {e}") from None
+    ckpt = files.load_torch(path)
     if isinstance(ckpt, dict):
         for key in ("model_ema", "state_dict_ema", "state_dict", "model"):
             if isinstance(ckpt.get(key), dict):

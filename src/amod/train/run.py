@@ -46,25 +46,29 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     anything is written. The run directory is locked for the duration of the run. Under
     ``torchrun`` every process calls this; rank 0 alone writes files.
     """
-    cfg = _from_checkpoint_file(cfg.validate())
-    out = check_output_dir(cfg.out)
-    ckpt_path = out / "checkpoint.pt"
-    state = None
-    if resume:
-        state = engine.load_training_checkpoint(ckpt_path)
-        _check_resumable(_from_checkpoint_file(RunConfig.from_dict(state["config"], str(ckpt_path))), cfg)
-    elif ckpt_path.exists():
-        raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it or choose another --out")
-    train_ds, val_ds, info = build_datasets(cfg.data, cfg.img_size, cfg.train_limit, cfg.val_limit)
-    num_classes = _num_classes(cfg, info)
-    dist_info = engine.setup_distributed()
-    try:
-        if len(train_ds) < dist_info.world:
+    world = engine.world_size()
+    with engine.refused_alike(world):  # every torchrun process checks the same things before they meet
+        cfg = _from_checkpoint_file(cfg.validate())
+        out = check_output_dir(cfg.out)
+        ckpt_path = out / "checkpoint.pt"
+        state = None
+        if resume:
+            state = engine.load_training_checkpoint(ckpt_path)
+            _check_resumable(_from_checkpoint_file(RunConfig.from_dict(state["config"], str(ckpt_path))), cfg)
+        elif ckpt_path.exists():
+            raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it or choose "
+                             "another --out")
+        train_ds, val_ds, info = build_datasets(cfg.data, cfg.img_size, cfg.train_limit, cfg.val_limit)
+        num_classes = _num_classes(cfg, info)
+        if len(train_ds) < world:
             raise ValueError(f"{len(train_ds)} training image{'' if len(train_ds) == 1 else 's'} for "
-                             f"{dist_info.world} processes: each process needs at least one; give more images "
+                             f"{world} processes: each process needs at least one; give more images "
                              "(--train-limit) or start fewer processes")
         engine.seed_everything(cfg.seed)
-        model = build_model(cfg, num_classes, info.in_chans, cfg.img_size or info.img_size).to(dist_info.device)
+        model = build_model(cfg, num_classes, info.in_chans, cfg.img_size or info.img_size)
+    dist_info = engine.setup_distributed()
+    try:
+        model = model.to(dist_info.device)
         with RunDirectory(out, lock=dist_info.main):
             if state is None and ckpt_path.exists():  # another run finished here while we were getting ready
                 raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it")

