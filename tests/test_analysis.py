@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from conftest import images, make_model
 
 import amod
-from amod.experiments.analysis import attention_stats, kept_positions, leave_one_out
+from amod.analysis import attention_stats, kept_positions, leave_one_out
 from amod.experiments.plots import routing_figure
-from amod.experiments.stats import paired_bootstrap_ci, spearman
+from amod.stats import paired_bootstrap_ci, spearman
 
 
 def test_bootstrap_ci_covers_the_true_difference_and_narrows_with_seeds():

@@ -1,7 +1,6 @@
 """Save -> load round trips, and refusals for files that do not fit."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

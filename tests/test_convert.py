@@ -182,7 +182,7 @@ def test_bad_arguments_name_the_problem(kwargs, message):
 def test_unsupported_models_and_misuse_are_refused():
     import timm
 
-    with pytest.raises(TypeError, match="amod cannot convert ResNet: supported model classes are VisionTransformer"):
+    with pytest.raises(TypeError, match="amod cannot take a ResNet: it takes timm.s VisionTransformer .*Hugging Face"):
         amod.convert(timm.create_model("resnet10t", pretrained=False))
     with pytest.raises(TypeError, match="block 1 is a ParallelThingsBlock; amod converts timm.s pre-norm"):
         amod.convert(timm.create_model("vit_small_patch16_18x2_224", pretrained=False, depth=2, img_size=32))

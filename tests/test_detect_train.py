@@ -13,7 +13,8 @@ import amod  # noqa: E402
 from amod.detect import train as detect_train  # noqa: E402
 from amod.detect.config import DetectConfig, DetectStudyConfig  # noqa: E402
 from amod.detect.study import run_detect_study  # noqa: E402
-from amod.detr.models import ContentQueries, small_detr  # noqa: E402
+from amod.detect.models import small_detr
+from amod.families.detr import ContentQueries  # noqa: E402
 from conftest import run_in_process  # noqa: E402
 from amod.train.engine import read_metrics  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402

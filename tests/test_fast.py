@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAMILIES, cli_in_process, images, make_model
+from conftest import cli_in_process, images, make_model
 from timm.layers import Attention
 
 import amod

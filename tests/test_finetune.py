@@ -2,7 +2,6 @@
 on a small random backbone: the probe's head, matched costs, resume after a kill, the report."""
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -81,7 +80,7 @@ def test_every_method_is_set_to_the_cost_or_named(backbone_path):
 def test_the_study_resumes_after_a_kill_with_the_same_results(backbone_path, tmp_path, capsys):
     """One uninterrupted study; a second one killed (SIGKILL) right after an evaluation in the middle of a
     run, then rerun: every row, down to each test image's correctness, is the same."""
-    extra = ["--methods", "A-MoD fold", "random", "--amp", "bf16"]  # and the one fp32 dense run that checks it
+    extra = ["--methods", "A-MoD fold", "random"]
     assert amod_main(study_argv(backbone_path, tmp_path / "whole", *extra)) == 0
     whole = final_rows(tmp_path / "whole")
     report = json.loads((tmp_path / "whole" / "finetune.json").read_text())
@@ -90,9 +89,8 @@ def test_the_study_resumes_after_a_kill_with_the_same_results(backbone_path, tmp
     for r in report["rows"]:
         assert r["seeds_done"] == 1 and r["steps"] == [0, 1, 2, 4, 8] and None not in r["curve"]
         assert (r["vs_reference"] is None) == (r["method"] in ("dense", "A-MoD (paper)"))
-    assert report["bf16_check"]["fp32"] is not None and report["bf16_check"]["bf16"] is not None
     text = (tmp_path / "whole" / "finetune.md").read_text()
-    assert "bf16 check" in text and "alternate blocks reach" in text
+    assert "alternate blocks reach" in text
     assert (tmp_path / "whole" / "finetune_curves_0.4.png").stat().st_size > 1000
 
     out = tmp_path / "killed"
@@ -135,6 +133,16 @@ def test_the_study_resumes_after_a_kill_with_the_same_results(backbone_path, tmp
     assert [(r["curve"], r["finals"], r["vs_reference"]) for r in again] == \
         [(r["curve"], r["finals"], r["vs_reference"]) for r in report["rows"]]
     assert not (carried / "runs").exists()
+
+
+def test_a_bf16_study_checks_bf16_against_one_fp32_dense_run(backbone_path, tmp_path):
+    """bf16 autocast is ~20x slower than fp32 on this AVX2 CPU: two steps of one method, and the dense check."""
+    out = tmp_path / "bf16"
+    assert amod_main(study_argv(backbone_path, out, "--methods", "random", "--amp", "bf16", "--steps", "2")) == 0
+    report = json.loads((out / "finetune.json").read_text())
+    assert report["bf16_check"]["fp32"] is not None and report["bf16_check"]["bf16"] is not None
+    assert {(m, a) for (_, _, m, a, _) in final_rows(out)} >= {("dense", "bf16"), ("dense", "off"), ("random", "bf16")}
+    assert "bf16 check" in (out / "finetune.md").read_text()
 
 
 def test_rows_of_other_settings_are_not_reused(tmp_path, backbone_path):

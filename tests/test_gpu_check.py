@@ -33,7 +33,8 @@ def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 def test_quick_cpu_run_writes_both_reports(tmp_path):
-    res = run_script("--device", "cpu", "--quick", "--out", str(tmp_path))
+    """The whole quick run, with the Triton kernel check run by Triton's interpreter (where triton is installed)."""
+    res = run_script("--device", "cpu", "--quick", "--out", str(tmp_path), env={"TRITON_INTERPRET": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     md = (tmp_path / "gpu_check.md").read_text()
@@ -64,15 +65,11 @@ def test_quick_cpu_run_writes_both_reports(tmp_path):
     assert all(t["met"] is None for t in report["targets"])  # the targets are for the GPU run
     assert report["machine"]["name"] in md and "CPU" in md
     assert "## 2. speed: ok" in md and "| FLOP bound | efficiency |" in md
-
-
-def test_triton_kernel_check_under_the_interpreter(tmp_path):
-    pytest.importorskip("triton")
-    res = run_script("--device", "cpu", "--quick", "--sections", "1", "--out", str(tmp_path),
-                     env={"TRITON_INTERPRET": "1"})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    items = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["1"]["items"]
-    kernel = [i for i in items if i["name"].startswith("received_attention_triton")]
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return
+    kernel = [i for i in items["1"].values() if i["name"].startswith("received_attention_triton")]
     assert len(kernel) >= 6 and all(i["status"] == "ok" for i in kernel)
     assert {i["name"].split()[1] for i in kernel} == {"float32", "bfloat16"}
 

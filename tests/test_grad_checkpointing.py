@@ -12,8 +12,7 @@ from timm.layers import set_reentrant_ckpt, use_reentrant_ckpt
 
 import amod
 from amod import tome
-from amod.mod.config import ROUTERS
-from amod.mod.routers import ROUTER_CLASSES, SeededDraws
+from amod.mod.routers import ROUTER_CLASSES, SeededDraws, router_names
 from amod.ops import recomputing
 
 ATOL = 1e-6
@@ -27,7 +26,7 @@ def _allowed(router: str, skipped: str, scale_output: bool) -> bool:
     return skipped != "fold" or not (ROUTER_CLASSES[router].learnable or scale_output)
 
 
-CASES = [(r, s, so) for r in ROUTERS for s in ("bypass", "merge", "kv", "fold") for so in (False, True)
+CASES = [(r, s, so) for r in router_names("timm") for s in ("bypass", "merge", "kv", "fold") for so in (False, True)
          if _allowed(r, s, so)]
 
 
@@ -118,7 +117,7 @@ def test_reentrant_checkpointed_tome_equals_the_plain_step(reentrant):
     _assert_same_steps("tome", steps=1, atol=ATOL_REENTRANT)
 
 
-@pytest.mark.parametrize("router", [r for r in ROUTERS if ROUTER_CLASSES[r].needs_attention])
+@pytest.mark.parametrize("router", [r for r in router_names("timm") if ROUTER_CLASSES[r].needs_attention])
 def test_reentrant_checkpointing_refuses_gradients_through_a_mod_scores(reentrant, router):
     # its forward runs without grad: the scaled outputs' gradient into the block before would be lost
     model = _build((router, "bypass", True))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import re
 import subprocess
@@ -186,7 +185,7 @@ def test_an_empty_batch_gives_an_empty_output_like_timm(skipped):
 
 def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["train", *TINY, "--train-limit", "15000", "--epochs", "3", "--out", str(out)]
+    args = ["train", *TINY, "--train-limit", "6000", "--epochs", "2", "--out", str(out)]  # seconds of training
     first = subprocess.Popen([sys.executable, "-m", "amod", *args, "--seed", "1"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
@@ -202,7 +201,7 @@ def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(t
         _, err = first.communicate(timeout=600)
     assert first.returncode == 0, err
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    assert [r["epoch"] for r in rows] == [1, 2]
     import yaml
 
     assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == 1
@@ -509,16 +508,18 @@ def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architect
 def test_pretrained_weights_without_a_network_fail_fast_with_one_line(tmp_path):
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "PYTHONUNBUFFERED": "1"}
     env.pop("HF_HUB_OFFLINE", None)
-    # what starting the command costs on this machine now (imports; slow on a busy machine), measured the same way
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import amod.cli, amod.train.run, timm, torch"], check=True, env=env,
-                   timeout=300)
-    startup = time.perf_counter() - start
     start = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "amod", "finetune", "--pretrained", "--model", "vit_tiny_patch16_224",
                           "--img-size", "32", *SHORT, "--out", str(tmp_path / "r")], capture_output=True, text=True,
                          timeout=300, env=env)
-    took = time.perf_counter() - start - startup  # beyond start-up: the download attempt, no retries with back-off
+    took = time.perf_counter() - start
+    startup = 0.0
+    if took >= 30:  # what starting the command costs on this machine now (imports; slow on a busy machine)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import amod.cli, amod.train.run, timm, torch"], check=True, env=env,
+                       timeout=300)
+        startup = time.perf_counter() - start
+        took -= startup  # beyond start-up: the download attempt, no retries with back-off
     assert res.returncode == 2, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Retrying" not in res.stderr, res.stderr
     assert "cannot download the pretrained weights of vit_tiny_patch16_224" in res.stderr

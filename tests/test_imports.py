@@ -1,7 +1,8 @@
-"""The import graph of amod, read from the source with ``ast`` (nothing is imported): no import cycle
-among module-level imports, and the library (routing, token merging, ops, costs, token bookkeeping,
-checkpoints, weights, kernels, methods, architecture, files, export) never imports the application
-(``amod.train``, ``amod.experiments``), not even lazily inside a function."""
+"""The import graph of amod, read from the source with ``ast`` (nothing is imported): no import cycle, counting the
+imports inside functions, and the library (the root package, routing, token merging, ops, costs, token bookkeeping,
+checkpoints, weights, kernels, methods, architecture, files, export, the model families, analyses) never imports the
+application (``amod.train``, ``amod.experiments``, ``amod.detect``, ``amod.cli``), not even lazily inside a function.
+No family's name appears outside its adapter module and the registry."""
 from __future__ import annotations
 
 import ast
@@ -12,8 +13,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "amod"
 LIBRARY = ("amod.mod", "amod.tome", "amod.ops", "amod.cost", "amod.tokens", "amod.checkpoint", "amod.weights",
-           "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy", "amod.hf", "amod.detr")
-APPLICATION = ("amod.train", "amod.experiments", "amod.detect")
+           "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy", "amod.hf", "amod.families",
+           "amod.reduce", "amod.analysis", "amod.stats")
+APPLICATION = ("amod.train", "amod.experiments", "amod.detect", "amod.cli")
 
 
 def module_name(path: Path) -> str:
@@ -58,26 +60,31 @@ def _is_type_checking(node: ast.AST) -> bool:
         or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def imports(module: str) -> tuple[set[str], set[str]]:
-    """(amod modules imported when ``module`` is imported, amod modules imported anywhere in it)."""
+def imports(module: str) -> tuple[set[str], set[str], set[str]]:
+    """(amod modules imported when ``module`` is imported, those it imports when it runs, functions included, and
+    those named anywhere in it, type-checking imports included)."""
     tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
     top: set[str] = set()
+    runtime: set[str] = set()
     anywhere: set[str] = set()
 
-    def walk(node: ast.AST, at_import_time: bool) -> None:
+    def walk(node: ast.AST, at_import_time: bool, at_run_time: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 targets = set(_targets(child, module))
                 anywhere.update(targets)
+                if at_run_time:
+                    runtime.update(targets)
                 if at_import_time:
                     top.update(targets)
-            lazy = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or _is_type_checking(child)
-            walk(child, at_import_time and not lazy)
+            function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            typing_only = _is_type_checking(child)
+            walk(child, at_import_time and not (function or typing_only), at_run_time and not typing_only)
 
-    walk(tree, True)
-    top.discard(module)
-    anywhere.discard(module)
-    return top, anywhere
+    walk(tree, True, True)
+    for found in (top, runtime, anywhere):
+        found.discard(module)
+    return top, runtime, anywhere
 
 
 GRAPH = {m: imports(m) for m in MODULES}
@@ -127,8 +134,40 @@ def test_the_graph_is_read_from_the_source():
     assert "amod.kernels.triton_scores" in GRAPH["amod.ops"][1] - GRAPH["amod.ops"][0]  # inside a function
 
 
-def test_module_level_imports_have_no_cycle():
-    assert cycles({m: top for m, (top, _) in GRAPH.items()}) == []
+def test_imports_have_no_cycle_counting_those_inside_functions():
+    assert cycles({m: top for m, (top, _, _) in GRAPH.items()}) == []
+    assert cycles({m: runtime for m, (_, runtime, _) in GRAPH.items()}) == []
+
+
+def test_the_root_package_is_library():
+    """``import amod`` brings the library only: the root package imports no application module, not even lazily."""
+    _, _, anywhere = GRAPH["amod"]
+    assert [t for t in anywhere if _in(t, APPLICATION)] == []
+
+
+# what names a model family: its classes, and the helpers that used to tell families apart
+FAMILY_NAMES = ("is_hf_model", "is_detr_model", "VisionTransformer", "PreTrainedModel", "ViTModel", "DeiTModel",
+                "Dinov2Model", "DetrModel", "DetrForObjectDetection", "DetrEncoderLayer", "CLIPVisionModel",
+                "SiglipVisionModel", "ViTLayer", "Dinov2Layer", "CLIPEncoderLayer", "SiglipEncoderLayer")
+# where they may appear: the registry, the adapters, what the Hugging Face families share (amod.hf), and the
+# application modules built around one family (amod.detect trains DETRs)
+FAMILY_HOMES = ("amod.families", "amod.hf", "amod.detect")
+
+
+def test_no_family_is_named_outside_its_adapter_and_the_registry():
+    """In code (not in docstrings or comments): a family's class names and the old family checks."""
+    found = []
+    for module, path in MODULES.items():
+        if _in(module, FAMILY_HOMES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else \
+                node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+            if isinstance(node, ast.alias):
+                name = node.name.rpartition(".")[2]
+            if name in FAMILY_NAMES:
+                found.append(f"{module}: {name}")
+    assert found == []
 
 
 def test_cycles_are_found_where_there_are_some():
@@ -137,13 +176,14 @@ def test_cycles_are_found_where_there_are_some():
 
 @pytest.mark.parametrize("layer", LIBRARY)
 def test_the_library_does_not_import_training_or_experiments(layer):
-    wrong = sorted(f"{m} imports {t}" for m, (_, anywhere) in GRAPH.items() if _in(m, (layer,))
+    wrong = sorted(f"{m} imports {t}" for m, (_, _, anywhere) in GRAPH.items() if _in(m, (layer,))
                    for t in anywhere if _in(t, APPLICATION))
     assert [m for m in MODULES if _in(m, (layer,))], f"no module {layer}"
     assert wrong == []
 
 
-@pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint"])
+@pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint", "amod.detr", "amod.hf.adapter",
+                                  "amod.experiments.analysis", "amod.experiments.stats"])
 def test_removed_modules_are_gone(name):
     """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept."""
     assert name not in MODULES

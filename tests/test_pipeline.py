@@ -121,11 +121,20 @@ def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run,
 
 
 def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "amod", "train", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
+    """The one torchrun launch of the suite (tests/ddp_worker.py): `amod train` under DDP, then a learned router
+    trained under DDP on a converted DETR and a converted CLIP vision encoder."""
+    worker = Path(__file__).with_name("ddp_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+           "train", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
            "--capacity", "0.5", "--val-limit", "127", "--out", str(tmp_path / "ddp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
+    lines = [s for s in res.stdout.splitlines() if s.startswith("CHECKSUMS")]
+    assert lines, res.stdout[-3000:] + res.stderr[-3000:]
+    sums = json.loads(lines[0].split(" ", 1)[1])
+    assert sums.pop("train") == 0
+    for name, ((total0, router0), (total1, router1)) in sums.items():  # the ranks saw other images
+        assert total0 == total1 and router0 == router1 and router0 > 0, (name, sums[name])
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert len(summary["rank_weight_checksums"]) == 2 and len(set(summary["rank_weight_checksums"])) == 1
@@ -134,16 +143,21 @@ def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     assert len(rows) == 2 and rows[-1]["val_images"] == 127 and summary["val_images"] == 127
 
 
-def test_torchrun_with_fewer_training_images_than_processes_gives_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "amod", "train", *TINY, "--train-limit", "1", "--epochs", "1", "--out", str(tmp_path / "ddp")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    # every process refuses alike before they meet: rank 0 says so in one line, and every process exits with
-    # status 0, so that torchrun adds no ChildFailedError traceback of its own
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr and "ChildFailedError" not in res.stderr, res.stderr[-3000:]
-    errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith("amod train: error: 1 training image for 2 processes"), errors
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_fewer_training_images_than_processes_give_one_line_and_status_0(tmp_path, capsys,
+                                                                                        monkeypatch, rank):
+    """What each torchrun process does (in-process: torchrun's environment, the check comes before the processes
+    meet): every process refuses alike before they meet, rank 0 says so in one line, and each exits with status 0
+    so that torchrun adds no ChildFailedError traceback of its own."""
+    for key, value in {"WORLD_SIZE": "2", "RANK": rank, "LOCAL_RANK": rank}.items():
+        monkeypatch.setenv(key, value)
+    argv = ["train", *TINY, "--train-limit", "1", "--epochs", "1", "--out", str(tmp_path / "ddp")]
+    assert amod_main(argv) == 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    if rank == "0":
+        assert len(errors) == 1 and errors[0].startswith("amod train: error: 1 training image for 2 processes"), errors
+    else:
+        assert errors == []
     assert not (tmp_path / "ddp").exists()
 
 

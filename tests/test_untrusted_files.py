@@ -109,7 +109,7 @@ def test_every_command_that_reads_a_torch_file_refuses_a_crafted_one(crafted, tm
 @pytest.mark.slow
 def test_detection_runs_refuse_a_crafted_checkpoint(crafted, tmp_path, capsys):
     pytest.importorskip("transformers")
-    from amod.detr.models import small_detr
+    from amod.detect.models import small_detr
 
     tiny = ["--steps", "1", "--batch-size", "4", "--train-canvases", "8", "--val-canvases", "2"]
     ckpt = crafted(tmp_path / "det" / "checkpoint.pt")

@@ -7,17 +7,22 @@
     print(amod.flops(model))
 
 Sub-packages: ``amod.mod`` (routers, MoD and fold blocks, conversion), ``amod.tome`` (token merging,
-the baseline), ``amod.kernels`` (Triton score kernels), ``amod.weights`` (real pretrained weights),
+the baseline), ``amod.families`` (the model families: timm, Hugging Face ViT/DeiT/DINOv2, CLIP, SigLIP, DETR),
+``amod.kernels`` (Triton score kernels), ``amod.weights`` (real pretrained weights), ``amod.analysis`` and
+``amod.stats`` (leave-one-out, routing and attention analyses; bootstrap CIs); the application:
 ``amod.train`` (data, engine, run configurations, runs), ``amod.experiments`` (demo, compare, study,
-export, analyses, benchmarks). ``amod.methods`` names what a model runs; ``amod.cost`` prices it;
+export, benchmarks), ``amod.detect`` (DETR on detection canvases), ``amod.cli``. ``amod.methods`` names what a model runs; ``amod.cost`` prices it;
 ``amod.ops`` is attention with A-MoD's scores; ``amod.deploy`` exports a model to ONNX (``amod.export``)
 and checks it in ONNX Runtime; ``amod.checkpoint`` saves and loads models (``amod.save``,
 ``amod.load``); ``amod.arch`` holds a ViT's architecture arguments and ``set_input_size``.
 """
 from . import arch, hf, ops, tome, weights  # hf: Hugging Face models (imports transformers only when used)
+# the model families amod ships: each module registers its family (none imports transformers at import time)
+from .families import timm_vit as _timm_vit, hf_vit as _hf_vit  # noqa: F401
+from .families import hf_clip as _hf_clip, hf_siglip as _hf_siglip, detr as _detr  # noqa: F401
+from . import analysis, families, stats
 from .cost import CostReport, count_flops, flops
 from .deploy import export
-from .experiments import analysis, stats
 from .methods import Dense, IsoFLOP, Method, MoD, TokenMerging, method_of
 from .mod.config import MoDConfig
 from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
@@ -29,7 +34,7 @@ __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "method_of",
-    "export", "hf",
+    "export", "hf", "families",
 ]
 __version__ = "0.1.0"
 

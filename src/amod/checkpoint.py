@@ -1,6 +1,7 @@
 """Save and load (converted) timm ViTs: safetensors weights with the architecture and MoD config inside.
 
-The file's metadata holds ``amod.model`` (timm architecture name and creation kwargs) and what the
+The file's metadata holds ``amod.model`` (the model family's description of the architecture: for timm, its
+architecture name and creation kwargs; ``amod.families``) and what the
 model's method (``amod.methods``) writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
 ``MoDConfig``) or ``amod.merge`` (a token-merging model's schedule), so ``amod.load(path)`` needs
 nothing else.
@@ -13,7 +14,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import timm
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
@@ -21,16 +21,12 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from . import files
-from .arch import architecture_name, infer_model_args
-from .hf import is_hf_model
+from .families import family_for, family_of
 from .hf.loading import hf_source, load_hf_model
 from .methods import METADATA_KEYS, method_from_metadata, method_of
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = "1"
-# older `amod detect train` files said that their DETR starts its decoder from the query embeddings here (newer
-# files say it in ``amod.model``)
-LEGACY_CONTENT_QUERIES = "amod.detr.content_queries"
 
 
 def save(
@@ -43,10 +39,10 @@ def save(
     """Write ``model`` (dense or converted) to a safetensors file that ``amod.load`` rebuilds alone.
 
     Args:
-        model: a timm ViT, converted or not.
+        model: a model of a registered family (``amod.families``), converted or not.
         path: destination file; written to a temporary name first, then renamed.
-        arch: timm architecture name; defaults to ``model.pretrained_cfg['architecture']``.
-        model_args: kwargs for ``timm.create_model``; defaults to ones read off the model.
+        arch: timm architecture name; defaults to ``model.pretrained_cfg['architecture']`` (timm models only).
+        model_args: kwargs for ``timm.create_model``; defaults to ones read off the model (timm models only).
         metadata: extra string entries for the file's metadata.
     """
     path = Path(path)
@@ -63,11 +59,7 @@ def to_bytes(
 ) -> bytes:
     """The content ``save`` writes (arguments as there), for writing it together with other files
     (``amod.files.write_together``)."""
-    if is_hf_model(model):  # a Hugging Face model: its class, config and constructor arguments (amod.hf.adapter)
-        from .hf.adapter import model_info
-        info = model_info(model)
-    else:
-        info = {"arch": arch or architecture_name(model), "args": model_args or infer_model_args(model)}
+    info = family_of(model).describe(model, arch=arch, model_args=model_args)  # (a family's own description)
     meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info), **method_of(model).metadata()}
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -112,14 +104,8 @@ def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, A
     """(the model the metadata names, without its weights; the ``amod.model`` entry)."""
     try:
         info = json.loads(meta["amod.model"])
-        if "hf" in info:  # written from a Hugging Face model (amod.hf.adapter.model_info)
-            from .hf.adapter import build_model
-            if meta.get(LEGACY_CONTENT_QUERIES) == "1":  # a detector `amod detect train` wrote before the entry
-                info = {**info, "content_queries": True}
-            dense = build_model(info)
-            info = {**info, "arch": info["hf"]}  # what the errors below name
-        else:
-            dense = timm.create_model(info["arch"], pretrained=False, **info["args"])
+        dense = family_for(info).rebuild(info, meta)
+        info = {**info, "arch": info.get("arch") or info.get("hf")}  # what the errors below name
         model = method_from_metadata(meta).apply(dense)
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
         raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model "

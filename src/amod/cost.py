@@ -5,18 +5,21 @@ products (patch embedding, qkv, attention QK^T and AV, projection, MLP, head). N
 activations are left out. FLOPs = 2 x MACs.
 
 A block that changes the work (an MoD block, a fold block, a token-merging block) prices itself: it
-has a method ``amod_price(tokens, num_prefix, capacity=None) -> BlockPrice``. This module knows no
-reduction, so every reduction can import its pricing helpers without a cycle.
+has a method ``amod_price(tokens, num_prefix, capacity=None) -> BlockPrice``; the model's family prices the rest
+(``amod.families``: ``vit_flops`` for the ViT pattern). This module knows no reduction and no family, so every
+reduction and family can import its pricing helpers without a cycle.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from .families import family_of
 
 ImgSize = Optional[Union[int, Sequence[int]]]
 
@@ -127,12 +130,13 @@ def embed_head_macs(model: nn.Module, num_patches: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- the model
 
-def flops(model: nn.Module, img_size: ImgSize = None, capacity: Optional[float] = None) -> CostReport:
-    """Analytic cost of one image through ``model`` (dense, MoD-converted or token-merging).
+def flops(model: nn.Module, img_size: ImgSize = None, capacity: Optional[float] = None) -> Any:
+    """Analytic cost of one image through ``model`` (dense, MoD-converted or token-merging), as its model family
+    prices it (``amod.families``).
 
     Args:
-        model: a timm ViT, converted or not (or a Hugging Face one; a DETR gets a ``DetrCostReport``,
-            ``amod.detr.cost``).
+        model: a model of a registered family: a timm ViT, a Hugging Face ViT/DeiT/DINOv2/CLIP/SigLIP vision model
+            (converted or not), or a DETR (its report: ``amod.families.detr.DetrCostReport``).
         img_size: input size (int or (H, W)); defaults to the model's own (a DETR needs it).
         capacity: price an MoD model as if set to this capacity (the model is not changed).
 
@@ -140,26 +144,30 @@ def flops(model: nn.Module, img_size: ImgSize = None, capacity: Optional[float] 
         A ``CostReport``: ``.macs``, ``.flops``, ``.gmacs``, ``.ratio`` to dense, per-block costs
         (``tokens``: the tokens a block's attention runs on).
     """
-    from .hf import is_detr_model, prepare  # (amod.hf imports nothing at module level)
-    if is_detr_model(model):  # encoder analytic, backbone and decoder measured (amod.detr.cost)
-        from .detr.cost import detr_flops
-        return detr_flops(model, img_size, capacity)
-    prepare(model)  # a Hugging Face ViT/DeiT/DINOv2 gets timm's names
-    if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
-        raise TypeError(f"amod.flops expects a timm VisionTransformer, got {type(model).__name__}")
+    return family_of(model).flops(model, img_size, capacity)
+
+
+OutsideBlocks = Callable[[nn.Module, int, int], tuple[int, int]]
+
+
+def vit_flops(model: nn.Module, img_size: ImgSize, capacity: Optional[float], outside: OutsideBlocks) -> CostReport:
+    """``flops`` of a model of the ViT pattern (its family's views in place): every block priced by its own
+    ``amod_price`` (a dense block: ``dense_block_macs``), the patch embedding and head by ``outside(model,
+    num_patches, tokens out of the last block)``."""
     (h, w), n, p = token_sizes(model, img_size)
     N = n + p
-    embed, head = embed_head_macs(model, n)
-    blocks, dense = [], embed + head
+    blocks, dense_blocks = [], 0
     tokens = N  # falls where tokens merge or fold
     for i, blk in enumerate(model.blocks):
         price = blk.amod_price(tokens, p, capacity) if hasattr(blk, "amod_price") else \
             BlockPrice(dense_block_macs(blk, tokens), tokens, tokens)
         blocks.append(BlockCost(i, price.tokens, price.macs))
         tokens = price.tokens_after
-        dense += dense_block_macs(blk, N)
+        dense_blocks += dense_block_macs(blk, N)
+    embed, head = outside(model, n, tokens)
+    dense_embed, dense_head = outside(model, n, N)
     macs = embed + head + sum(b.macs for b in blocks)
-    return CostReport((h, w), N, macs, dense, embed, head, blocks)
+    return CostReport((h, w), N, macs, dense_embed + dense_head + dense_blocks, embed, head, blocks)
 
 
 def _cpu_sdpa_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:

@@ -35,9 +35,9 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from .arch import pair, set_input_size
+from .arch import pair
 from .files import _remove_quietly, disk_full_error, naming_a_full_disk
-from .hf import is_detr_model, is_hf_model, prepare as prepare_hf
+from .families import family_of
 from .methods import method_of
 from .mod.routers import SeededDraws
 
@@ -346,21 +346,12 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     for extra in ("onnx", "onnxruntime") if check else ("onnx",):
         _require(extra)
     path = check_output_file(path)
-    prepare_hf(model)  # a Hugging Face ViT/DeiT/DINOv2 gets timm's names (amod.hf)
-    if not hasattr(model, "patch_embed") or not hasattr(model, "blocks"):
-        detr = " (for a DETR, torch.onnx.export a wrapper returning its logits and pred_boxes: docs/detr.md)" \
-            if is_detr_model(model) else ""
-        raise TypeError(f"amod.export takes a timm VisionTransformer, got {type(model).__name__}{detr}")
-    hf = is_hf_model(model)
-    if hf and img_size is not None and pair(img_size) != pair(model.patch_embed.img_size):
-        raise ValueError(f"a Hugging Face model exports at its config's image_size {pair(model.patch_embed.img_size)}; "
-                         "img_size cannot change it")
+    family = family_of(model)
+    family.tensor_module(family.prepare(model))  # (a family with nothing to export says so here, before any work)
     model = copy.deepcopy(model).cpu().float().eval()
-    if hf:  # one image tensor in, one tensor out (logits, or features for a base model)
-        from .hf.adapter import TensorOutput
-        model = TensorOutput(model).eval()
     if img_size is not None and pair(img_size) != pair(model.patch_embed.img_size):
-        set_input_size(model, img_size)
+        family.set_input_size(model, img_size)  # (a family with a fixed input size refuses)
+    model = family.tensor_module(model).eval()  # one image tensor in, one tensor out
     label = method_of(model).label()
     example, source = check_inputs(model, check_images if given or dynamic else batch)
     example = example if dynamic else example[:batch]

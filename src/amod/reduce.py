@@ -42,15 +42,23 @@ def proportional_bias(size: Optional[torch.Tensor], dtype: torch.dtype) -> Optio
     return None if size is None else size.log().to(dtype).transpose(1, 2).unsqueeze(1)
 
 
+ALL_ROWS = -1  # ``class_rows`` of a model without a class token: every token's row (the attention it receives)
+
+
+def importance_rows(class_rows: int, tokens: int) -> int:
+    """The attention rows whose mean is a token's importance: ``class_rows``, or all ``tokens`` (``ALL_ROWS``)."""
+    return tokens if class_rows == ALL_ROWS else class_rows
+
+
 def reduction_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int, class_rows: int = 0) -> int:
     """MACs of a timm block (reducing or not yet) on ``tokens`` tokens that removes r patch tokens: attention
-    on all of them; when it removes any, ``class_rows`` attention rows again (the importance) and the
+    on all of them; when it removes any, the importance's attention rows again (``importance_rows``) and the
     bipartite matching's |A| x |B| key similarities; then the MLP on the ``tokens - r`` left."""
     n = tokens - num_prefix
     attn = blk.attn
     macs = tokens * linear_macs_per_token(attn) + attention_macs(tokens, attn)
     if r > 0:
-        macs += class_rows * tokens * attn.attn_dim  # class-token rows of Q K^T
+        macs += importance_rows(class_rows, tokens) * tokens * attn.attn_dim  # the importance rows of Q K^T
         macs += ((n + 1) // 2) * (n // 2) * attn.head_dim  # |A| x |B| cosine similarities
     return macs + (tokens - r) * linear_macs_per_token(blk.mlp)
 
@@ -58,14 +66,15 @@ def reduction_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int, class_r
 class SizedAttention(Attention):
     """timm ``Attention`` that, when its block asks (``amod_want``), also keeps the keys' mean over heads
     (``amod_metric``: what tokens are matched on) and the mean attention of its first ``amod_class_rows``
-    query rows (``amod_importance``: the attention each token receives from the class tokens).
+    query rows (``amod_importance``: the attention each token receives from the class tokens; with ``ALL_ROWS``,
+    from every token, A-MoD's own score, for a model without a class token).
 
     The output is timm's attention, fused or explicit, with the proportional-attention bias as its mask;
     the class rows are computed again on their own (rows x N products), so nothing forms the N x N matrix.
     """
 
     amod_want: bool  # set by the block: keep the metric (and the importance) of this forward
-    amod_class_rows: int  # class-token rows whose attention is the importance; 0: no importance
+    amod_class_rows: int  # class-token rows whose attention is the importance; 0: none; ALL_ROWS: every row
     amod_metric: Optional[torch.Tensor]
     amod_importance: Optional[torch.Tensor]
 
@@ -78,7 +87,7 @@ class SizedAttention(Attention):
         else:
             o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
         if self.amod_want:
-            rows = self.amod_class_rows
+            rows = importance_rows(self.amod_class_rows, x.shape[1])
             if rows > 0:
                 with torch.no_grad():  # the importance ranks tokens, a discrete choice: no gradient through it
                     # the class tokens' rows of the attention, (B, H, rows, N), averaged over heads and rows
@@ -180,7 +189,7 @@ def make_sized(blk: nn.Module, block_cls: type[SizedTokensBlock], settings: Size
 
     Class swaps, like ``amod.convert``: parameters and state_dict keys stay as they were. The blocks of
     one model share one ``TokenSizes`` in their settings, and block 0 is ``first``. ``class_rows``: the
-    attention rows whose mean the block reads as importance (0: none).
+    attention rows whose mean the block reads as importance (0: none; ``ALL_ROWS``: every token's).
     """
     blk.__class__ = block_cls
     blk.attn.__class__ = SizedAttention

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..checkpoint import read_metadata
-from ..detr import ROUTERS
-from ..hf import DETR
+from ..families.detr import DetrFamily, ROUTERS
 from ..train.rundir import check_output_dir
 
 
@@ -22,7 +21,7 @@ def check_detector_file(path: str | Path, option: str) -> None:
         name = info.get("hf") or info.get("arch")
     except (ValueError, AttributeError):
         name = None
-    if name not in DETR:
+    if name not in DetrFamily.classes:
         raise ValueError(f"{option} {path} holds {'a ' + str(name) if name else 'no model amod can name'}, not a DETR; "
                          "give a detector `amod detect train` saved (its model.safetensors)")
 

@@ -23,13 +23,13 @@ from torch import nn
 
 from .. import files
 from ..experiments.bench import time_callables
-from ..experiments.stats import mean_std, paired_bootstrap_ci
+from ..stats import mean_std, paired_bootstrap_ci
 from ..train.engine import read_metrics
 from ..train.rundir import RunDirectory
 from .canvases import collate
 from .config import DetectConfig, DetectStudyConfig
-from ..detr.cost import detr_flops
-from ..detr.convert import mod_layers, set_recording
+from ..families.detr import detr_flops, mod_layers
+from ..mod.convert import set_recording
 from .train import datasets, load_detector, normalise, train_detector
 
 log = logging.getLogger("amod")

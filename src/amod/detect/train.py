@@ -28,9 +28,9 @@ from ..train import engine
 from ..train.rundir import RunDirectory
 from .config import DetectConfig, check_detector_file
 from .canvases import CanvasSpec, DetectionCanvases, coco_ground_truth, collate
-from ..detr.cost import capacity_for_encoder_cost
+from ..families.detr import capacity_for_encoder_cost, use_content_queries
 from .evaluate import coco_ap, detections_from_outputs
-from ..detr.models import small_detr, use_content_queries
+from .models import small_detr
 
 log = logging.getLogger("amod")
 # ImageNet statistics, as Hugging Face's DetrImageProcessor normalises (canvases arrive in [0, 1])

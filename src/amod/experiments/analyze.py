@@ -2,7 +2,7 @@
 
 ``loo`` (leave-one-out importance inside the MoD model, against random scores), ``routing`` (the
 kept patches per MoD layer, and how often each position is kept) or ``attention`` (entropy and
-attention-sink share per block). The analyses themselves are in ``amod.experiments.analysis``.
+attention-sink share per block). The analyses themselves are in ``amod.analysis``.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..mod.modes import mode_list, skipped_mode
 from ..checkpoint import load
 from ..train.data import build_datasets, first_images, normalization
 from ..train.rundir import check_output_dir
-from .analysis import attention_stats, check_loo_model, kept_positions, leave_one_out
+from ..analysis import attention_stats, check_loo_model, kept_positions, leave_one_out
 from .plots import keep_frequency_figure, routing_figure
 
 ANALYSES = ("loo", "routing", "attention")

@@ -33,12 +33,11 @@ import torch
 
 from ..cost import flops, validate_cost
 from ..files import UnreadableFileError, dumps, load_torch, torch_save, write_json, write_text
-from ..hf import is_hf_model
+from ..families import family_of
 from ..hf.loading import hf_source, load_hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of
 from ..train import engine
 from ..checkpoint import load, skeleton
-from ..mod.convert import capacity_for_cost
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
@@ -66,9 +65,6 @@ class Entry:
         if self.layers == "last-two-thirds":
             depth = len(dense.blocks)
             method = dataclasses.replace(method, layers=tuple(range(max(1, depth // 3), depth)))
-        if is_hf_model(dense) and isinstance(method, MoD):  # Method.at_cost prices a timm skeleton: a copy instead
-            model = dataclasses.replace(method, capacity=1.0).apply(copy.deepcopy(dense))
-            return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
         return method.at_cost(dense, cost)
 
 
@@ -295,23 +291,8 @@ def _dense_probe(root: Path, key: str, cached: dict[str, torch.Tensor]) -> Linea
     return fit_probe_cached(root / f"dense_probe_{key}.pt", cached["train"], cached["train_labels"])
 
 
-class HFFeatures(torch.nn.Module):
-    """A Hugging Face model with what ``probe.features`` reads of a timm one: ``forward_features`` (the tokens after
-    the final norm: ``last_hidden_state``) and ``forward_head(..., pre_logits=True)`` (the CLS token)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.base_model(pixel_values=x).last_hidden_state
-
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = True) -> torch.Tensor:
-        return tokens[:, 0]
-
-
 def _feature_model(model: torch.nn.Module) -> torch.nn.Module:
-    return HFFeatures(model) if is_hf_model(model) else model
+    return family_of(model).feature_module(model)
 
 
 FEATURE_KEYS = ("train", "train_labels", "test", "test_labels")

@@ -9,7 +9,7 @@ import torch
 from ..cost import flops
 from ..mod.convert import set_capacity
 from ..checkpoint import load
-from ..hf import is_hf_model, prepare
+from ..families import family_of
 from ..hf.loading import hf_source, load_hf_source
 from ..train.data import build_datasets
 from ..train.engine import BadImages, Dist, evaluate, make_loader
@@ -35,22 +35,19 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     if cfg.capacity is not None:
         set_capacity(model, cfg.capacity)
     counted = model  # what amod.flops prices
-    if is_hf_model(model):  # its classes: config.num_labels if it has a classifier; the loop needs the logits tensor
-        from ..hf.adapter import TensorOutput
-
-        model = TensorOutput(prepare(model))  # (an amod.save file of a dense HF model loads unprepared)
-        classifier = any(n in counted._modules for n in ("classifier", "cls_classifier"))
-        model.num_classes = counted.config.num_labels if classifier else 0
+    family = family_of(model)
+    num_classes = family.num_classes(family.prepare(model))
+    model = family.tensor_module(model)  # the loop needs one tensor out: the logits
     native = model.patch_embed.img_size[0]
     if cfg.img_size is not None and cfg.img_size != native:
         raise ValueError(f"{cfg.checkpoint} takes {native}-px images, not {cfg.img_size}: drop --img-size, "
                          "or finetune the model at that size first")
-    if model.num_classes == 0:
+    if num_classes == 0:
         raise ValueError(f"{cfg.checkpoint} has no classifier (a backbone): finetune it with amod finetune, "
                          "or compare reduced versions of it with amod compare's linear probe")
     _, val, info = build_datasets(cfg.data, native, None, cfg.val_limit)
-    if info.num_classes > model.num_classes or info.in_chans != model.patch_embed.proj.in_channels:
-        raise ValueError(f"the model ({model.num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
+    if info.num_classes > num_classes or info.in_chans != model.patch_embed.proj.in_channels:
+        raise ValueError(f"the model ({num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
                          f"does not fit {info.name} ({info.num_classes} classes, {info.in_chans} channels)")
     dist_info = Dist(device=device)
     bad_images = BadImages(skip=cfg.skip_bad_images)

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..checkpoint import load
 from ..cost import flops, validate_cost
+from ..families import skeleton
 from ..files import UnreadableFileError, dumps, load_torch, torch_save, write_json, write_text
 from ..methods import Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train import engine
@@ -45,7 +46,7 @@ from .compare import _dense_features, _dense_probe, _features_key
 from .plots import accuracy_vs_steps
 from .presets import run_in_directory
 from .probe import LinearProbe
-from .stats import mean_std, paired_bootstrap_ci
+from ..stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
 COST_TOLERANCE = 0.02  # a method further than this from the target cost is named in the report
@@ -197,7 +198,7 @@ def with_probe_head(backbone: nn.Module, probe: LinearProbe) -> nn.Module:
 
 def share_of_dense(method: Method, dense: nn.Module) -> float:
     """``method``'s MACs over the dense model's (an isoFLOP model is dense in itself: its ``ratio`` is 1)."""
-    return flops(method.apply(_skeleton(dense))).macs / flops(dense).macs
+    return flops(method.apply(skeleton(dense))).macs / flops(dense).macs
 
 
 def plan(cfg: FinetuneConfig, model: nn.Module) -> list[Planned]:
@@ -229,11 +230,6 @@ def plan(cfg: FinetuneConfig, model: nn.Module) -> list[Planned]:
                 note = f"closest cost it reaches is {reached:.3f}"
             planned.append(Planned(arm, cost, method, reached, depth, note))
     return planned
-
-
-def _skeleton(model: nn.Module) -> nn.Module:
-    from ..arch import skeleton
-    return skeleton(model)
 
 
 # ---------------------------------------------------------------- evaluation rows

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .analysis import kept_positions  # noqa: E402
+from ..analysis import kept_positions  # noqa: E402
 
 
 Series = dict[str, tuple[Sequence[float], Sequence[float]]]

@@ -30,10 +30,10 @@ from ..checkpoint import load
 from ..train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, first_images
 from ..train.config import RunConfig
 from ..train.rundir import run_dir_name
-from .analysis import attention_stats, leave_one_out
+from ..analysis import attention_stats, leave_one_out
 from .plots import accuracy_vs_epoch, routing_figure
 from .presets import BASE, check_settings, run_in_directory, run_once, starting_checkpoint
-from .stats import mean_std, paired_bootstrap_ci
+from ..stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
 

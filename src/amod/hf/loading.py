@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..methods import method_from_metadata
-from . import DETR, SIDECAR, SIDECAR_FORMAT, SUPPORTED
+from ..families import FAMILIES, family_of
+from .common import SIDECAR, SIDECAR_FORMAT
 
 
 HF_PREFIX = "hf:"  # a hub id on the command line: hf:facebook/dinov2-small
@@ -46,9 +47,8 @@ def hf_source(text: Union[str, os.PathLike, None]) -> Optional[str]:
 def load_hf_source(source: str) -> nn.Module:
     """``load_hf_model(source)`` (a ``hf_source`` answer), with amod's timm-style views in place (``blocks``,
     ``patch_embed``, ...), in eval mode."""
-    from . import prepare
-
-    return prepare(load_hf_model(Path(source).expanduser() if Path(source).expanduser().is_dir() else source))
+    model = load_hf_model(Path(source).expanduser() if Path(source).expanduser().is_dir() else source)
+    return family_of(model).prepare(model)
 
 
 def _offline() -> bool:
@@ -112,9 +112,10 @@ def _check_local_folder(path: Path) -> None:
 def _architecture(config: Any, source: str, cls: Optional[str]) -> str:
     """The supported class to build, or a one-line refusal."""
     name = cls or next(iter(getattr(config, "architectures", None) or []), None)
-    if name in SUPPORTED + DETR:
+    known = [c for family in FAMILIES for c in getattr(family, "classes", ())]  # the Hugging Face families' classes
+    if name in known:
         return name
-    supported = f"amod takes {', '.join(SUPPORTED + DETR)}"
+    supported = f"amod takes {', '.join(known)}"
     if name is None:
         kind = getattr(config, "model_type", None) or "unknown"
         raise ValueError(f"{source}: config.json names no architecture (model_type {kind!r}); {supported} "
@@ -144,13 +145,11 @@ def read_sidecar(path: Path) -> Optional[tuple[dict[str, str], dict[str, torch.T
 def _rebuild_conversion(model: nn.Module, path: Path, meta: dict[str, str],
                         tensors: dict[str, torch.Tensor]) -> nn.Module:
     """Convert the dense ``model`` as the sidecar says and load amod's own tensors into it, exactly."""
-    from . import prepare
-    from .adapter import restore_forward_hooks
-
-    restore_forward_hooks(model, json.loads(meta.get("amod.model", "{}")))
+    family = family_of(model)
+    family.restore(model, json.loads(meta.get("amod.model", "{}")), meta)
     dense_keys = set(model.state_dict())
     try:
-        model = method_from_metadata(meta).apply(prepare(model))
+        model = method_from_metadata(meta).apply(family.prepare(model))
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{path / SIDECAR}: its conversion cannot be applied to the model in {path} "
                          f"({type(e).__name__}: {e})") from None

@@ -5,3 +5,4 @@
 modes), ``fold`` (the fold mode), ``config`` (``MoDConfig`` and its
 checks), ``convert`` (``amod.convert`` and friends), ``isoflop`` (the dense baseline of an MoD setup).
 """
+from . import block, fold  # noqa: F401,E402 (they register the built-in skipped modes in amod.mod.modes)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -270,8 +270,8 @@ class MoDMode(SkippedMode):
     on the kept tokens) registered with ``@register_skipped_mode(name)``; its models convert as every MoD
     model does (``convert_to_mod_blocks``)."""
 
-    def convert(self, model: nn.Module, config: MoDConfig) -> None:
-        convert_to_mod_blocks(model, config)
+    def convert(self, model: nn.Module, config: MoDConfig, family: Any) -> None:
+        convert_to_mod_blocks(model, config, family)
 
     def forward(self, block: MoDBlock, x: torch.Tensor, xs: torch.Tensor, index: torch.Tensor,
                 patch_idx: torch.Tensor, patch_scores: torch.Tensor) -> torch.Tensor:
@@ -381,42 +381,37 @@ class KVMode(MoDMode):
 
 # ---------------------------------------------------------------- conversion to MoD blocks
 
-def check_block(blk: nn.Module, index: int) -> None:
-    """Refuse a block amod cannot convert: timm's pre-norm ``Block`` with timm's ``Attention`` only."""
-    if type(blk) not in (Block, MoDBlock):
-        raise TypeError(
-            f"block {index} is a {type(blk).__name__}; amod converts timm's pre-norm "
-            "timm.models.vision_transformer.Block only"
-        )
-    if type(blk.attn) not in (Attention, ScoringAttention):
-        raise TypeError(
-            f"block {index} uses {type(blk.attn).__name__}; amod supports timm.layers.Attention only"
-        )
-
-
-def convert_to_mod_blocks(model: nn.Module, config: MoDConfig) -> None:
-    """Make the blocks in ``config.layers`` MoD blocks, each with its router, and, for an attention router,
-    the attention before each one a ``ScoringAttention`` (the conversion of every ``MoDMode``)."""
+def convert_to_mod_blocks(model: nn.Module, config: MoDConfig, family: Any) -> None:
+    """Make the blocks in ``config.layers`` MoD blocks, each with its router, and, for an attention router, hand
+    A-MoD's scores to each from the block before it (the conversion of every ``MoDMode``). ``family``: the model's
+    (``amod.families``), which makes each block take its role."""
     blocks = model.blocks
     for i in config.layers:
-        check_block(blocks[i], i)
+        family.check_block(blocks[i], i)
     for i in config.layers:
-        blk = blocks[i]
-        blk.__class__ = MoDBlock
-        dim = blk.norm1.normalized_shape[0] if hasattr(blk.norm1, "normalized_shape") else blk.attn.qkv.in_features
-        blk.router = build_router(config.router, dim, seed=config.seed + i)
-        blk.router.to(device=blk.attn.qkv.weight.device, dtype=blk.attn.qkv.weight.dtype)
+        blk = family.make_mod(blocks[i])
+        weight = next(blk.parameters())
+        blk.router = build_router(config.router, family.router_dim(blk), seed=config.seed + i)
+        blk.router.to(device=weight.device, dtype=weight.dtype)
         blk.amod = MoDSettings(config=config, num_prefix=model.num_prefix_tokens)
     if router_class(config.router).needs_attention:
         for i in config.layers:
-            check_block(blocks[i - 1], i - 1)
-            handoff = ScoreHandoff()
-            prev = blocks[i - 1]
-            prev.attn.__class__ = ScoringAttention
-            prev.attn.amod_handoff = handoff
-            # Gradients through the scores are only needed when they scale the output.
-            prev.attn.amod_scores_need_grad = config.scale_output
-            if isinstance(prev, MoDBlock):
-                prev.amod.out_handoff = handoff
-                prev.attn.amod_relayed = True
-            blocks[i].amod.in_handoff = handoff
+            family.check_block(blocks[i - 1], i - 1)
+        wire_score_handoffs(blocks, config.layers, config.scale_output, family.make_scoring)
+
+
+def wire_score_handoffs(blocks: Sequence[nn.Module], layers: Sequence[int], scale_output: bool,
+                        make_scoring: Callable[[nn.Module], nn.Module]) -> None:
+    """For each MoD block in ``layers``: the block before it scores attention (``make_scoring`` makes its attention
+    a scoring one and returns it) and leaves the scores in a ``ScoreHandoff`` the MoD block reads. An MoD block
+    before another passes its scores on (``publish_scores``). Written once for every family."""
+    for i in layers:
+        handoff = ScoreHandoff()
+        prev = blocks[i - 1]
+        attn = make_scoring(prev)
+        attn.amod_handoff = handoff
+        attn.amod_scores_need_grad = scale_output  # gradients through the scores: scaled outputs only
+        if isinstance(prev, RoutedForward):
+            prev.amod.out_handoff = handoff
+            attn.amod_relayed = True
+        blocks[i].amod.in_handoff = handoff

@@ -1,19 +1,18 @@
-"""Turn a timm Vision Transformer into a Mixture-of-Depths model, in place.
+"""Turn a Vision Transformer (or a DETR encoder) into a Mixture-of-Depths model, in place.
 
-A policy registry maps supported model classes to a converter, so a new family is one function; the
-converter hands the blocks to the skipped mode (``amod.mod.modes``), which says what they become.
+The model's family (``amod.families``) gives it amod's names, says what it refuses and converts it; for the ViT
+pattern it hands the blocks to the skipped mode (``amod.mod.modes``), which says what they become.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..cost import flops, token_sizes, validate_cost
-from ..hf import is_detr_model, policy as hf_policy
-from .block import MoDBlock
+from ..families import family_of
+from .block import RoutedForward
 from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
                      validate_skipped)
 from .fold import FoldBlock
@@ -21,30 +20,6 @@ from .modes import skipped_mode
 from .routers import router_class
 
 LayersSpec = Union[str, Sequence[int]]
-
-# model class -> function(model, config) that converts it in place
-POLICIES: dict[type, Callable[[nn.Module, MoDConfig], None]] = {}
-
-
-def register_policy(cls: type) -> Callable:
-    """Decorator: register a converter for ``cls`` (and its subclasses)."""
-
-    def wrap(fn: Callable[[nn.Module, MoDConfig], None]) -> Callable[[nn.Module, MoDConfig], None]:
-        POLICIES[cls] = fn
-        return fn
-
-    return wrap
-
-
-def _find_policy(model: nn.Module) -> Callable[[nn.Module, MoDConfig], None]:
-    for cls in type(model).__mro__:
-        if cls in POLICIES:
-            return POLICIES[cls]
-    supported = ", ".join(sorted(c.__name__ for c in POLICIES))
-    raise TypeError(
-        f"amod cannot convert {type(model).__name__}: supported model classes are {supported} "
-        "(timm's vit_*, deit_*, deit3_*, *_reg*, *_dinov2 models)"
-    )
 
 
 def default_scale_output(router: str) -> bool:
@@ -68,9 +43,9 @@ def convert(
     Weights and state_dict keys stay as they were (the standard router adds ``blocks.i.router.*``).
 
     Args:
-        model: a timm ``VisionTransformer`` (vit_*, deit_* incl. distilled, deit3_*, *_reg*, *_dinov2), a Hugging
-            Face ViT/DeiT/DINOv2 (``amod.hf``) or DETR (its encoder; ``amod.detr.convert``, bypass only, routers
-            attention, standard, random and feature-norm).
+        model: a model of a registered family (``amod.families``): a timm ``VisionTransformer`` (vit_*, deit_*
+            incl. distilled, deit3_*, *_reg*, *_dinov2), a Hugging Face ViT/DeiT/DINOv2, CLIP or SigLIP vision model,
+            or a DETR (its encoder; bypass only, routers attention, standard, random and feature-norm).
         router: ``"attention"`` (A-MoD, parameter-free), ``"standard"`` (learned linear), or one of the
             controls: ``"random"`` (a random subset), ``"shuffled-attention"`` (A-MoD's scores permuted
             among the patch tokens), ``"inverse-attention"`` (the tokens A-MoD would skip).
@@ -92,10 +67,7 @@ def convert(
             most redundant of the rest fold.
         protect: ``"fold"`` only: share in [0, 1) of a fold block's patch tokens the router protects.
     """
-    if is_detr_model(model):  # MoD on a DETR's encoder positions (amod.detr.convert)
-        from ..detr.convert import convert_detr
-        return convert_detr(model, router=router, capacity=capacity, layers=layers, scale_output=scale_output,
-                            seed=seed, skipped=skipped)
+    family = family_of(model)  # (a model no family claims: a TypeError naming what amod takes)
     router = validate_router(router)
     mode = skipped_mode(validate_skipped(skipped))
     capacity = validate_capacity(capacity)
@@ -106,25 +78,23 @@ def convert(
         raise ValueError(f"scale_output must be True, False or None, got {scale_output!r}")
     if getattr(model, "amod_config", None) is not None:
         raise ValueError("model is already converted; use amod.set_capacity to change its capacity")
-    # a Hugging Face ViT/DeiT/DINOv2: amod.hf's converter (which gives the model timm's names first); others: None
-    policy = hf_policy(model) or _find_policy(model)
-    depth = len(getattr(model, "blocks", ()))
+    allowed = router_class(router).families
+    if allowed is not None and family.name not in allowed:
+        raise ValueError(f"router={router!r} routes {' and '.join(allowed)} models only "
+                         f"({router_class(router).families_why}); this is a {family.name} model")
+    family.prepare(model)
     if layers is None:
         layers = mode.default_layers
     config = MoDConfig(router=router, capacity=capacity,
-                       layers=resolve_layers(layers, depth, router, own_attention=mode.own_attention),
+                       layers=resolve_layers(layers, family.layers_count(model), router,
+                                             own_attention=mode.own_attention),
                        scale_output=scale_output, seed=int(seed), skipped=skipped, protect=protect)
+    family.validate(config, model)
     mode.validate(config, model)
-    policy(model, config)
+    family.convert(model, config)
     model.amod_config = config
     _warn_below_lowest(model, capacity)
     return model
-
-
-@register_policy(VisionTransformer)
-def _convert_vision_transformer(model: nn.Module, config: MoDConfig) -> None:
-    """timm's ViT: its ``blocks`` become what the skipped mode makes of them (MoD blocks, fold blocks)."""
-    skipped_mode(config.skipped).convert(model, config)
 
 
 def get_config(model: nn.Module) -> MoDConfig:
@@ -138,7 +108,7 @@ def get_config(model: nn.Module) -> MoDConfig:
 def mod_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(index, block) for every MoD block of a converted model (the folding blocks of a fold model)."""
     return [(i, b) for i, b in enumerate(model.blocks)
-            if isinstance(b, MoDBlock) or (isinstance(b, FoldBlock) and b.amod.fold)]
+            if isinstance(b, RoutedForward) or (isinstance(b, FoldBlock) and b.amod.fold)]
 
 
 def set_capacity(model: nn.Module, capacity: float) -> nn.Module:
@@ -154,7 +124,7 @@ def set_capacity(model: nn.Module, capacity: float) -> nn.Module:
 def set_recording(model: nn.Module, enabled: bool = True) -> None:
     """Keep each MoD block's kept patch indices of the last forward in ``block.amod_last_index``."""
     for _, blk in mod_blocks(model):
-        if not isinstance(blk, MoDBlock):
+        if not isinstance(blk, RoutedForward):
             raise ValueError("recording kept indices is for MoD blocks; a fold model's tokens change identity as "
                              "they fold (see amod_last_tokens)")
         blk.amod.record = enabled

@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import nn
 
 from ..cost import BlockPrice, flops, token_sizes
-from ..reduce import SizedSettings, SizedTokensBlock, make_sized
+from ..reduce import ALL_ROWS, SizedSettings, SizedTokensBlock
 from ..tokens import TokenSizes, reduce_weighted
-from .block import check_block
 from .config import MoDConfig
 from .modes import SkippedMode, register_skipped_mode
 from .routers import Router, build_router, router_class
@@ -138,18 +137,19 @@ class FoldMode(SkippedMode):
             raise ValueError("skipped='fold' routes with a parameter-free router and no output scaling; use "
                              "router='attention' (or a control router) and scale_output=False")
 
-    def convert(self, model: nn.Module, config: MoDConfig) -> None:
+    def convert(self, model: nn.Module, config: MoDConfig, family: Any) -> None:
         """Every block becomes a FoldBlock (all of them apply the proportional-attention bias once tokens have
-        folded); the blocks in ``config.layers`` fold."""
+        folded); the blocks in ``config.layers`` fold. Importance: the attention each token receives from the class
+        tokens (CLS, distillation), or, in a model without one, from every token (``ALL_ROWS``)."""
         for i, blk in enumerate(model.blocks):
-            check_block(blk, i)
+            family.check_block(blk, i)
         sizes = TokenSizes()
-        class_tokens = model.num_prefix_tokens - getattr(model, "num_reg_tokens", 0)  # CLS (and distillation)
+        class_rows = family.class_rows(model) or ALL_ROWS
         for i, blk in enumerate(model.blocks):
             settings = FoldSettings(config=config, num_prefix=model.num_prefix_tokens, fold=i in config.layers,
                                     sizes=sizes, first=i == 0)
-            make_sized(blk, FoldBlock, settings, class_rows=max(1, class_tokens))  # importance: the class tokens' rows
-            blk.router = build_router(config.router, blk.attn.qkv.in_features, seed=config.seed + i)
+            family.make_sized(blk, FoldBlock, settings, class_rows=class_rows)
+            blk.router = build_router(config.router, family.router_dim(blk), seed=config.seed + i)
 
     def lowest_capacity(self, model: nn.Module, num_patches: int) -> float:
         """A fold block removes at most the tokens the bipartite matching can pair (about half its patch tokens,

@@ -10,6 +10,7 @@ import timm
 from torch import nn
 
 from ..cost import flops
+from ..families import family_of
 from .convert import convert
 
 
@@ -60,7 +61,7 @@ def isoflop_baseline(
     depth = len(dense.blocks)
     new_depth = min(depth, isoflop_depth(dense, target, img_size))
     keep = kept_block_indices(depth, new_depth)
-    dense.blocks = nn.Sequential(*[dense.blocks[i] for i in keep])
+    family_of(dense).keep_blocks(dense, keep)
     got = flops(dense, img_size).macs
     if abs(got - target) / target > 0.05:
         warnings.warn(

@@ -4,11 +4,12 @@ A mode is a ``SkippedMode`` subclass registered under its name with ``@register_
 ``amod.convert(skipped=name)``, ``MoDConfig``'s check, the CLI's ``--skipped`` choices and checkpoints
 find it there. The MoD block's modes (``bypass``, ``merge``, ``kv``: ``MoDMode`` in ``amod.mod.block``)
 run inside ``MoDBlock``; ``fold`` (``amod.mod.fold``) converts to blocks of its own. This module imports
-nothing of amod, so ``config`` and the blocks can all read it.
+nothing of amod, so ``config`` and the blocks can all read it; the package ``amod.mod`` imports the modules that
+register the built-in modes.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, ClassVar, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
 
 if TYPE_CHECKING:
     from torch import nn
@@ -35,8 +36,8 @@ class SkippedMode:
     def validate(self, config: "MoDConfig", model: "nn.Module") -> None:
         """Raise a ValueError if this mode cannot run ``config`` (layers resolved) on ``model``."""
 
-    def convert(self, model: "nn.Module", config: "MoDConfig") -> None:
-        """Convert the blocks of a timm ViT in place (called by the model family's policy)."""
+    def convert(self, model: "nn.Module", config: "MoDConfig", family: Any) -> None:
+        """Convert ``model``'s blocks in place; ``family`` (``amod.families``) makes each block take its role."""
         raise NotImplementedError
 
     def lowest_capacity(self, model: "nn.Module", num_patches: int) -> float:
@@ -73,20 +74,13 @@ def register_skipped_mode(name: str) -> Callable[[M], M]:
     return wrap
 
 
-def _load_builtin() -> None:
-    """Import the modules that register the built-in modes (lazily: both import this one)."""
-    from . import block, fold  # noqa: F401
-
-
 def skipped_mode_names() -> tuple[str, ...]:
     """The registered modes' names (the ``--skipped`` choices)."""
-    _load_builtin()
     return tuple(MODES)
 
 
 def skipped_mode(name: str) -> SkippedMode:
     """The mode registered under ``name``; a ValueError naming the supported ones otherwise."""
-    _load_builtin()
     if not isinstance(name, str) or name not in MODES:
         raise ValueError(f"unknown skipped-token mode {name!r}; supported: {', '.join(MODES)}")
     return MODES[name]
@@ -94,6 +88,5 @@ def skipped_mode(name: str) -> SkippedMode:
 
 def mode_list(where: Callable[[SkippedMode], bool]) -> str:
     """The names of the registered modes for which ``where`` holds, as text: ``"bypass, merge or kv"``."""
-    _load_builtin()
     names = [name for name, mode in MODES.items() if where(mode)]
     return " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)

@@ -28,11 +28,15 @@ R = TypeVar("R", bound=type)
 class Router(nn.Module):
     """Base class. ``needs_attention`` routers read the previous block's received-attention scores;
     ``learnable`` ones have weights that train (through the gate); ``default_scale_output``: whether
-    block outputs are scaled by the gate when ``amod.convert`` is not told."""
+    block outputs are scaled by the gate when ``amod.convert`` is not told; ``families``: the model families it
+    routes (None: all), ``families_why`` says why where it is fewer."""
 
     needs_attention: bool = False
     learnable: bool = False
     default_scale_output: bool = False
+    # the model families (``amod.families``, by name) whose models it can route, and why; None: every family
+    families: Optional[tuple[str, ...]] = None
+    families_why: str = ""
 
     @classmethod
     def build(cls, dim: int, seed: int) -> "Router":
@@ -239,9 +243,11 @@ class InverseAttentionRouter(AttentionRouter):
         return mean_normalized_gate(-kept_scores)
 
 
-def router_names() -> tuple[str, ...]:
-    """The registered routers' names (the ``--router`` choices)."""
-    return tuple(ROUTER_CLASSES)
+def router_names(family: Optional[str] = None) -> tuple[str, ...]:
+    """The registered routers' names (the ``--router`` choices); ``family``: only those that route that family's
+    models (``Router.families``)."""
+    return tuple(name for name, cls in ROUTER_CLASSES.items()
+                 if family is None or cls.families is None or family in cls.families)
 
 
 def router_class(name: str) -> type[Router]:

@@ -15,22 +15,21 @@ similar pairs of patch tokens are merged:
 Prefix tokens (class, distillation, registers) are never merged. ``ToMeBlock`` is a thin specialisation
 of the token-reduction block that fold shares (``amod.reduce``: sized tokens, proportional attention,
 the per-forward reset of the sizes, gradient checkpointing); it only says how many tokens it merges and
-which. ``apply`` swaps the class of timm's own ``Block``/``Attention`` modules, like ``amod.convert``,
-so state_dict keys are unchanged and a merged model finetunes with the usual pipeline.
+which. ``apply`` swaps the class of the model's own block and attention modules (through its family,
+``amod.families``), like ``amod.convert``, so state_dict keys are unchanged and a merged model finetunes with the
+usual pipeline.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
-from timm.layers import Attention
-from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from ..cost import embed_head_macs, token_sizes, validate_cost
-from ..hf import is_hf_model
-from ..reduce import SizedSettings, SizedTokensBlock, make_sized, reduction_macs
+from ..cost import token_sizes, validate_cost
+from ..families import family_of
+from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
 
 
@@ -69,14 +68,15 @@ def tome_block_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int) -> tup
 
 
 def tome_macs(model: nn.Module, schedule: Sequence[int], img_size=None) -> int:
-    """Analytic MACs per image of the dense ``model`` if it merged ``schedule[i]`` tokens in block i."""
+    """Analytic MACs per image of the dense ``model`` if it merged ``schedule[i]`` tokens in block i (what lies
+    outside the blocks priced by its family)."""
     _, n, p = token_sizes(model, img_size)
     tokens = n + p
-    total = sum(embed_head_macs(model, n))
+    total = 0
     for blk, r in zip(model.blocks, schedule):
         macs, tokens = tome_block_macs(blk, tokens, r, p)
         total += macs
-    return total
+    return total + sum(family_of(model).outside_blocks_macs(model, n, tokens))
 
 
 @dataclass
@@ -146,33 +146,22 @@ def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: f
 
 def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Optional[float] = None,
           img_size=None) -> nn.Module:
-    """Make a timm ViT merge tokens (ToMe), in place; returns the same model.
+    """Make a dense ViT merge tokens (ToMe), in place; returns the same model.
 
     Args:
-        model: a dense timm ``VisionTransformer`` (vit_*, deit_*, deit3_*, *_reg*, *_dinov2).
+        model: a dense model of a registered family (``amod.families``): a timm ``VisionTransformer`` (vit_*,
+            deit_*, deit3_*, *_reg*, *_dinov2), a Hugging Face ViT/DeiT/DINOv2, CLIP or SigLIP vision model.
         r: tokens merged in every block (int) or per block (list, one entry per block).
         cost: instead of ``r``, the share of the dense model's MACs to match (e.g. 0.56); the schedule
             is chosen by ``schedule_for_cost`` within 2 %.
         img_size: input size at which ``cost`` is matched; default: the model's.
     """
-    if is_hf_model(model):  # Hugging Face ViT/DeiT/DINOv2: the same blocks, swapped onto its layers (amod.hf)
-        from ..hf.adapter import tome_apply
-        return tome_apply(model, r=r, cost=cost, img_size=img_size)
-    if not isinstance(model, VisionTransformer):
-        raise TypeError(f"amod.tome supports timm VisionTransformer models, got {type(model).__name__}")
-    return merge_blocks(model, r, cost, img_size, _check_timm_block, make_sized)
+    return family_of(model).tome_apply(model, r, cost, img_size)
 
 
-def _check_timm_block(blk: nn.Module, i: int) -> None:
-    if type(blk) is not Block or type(blk.attn) is not Attention:
-        raise TypeError(f"block {i} is a {type(blk).__name__} with {type(blk.attn).__name__}; "
-                        "token merging supports timm's Block with timm.layers.Attention only")
-
-
-def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, check_block: Callable[[nn.Module, int], None],
-                 make: Callable[..., Any]) -> nn.Module:
-    """What ``apply`` does once the model family is known: the shared checks, ``check_block(block, i)`` on each
-    block, then every block made a ``ToMeBlock`` by ``make`` (timm's ``make_sized``, or amod.hf's class swap)."""
+def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, family: Any) -> nn.Module:
+    """What ``apply`` does once the model family is known (``Family.tome_apply`` of the ViT pattern): the shared
+    checks, ``family.check_block`` on each block, then every block made a ``ToMeBlock`` by ``family.make_sized``."""
     if getattr(model, "amod_config", None) is not None:
         raise ValueError("model is an MoD model; token merging applies to a dense model")
     if getattr(model, "amod_tome", None) is not None:
@@ -180,11 +169,11 @@ def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, check_blo
     if (r is None) == (cost is None):
         raise ValueError("give exactly one of r= (tokens merged per block) and cost= (share of dense MACs)")
     for i, blk in enumerate(model.blocks):
-        check_block(blk, i)
+        family.check_block(blk, i)
     schedule = schedule_for_cost(model, cost, img_size) if cost is not None else _validate_schedule(model, r)
     sizes = TokenSizes()
     for i, blk in enumerate(model.blocks):
-        make(blk, ToMeBlock, ToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes, first=i == 0))
+        family.make_sized(blk, ToMeBlock, ToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes, first=i == 0))
     model.amod_tome = ToMeConfig(schedule=[])
     set_schedule(model, schedule)
     return model

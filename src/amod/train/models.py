@@ -11,10 +11,11 @@ import timm
 import torch
 from safetensors.torch import load_file
 from timm.models._manipulate import adapt_input_conv
-from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import nn
 
 from .. import files
+from ..families import claimed
 from ..methods import Dense, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
 from ..checkpoint import load as load_amod, read_metadata
@@ -112,9 +113,9 @@ def check_vit_name(name: str) -> None:
         raise ValueError(f"unknown timm model {name!r}; amod supports timm's VisionTransformer models "
                          "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
     with torch.device("meta"):  # the class only: no memory, no weights
-        cls = type(timm.create_model(name, pretrained=False))
-    if not issubclass(cls, VisionTransformer):
-        raise ValueError(f"{name} is a {cls.__name__}; amod supports timm's VisionTransformer models "
+        model = timm.create_model(name, pretrained=False)
+    if claimed(model) is None:
+        raise ValueError(f"{name} is a {type(model).__name__}; amod supports timm's VisionTransformer models "
                          "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
 
 

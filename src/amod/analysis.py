@@ -2,16 +2,16 @@
 patches each MoD layer keeps, and attention entropy / attention sinks per layer."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..mod.convert import mod_blocks, set_recording
-from ..mod.modes import mode_list, skipped_mode
-from ..ops import attention_inputs, attention_probs, received_attention
+from .mod.convert import mod_blocks, set_recording
+from .mod.modes import mode_list, skipped_mode
+from .ops import attention_inputs, attention_probs, received_attention
 from .stats import spearman
 
 

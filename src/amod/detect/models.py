@@ -1,4 +1,4 @@
-"""The DETRs amod trains and tests: Hugging Face ``DetrForObjectDetection`` built from a config (no hub).
+"""The DETRs ``amod detect`` trains and the tests use: Hugging Face ``DetrForObjectDetection`` built from a config (no hub).
 
 ``small_detr`` is sized for a CPU: a two-stage ResNet (``transformers``' own, random weights) to stride 8, so a
 128 x 128 canvas gives the encoder 16 x 16 = 256 positions, enough for routing to matter; a 6-layer encoder
@@ -8,7 +8,7 @@ calls take it as they are.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -43,37 +43,4 @@ def small_detr(**kwargs: Any) -> nn.Module:
     model = DetrForObjectDetection(small_detr_config(**kwargs))
     model.model.unfreeze_backbone()
     nn.init.normal_(model.model.query_position_embeddings.weight)
-    return model
-
-
-class ContentQueries:
-    """Forward pre-hook of a ``DetrModel``: the decoder starts from the object queries' embeddings instead of zeros
-    (``decoder_inputs_embeds``), unless the caller passes its own. With zeros, every query's content is the same and
-    only the attention to its position embedding tells queries apart; on the canvases, a small DETR trained from
-    scratch then predicts one box with every query for thousands of steps, while with content queries the
-    queries' boxes spread within a few hundred steps. The weights are the same: only the forward differs."""
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        if kwargs.get("decoder_inputs_embeds") is not None:
-            return None
-        pixels = kwargs.get("pixel_values", args[0] if args else None)
-        batch = pixels.shape[0] if pixels is not None else kwargs["inputs_embeds"].shape[0]
-        queries = module.query_position_embeddings.weight
-        # a copy, not a view: a view of a parameter made under no_grad claims a gradient it has no function for
-        return args, {**kwargs, "decoder_inputs_embeds": queries.unsqueeze(0).repeat(batch, 1, 1)}
-
-
-def _base(model: nn.Module) -> nn.Module:
-    return model.model if hasattr(model, "class_labels_classifier") else model
-
-
-def has_content_queries(model: nn.Module) -> bool:
-    """Whether the DETR ``model`` starts its decoder from the query embeddings (``use_content_queries``)."""
-    return any(isinstance(h, ContentQueries) for h in _base(model)._forward_pre_hooks.values())
-
-
-def use_content_queries(model: nn.Module) -> nn.Module:
-    """Make a DETR start its decoder from the object queries' embeddings (``ContentQueries``), once; in place."""
-    if not has_content_queries(model):
-        _base(model).register_forward_pre_hook(ContentQueries(), with_kwargs=True)
     return model

@@ -1,0 +1,66 @@
+"""Run by torchrun (tests/test_pipeline.py), one launch for every DDP check: ``amod train`` with its own DDP
+(argv), then two DDP steps of a learned router on a converted DETR and a converted CLIP vision encoder, each
+rank on its own images; prints each model's parameter and router checksums, gathered from both ranks."""
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import amod
+from amod.cli import main
+from amod.detect.models import small_detr
+from amod.train.engine import teardown_distributed
+
+
+def detr() -> torch.nn.Module:
+    return small_detr(d_model=32, ffn=64, heads=4, encoder_layers=4, decoder_layers=1, num_queries=4)
+
+
+def clip() -> torch.nn.Module:
+    config = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                           intermediate_size=64, image_size=32, patch_size=8)
+    return transformers.CLIPVisionModel(config)
+
+
+def loss_of(name: str, model: torch.nn.Module, rank: int, g: torch.Generator) -> torch.Tensor:
+    if name == "detr":
+        labels = [{"class_labels": torch.tensor([rank]), "boxes": torch.tensor([[0.4, 0.5, 0.2, 0.3]])}] * 2
+        return model(pixel_values=torch.rand(2, 3, 64, 64, generator=g), labels=labels).loss
+    return model(pixel_values=torch.rand(2, 3, 32, 32, generator=g)).pooler_output.square().mean()
+
+
+def checksums(name: str, build, rank: int) -> list[list[float]]:
+    torch.manual_seed(0)
+    model = amod.convert(build(), router="standard", capacity=0.5).train()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # no find_unused_parameters: every parameter trains
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(2):
+        loss = loss_of(name, ddp, rank, g)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    router = sum(p.detach().abs().sum() for n, p in model.named_parameters() if ".router." in n)
+    mine = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters())), float(router)],
+                        dtype=torch.float64)
+    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [s.tolist() for s in gathered]
+
+
+if __name__ == "__main__":
+    rank = int(os.environ["RANK"])
+    try:
+        code = main(sys.argv[1:])  # sets up and tears down its own process group
+        dist.init_process_group("gloo")
+        sums = {name: checksums(name, build, rank) for name, build in (("detr", detr), ("hf-clip", clip))}
+    except BaseException:  # torchrun shows the first failing rank's traceback only in part: print it whole
+        print(f"RANK {rank} FAILED\n{traceback.format_exc()}", flush=True)
+        raise
+    if rank == 0:
+        print("CHECKSUMS", json.dumps({"train": code, **sums}), flush=True)
+    teardown_distributed()  # barrier, then destroy: a rank that leaves first can make the other abort at exit

@@ -1,0 +1,199 @@
+"""The contract every model family keeps (``amod.families``), the same checks over every registered family, timm's
+way: for each model below and each router x skipped mode (and token merging) the family accepts, capacity 1 is the
+dense model, ``amod.flops`` is what FlopCounterMode measures, ``amod.save``/``amod.load`` give the same outputs,
+bf16 autocast runs and gradient checkpointing gives the same gradients; for each skipped mode (A-MoD's router; the
+learned router on bypass) ``torch.compile`` has no graph break, on one model of each family; the ONNX export
+matches ONNX Runtime (here for the families no other test exports). What a family refuses it refuses in one line.
+A new family is one adapter module plus one entry in ``MODELS``."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import make_model
+
+import amod
+from amod.families import family_of
+from amod.mod.routers import SeededDraws, router_class, router_names
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=32,
+             patch_size=8)
+
+
+def _hf(cls: str, config: str, **extra):
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config)(**{**SMALL, **extra})
+        return getattr(transformers, cls)(cfg).eval()
+    return build
+
+
+def _detr() -> torch.nn.Module:
+    from amod.detect.models import small_detr
+
+    torch.manual_seed(0)
+    return small_detr(d_model=32, ffn=64, heads=2, encoder_layers=3, decoder_layers=1, num_queries=4, dropout=0.0,
+                      attention_dropout=0.0, activation_dropout=0.0).eval()  # (no dropout: gradients compared)
+
+
+# name -> (builder of the dense model, input size): every family's models, small enough for the CPU
+MODELS = {
+    "timm-vit": (lambda: make_model("vit", depth=3), 32),
+    "timm-deit-distilled": (lambda: make_model("deit_distilled", depth=3), 32),
+    "timm-dinov2-registers": (lambda: make_model("dinov2_reg", depth=3), 28),
+    "hf-vit": (_hf("ViTForImageClassification", "ViTConfig", num_labels=10), 32),
+    "hf-deit": (_hf("DeiTForImageClassificationWithTeacher", "DeiTConfig", num_labels=10), 32),
+    "hf-dinov2-registers": (_hf("Dinov2WithRegistersModel", "Dinov2WithRegistersConfig", num_register_tokens=2), 32),
+    "hf-clip": (_hf("CLIPVisionModelWithProjection", "CLIPVisionConfig", projection_dim=16), 32),
+    "hf-siglip": (_hf("SiglipVisionModel", "SiglipVisionConfig"), 32),
+    "detr": (_detr, 64),
+}
+MODES = ("bypass", "merge", "kv", "fold")
+_DENSE: dict[str, torch.nn.Module] = {}
+
+
+def dense(name: str) -> torch.nn.Module:
+    if name not in _DENSE:
+        _DENSE[name] = MODELS[name][0]()
+    return copy.deepcopy(_DENSE[name])
+
+
+def images(name: str, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    size = MODELS[name][1]
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def output(name: str, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One tensor from every model: timm's logits; a Hugging Face model's logits, image embedding or features
+    (its family's ``tensor_module``); a DETR's logits and boxes side by side."""
+    if name == "detr":
+        out = model(pixel_values=x)
+        return torch.cat([out.logits, out.pred_boxes], dim=-1)
+    return family_of(model).tensor_module(model)(x)
+
+
+def routers(name: str) -> tuple[str, ...]:
+    return router_names(family_of(dense(name)).name)
+
+
+def convert(model: torch.nn.Module, router: str, mode: str, capacity: float, **kwargs) -> torch.nn.Module:
+    if mode == "tome":
+        return amod.tome.apply(model, r=0 if capacity == 1.0 else 2)
+    return amod.convert(model, router=router, skipped=mode, capacity=capacity, **kwargs)
+
+
+CASES = [(name, router, mode) for name in MODELS for router in routers(name) for mode in MODES] + \
+        [(name, "-", "tome") for name in MODELS]
+
+
+def _refusal(name: str, router: str, mode: str):
+    """The one-line error the family (or the mode) gives for this combination, or None where it converts."""
+    try:
+        convert(dense(name), router, mode, 0.75)
+    except (ValueError, TypeError) as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize("name, router, mode", CASES, ids=[f"{n}-{r}-{m}" for n, r, m in CASES])
+def test_every_conversion_keeps_the_contract_or_is_refused_in_one_line(name, router, mode, tmp_path):
+    refused = _refusal(name, router, mode)
+    if refused is not None:
+        text = str(refused)
+        assert text and "\n" not in text and len(text) < 400, text
+        return
+    x = images(name)
+    base = dense(name)
+    with torch.no_grad():
+        reference = output(name, base, x)
+    # capacity 1 (every token processed, outputs unscaled; no token merged) is the dense model
+    full = convert(dense(name), router, mode, 1.0, **({} if mode == "tome" else {"scale_output": False}))
+    with torch.no_grad():
+        diff = (output(name, full, x) - reference).abs().max().item()
+    scores = mode != "tome" and router_class(router).needs_attention and mode != "fold"
+    assert diff == 0.0 or (diff < 1e-5 and (scores or not name.startswith("timm"))), diff
+    # cost: the analytic MACs are what FlopCounterMode measures (A-MoD's score sums aside)
+    model = convert(dense(name), router, mode, 0.8 if mode == "fold" else 0.5)
+    img = MODELS[name][1] if name == "detr" else None
+    analytic = amod.flops(model, img).macs
+    measured = amod.count_flops(model, x[:1]) // 2
+    assert abs(analytic - measured) / measured < 0.02, (analytic, measured)
+    # save and load: the same model
+    path = amod.save(model, tmp_path / "m.safetensors")
+    fresh = amod.load(path)
+    again = amod.load(path)  # (a random router draws from its call count: two fresh models draw alike)
+    with torch.no_grad():
+        loaded = output(name, fresh, x)
+        assert torch.equal(loaded, output(name, again, x))
+        if router == "-" or not issubclass(router_class(router), SeededDraws):  # (draws depend on the call count)
+            assert torch.equal(loaded, output(name, model, x))
+        assert amod.method_of(fresh) == amod.method_of(model)
+        # bf16 autocast runs (and gives finite outputs of the same shape)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half = output(name, fresh, x)
+        assert half.shape == loaded.shape and bool(torch.isfinite(half).all())
+    # gradient checkpointing: the same gradients
+    assert_same_gradients(name, again, x)
+
+
+def assert_same_gradients(name: str, model: torch.nn.Module, x: torch.Tensor) -> None:
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        m = copy.deepcopy(model).train()
+        if checkpointing:
+            if hasattr(m, "set_grad_checkpointing"):
+                m.set_grad_checkpointing(True)
+            elif hasattr(m, "activation_checkpointing_enable"):  # transformers' (renamed in 5.2x; the old name warns)
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        output(name, m, x).square().mean().backward()
+        return {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and plain
+    for n in plain:
+        assert torch.allclose(plain[n], checkpointed[n], atol=1e-6, rtol=1e-5), n
+
+
+# torch.compile: the first model of each family (its models share its code; dynamo's trace costs ~2 s here), for
+# A-MoD's router in every mode and the learned router on bypass. tests/test_export.py compiles timm with inductor.
+COMPILED = list({family_of(dense(name)).name: name for name in reversed(list(MODELS))}.values())[::-1]
+DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES + ("tome",)] + \
+           [(name, "standard", "bypass") for name in COMPILED]
+
+
+@pytest.mark.parametrize("name, router, mode", DEPLOYED, ids=[f"{n}-{r}-{m}" for n, r, m in DEPLOYED])
+def test_every_mode_compiles_without_a_graph_break(name, router, mode):
+    if _refusal(name, router, mode) is not None:
+        return  # refused in one line: the contract test checks the refusal
+    import torch._dynamo
+
+    model = convert(dense(name), router, mode, 0.8 if mode == "fold" else 0.5)
+    x = images(name, 4)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = output(name, model, x)
+        # fullgraph=True fails on any graph break; aot_eager also traces the decomposed graph autograd would run
+        got = torch.compile(lambda v: output(name, model, v), backend="aot_eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert (got - expected).abs().max() < 1e-5
+
+
+# One export per family whose code path no other export runs (an export costs 10-25 s here): every timm mode in
+# tests/test_export.py, the Hugging Face ViT in tests/test_hf.py, DETR through a wrapper in tests/test_detr.py;
+# CLIP and SigLIP here, in fold, whose blocks all run amod's sized attention.
+EXPORTED = {"hf-clip": _hf("CLIPVisionModelWithProjection", "CLIPVisionConfig", projection_dim=16, num_hidden_layers=2),
+            "hf-siglip": _hf("SiglipVisionModel", "SiglipVisionConfig", num_hidden_layers=2)}  # (2 blocks: ~2 s each)
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_the_new_families_export_to_onnx_and_match_onnx_runtime(name, tmp_path):
+    pytest.importorskip("onnxruntime")
+    model = convert(EXPORTED[name](), "attention", "fold", 0.8)
+    report = amod.export(model, tmp_path / "m.onnx", check_images=4)
+    assert report["check"]["max_abs_diff"] <= 1e-4 and report["check"]["batches"] == [4, 3]
