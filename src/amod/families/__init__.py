@@ -163,9 +163,9 @@ def register_family(family: Family) -> Family:
 
 def family_of(model: Any) -> Family:
     """The registered family that claims ``model``; a ``TypeError`` listing what amod takes otherwise."""
-    for family in FAMILIES:
-        if family.claims(model):
-            return family
+    family = claimed(model)
+    if family is not None:
+        return family
     supported = "; ".join(f"{f.models}" for f in FAMILIES)
     raise TypeError(f"amod cannot take a {type(model).__name__}: it takes {supported}")
 

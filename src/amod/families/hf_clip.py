@@ -14,14 +14,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..hf.base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView
+from ..hf.base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView, alias
 from . import register_family
 
 
 class CLIPAttentionViews(AttentionViews):
     """``CLIPAttention`` (and SigLIP's): ``num_heads``, ``scale`` and ``head_dim`` as timm names them, ``out_proj``."""
 
-    _proj = "out_proj"
+    proj = alias("out_proj")
     _dropout = "dropout"
 
 
@@ -29,18 +29,9 @@ class CLIPLayerViews:
     """timm ``Block``'s names on ``CLIPEncoderLayer`` (no LayerScale, no drop path)."""
 
     ls1 = ls2 = drop_path1 = drop_path2 = IDENTITY
-
-    @property
-    def norm1(self) -> nn.Module:
-        return self.layer_norm1
-
-    @property
-    def norm2(self) -> nn.Module:
-        return self.layer_norm2
-
-    @property
-    def attn(self) -> nn.Module:
-        return self.self_attn
+    norm1 = alias("layer_norm1")
+    norm2 = alias("layer_norm2")
+    attn = alias("self_attn")
 
 
 class HFCLIPFamily(HFFamily):

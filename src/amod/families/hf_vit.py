@@ -12,20 +12,15 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..hf.base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView
+from ..hf.base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView, alias
 from . import register_family
 
 
 class ViTAttentionViews(AttentionViews):
     """``ViTAttention``, ``DeiTAttention``, ``Dinov2Attention``: ``num_attention_heads``, ``scaling``, ``o_proj``."""
 
-    @property
-    def num_heads(self) -> int:
-        return self.num_attention_heads
-
-    @property
-    def scale(self) -> float:
-        return self.scaling
+    num_heads = alias("num_attention_heads")
+    scale = alias("scaling")
 
 
 class ViTLayerViews:
@@ -33,46 +28,19 @@ class ViTLayerViews:
     x + dropout(attention(...)), as HF computes it)."""
 
     ls1 = ls2 = IDENTITY
-
-    @property
-    def norm1(self) -> nn.Module:
-        return self.layernorm_before
-
-    @property
-    def norm2(self) -> nn.Module:
-        return self.layernorm_after
-
-    @property
-    def attn(self) -> nn.Module:
-        return self.attention
-
-    @property
-    def drop_path1(self) -> nn.Module:
-        return self.dropout
-
-    drop_path2 = drop_path1
+    norm1 = alias("layernorm_before")
+    norm2 = alias("layernorm_after")
+    attn = alias("attention")
+    drop_path1 = drop_path2 = alias("dropout")
 
 
 class Dinov2LayerViews:
     """timm ``Block``'s names on ``Dinov2Layer`` (``norm1``, ``norm2`` and ``mlp`` already match)."""
 
-    @property
-    def attn(self) -> nn.Module:
-        return self.attention
-
-    @property
-    def ls1(self) -> nn.Module:
-        return self.layer_scale1
-
-    @property
-    def ls2(self) -> nn.Module:
-        return self.layer_scale2
-
-    @property
-    def drop_path1(self) -> nn.Module:
-        return self.drop_path
-
-    drop_path2 = drop_path1
+    attn = alias("attention")
+    ls1 = alias("layer_scale1")
+    ls2 = alias("layer_scale2")
+    drop_path1 = drop_path2 = alias("drop_path")
 
 
 class HFViTFamily(HFFamily):

@@ -58,6 +58,11 @@ def transformers_module():
 
 # ---------------------------------------------------------------- timm's names on HF modules
 
+def alias(name: str) -> property:
+    """A read-only view, under timm's name, of the HF module's attribute ``name`` (a view class is mostly these)."""
+    return property(lambda self: getattr(self, name), doc=f"the HF module's ``{name}``")
+
+
 class Dropout:
     """What amod reads of timm's ``attn_drop``: its probability."""
 
@@ -98,11 +103,11 @@ class FusedQKV:
 
 class AttentionViews:
     """timm ``Attention``'s names on an HF attention with ``q_proj``, ``k_proj``, ``v_proj`` and ``head_dim``; a
-    subclass names its output projection (``_proj``) and dropout probability (``_dropout``) attributes, and gives
-    ``num_heads`` and ``scale`` where its attention calls them otherwise (``ViTAttentionViews``)."""
+    subclass aliases its output projection as ``proj`` and names its dropout probability attribute (``_dropout``),
+    and aliases ``num_heads`` and ``scale`` where its attention calls them otherwise (``ViTAttentionViews``)."""
 
-    _proj: ClassVar[str] = "o_proj"
     _dropout: ClassVar[str] = "attention_dropout"
+    proj = alias("o_proj")
     fused_attn = True
     gate = None
     q_norm = k_norm = norm = proj_drop = IDENTITY
@@ -114,10 +119,6 @@ class AttentionViews:
     @property
     def qkv(self) -> FusedQKV:
         return FusedQKV(self)
-
-    @property
-    def proj(self) -> nn.Linear:
-        return getattr(self, self._proj)
 
     @property
     def attn_drop(self) -> Dropout:
