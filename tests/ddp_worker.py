@@ -56,7 +56,11 @@ if __name__ == "__main__":
     rank = int(os.environ["RANK"])
     try:
         code = main(sys.argv[1:])  # sets up and tears down its own process group
-        dist.init_process_group("gloo")
+        # A second default group on torchrun's store would reuse the first group's keys ("default_pg/0/...")
+        # and could read a closed peer address from them; its own prefix gives it keys of its own.
+        store = dist.PrefixStore("checks", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                         is_master=False))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
         sums = {name: checksums(name, build, rank) for name, build in (("detr", detr), ("hf-clip", clip))}
     except BaseException:  # torchrun shows the first failing rank's traceback only in part: print it whole
         print(f"RANK {rank} FAILED\n{traceback.format_exc()}", flush=True)

@@ -35,6 +35,10 @@ MODELS = {  # name: (convert kwargs, or "tome", or None for dense; depth: an exp
     "fold": (dict(router="attention", capacity=0.5, skipped="fold"), 2),
     "tome": ("tome", 2),
 }
+# each export is 3-9 s here: the random router and fold are exported once, by the tests of their own export
+# (test_random_router_exports_the_draws_of_one_call, test_cli_exports_a_checkpoint_and_says_which_exporter),
+# which check their graphs with assert_routing_ops as this matrix does
+MATRIX = [name for name in MODELS if name not in ("random", "fold")]
 
 
 def build(name: str) -> torch.nn.Module:
@@ -45,23 +49,30 @@ def build(name: str) -> torch.nn.Module:
     return model if how is None else amod.convert(model, **how)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_export_matches_pytorch_with_routing_ops_in_the_graph(name, tmp_path):
-    model = build(name)
-    path = tmp_path / "model.onnx"
-    r = amod.export(model, path)
-    assert r["exporter"] == "dynamo" and r["batch"] == "dynamic"
-    assert r["check"]["max_abs_diff"] <= 1e-4 and r["check"]["same_top1"]
-    assert r["check"]["batches"] == [8, 3]  # two batch sizes through one graph
-    assert r["check"]["inputs"] == "random"  # the default
-    assert path.is_file() and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+def assert_routing_ops(name: str, path: Path, report: dict) -> None:
+    """The graph at ``path`` holds what a ``name`` model routes with: the runtime skips the work too."""
     ops = op_counts(path)
-    assert dict(ops) and r["ops"] == {op: ops.get(op, 0) for op in r["ops"]}
-    if name != "dense":  # routing stays in the graph: the runtime skips the work too
+    assert dict(ops) and report["ops"] == {op: ops.get(op, 0) for op in report["ops"]}
+    if name != "dense":
         assert ops["TopK"] > 0
         assert ops["Gather"] + ops["GatherElements"] > 0
     if name in ("attention", "standard", "random", "merge", "kv"):
         assert ops["ScatterElements"] + ops["ScatterND"] > 0
+
+
+@pytest.mark.parametrize("name", MATRIX)
+def test_export_matches_pytorch_with_routing_ops_in_the_graph(name, tmp_path):
+    model = build(name)
+    path = tmp_path / "model.onnx"
+    given = images(model, 5, seed=3) if name == "attention" else None  # the check runs on the images it is given
+    r = amod.export(model, path, **({} if given is None else {"check_images": given}))
+    assert r["exporter"] == "dynamo" and r["batch"] == "dynamic"
+    assert r["check"]["max_abs_diff"] <= 1e-4 and r["check"]["same_top1"]
+    # two batch sizes through one graph: 8 random images by default, or the given ones and 3 of them
+    assert r["check"]["batches"] == ([5, 3] if given is not None else [8, 3])
+    assert r["check"]["inputs"] == ("given" if given is not None else "random")
+    assert path.is_file() and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
+    assert_routing_ops(name, path, r)
 
 
 def test_dynamic_batch_and_the_model_is_left_as_it_was(tmp_path):
@@ -83,9 +94,7 @@ def test_dynamic_batch_and_the_model_is_left_as_it_was(tmp_path):
 
 def test_the_check_runs_on_the_images_it_is_given(tmp_path):
     model = build("attention")
-    x = images(model, 5, seed=3)
-    r = amod.export(model, tmp_path / "m.onnx", check_images=x)
-    assert r["check"]["inputs"] == "given" and r["check"]["batches"] == [5, 3]
+    x = images(model, 5, seed=3)  # (a dynamic batch checked on given images: the export matrix's attention case)
     r = amod.export(model, tmp_path / "m.onnx", batch=2, check_images=x)  # a fixed batch
     assert r["check"]["inputs"] == "given" and r["check"]["batches"] == [2]
     assert onnx_session(tmp_path / "m.onnx").get_inputs()[0].shape[0] == 2
@@ -104,8 +113,10 @@ def test_random_router_exports_the_draws_of_one_call(tmp_path):
     routers = [b.router for _, b in amod.mod_blocks(model)]
     for r in routers:
         r.calls = 5
-    amod.export(model, tmp_path / "m.onnx")
+    report = amod.export(model, tmp_path / "m.onnx")
     assert routers and all(r.calls == 5 and r.amod_frozen_rows is None for r in routers)
+    assert report["check"]["max_abs_diff"] <= 1e-4 and report["check"]["batches"] == [8, 3]
+    assert_routing_ops("random", tmp_path / "m.onnx", report)
     x = images(model, 4)
     with torch.no_grad():
         ref = model(x)  # an unfrozen forward at call 5: the draws the graph holds
@@ -156,7 +167,9 @@ def test_cli_exports_a_checkpoint_and_says_which_exporter(tmp_path, capsys):
     assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["exporter"] == "dynamo" and r["method"] == "attention@0.5 skipped=fold" and out.is_file()
-    assert r["check"]["same_top1"] and r["check"]["max_abs_diff"] <= 1e-4
+    assert r["check"]["same_top1"] and r["check"]["max_abs_diff"] <= 1e-4 and r["check"]["batches"] == [8, 3]
+    assert r["batch"] == "dynamic"
+    assert_routing_ops("fold", out, r)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -105,10 +105,11 @@ def test_an_item_that_raises_fails_its_section_only(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_device_cuda_without_cuda_fails_in_one_line(tmp_path):
-    res = run_script("--device", "cuda", "--quick", "--out", str(tmp_path / "out"))
-    assert res.returncode == 2
-    assert len(res.stderr.strip().splitlines()) == 1 and "--device cuda" in res.stderr
+def test_device_cuda_without_cuda_fails_in_one_line(tmp_path, capsys):
+    code = load_script().main(["--device", "cuda", "--quick", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "--device cuda" in err
     assert not (tmp_path / "out").exists()
 
 

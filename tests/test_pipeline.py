@@ -26,11 +26,6 @@ TINY_CFG = dict(model="vit_tiny_patch16_224", patch_size=7, depth=2, embed_dim=3
 TIMING_KEYS = {"epoch_time_s", "train_images_per_s", "val_images_per_s"}
 
 
-def amod_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "amod", *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
 def without_timings(rows):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
@@ -199,9 +194,7 @@ def test_corrupt_checkpoints_are_refused_and_left_alone(tmp_path, capsys):
     assert "is not a readable safetensors checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit) as bad_flag:
         amod_main(["train", "--amp", "fp8"])
-    assert bad_flag.value.code == 2
-    res = amod_cli("eval", "--checkpoint", str(tmp_path / "m.safetensors"))
-    assert res.returncode == 2 and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert bad_flag.value.code == 2  # (python -m amod's exit status and one line: tests/test_hardening.py's offline test)
 
 
 @pytest.mark.parametrize("layout", ["plain", "deit"])
