@@ -34,6 +34,7 @@ MODELS = {  # name: (convert kwargs, or "tome", or None for dense; depth: an exp
     "kv": (dict(router="attention", capacity=0.5, skipped="kv"), 2),
     "fold": (dict(router="attention", capacity=0.5, skipped="fold"), 2),
     "tome": ("tome", 2),
+    "pitome": ("pitome", 2),
 }
 # each export is 3-9 s here: the random router and fold are exported once, by the tests of their own export
 # (test_random_router_exports_the_draws_of_one_call, test_cli_exports_a_checkpoint_and_says_which_exporter),
@@ -46,6 +47,8 @@ def build(name: str) -> torch.nn.Module:
     model = make_model("vit", depth=depth)
     if how == "tome":
         return amod.tome.apply(model, r=3)
+    if how == "pitome":
+        return amod.pitome.apply(model, keep=0.8)
     return model if how is None else amod.convert(model, **how)
 
 

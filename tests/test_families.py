@@ -1,5 +1,5 @@
 """The contract every model family keeps (``amod.families``), the same checks over every registered family, timm's
-way: for each model below and each router x skipped mode (and token merging) the family accepts, capacity 1 is the
+way: for each model below and each router x skipped mode (and token merging: ToMe, PiToMe) the family accepts, capacity 1 is the
 dense model, ``amod.flops`` is what FlopCounterMode measures, ``amod.save``/``amod.load`` give the same outputs,
 bf16 autocast runs and gradient checkpointing gives the same gradients; for each skipped mode (A-MoD's router; the
 learned router on bypass) ``torch.compile`` has no graph break, on one model of each family; the ONNX export
@@ -84,11 +84,13 @@ def routers(name: str) -> tuple[str, ...]:
 def convert(model: torch.nn.Module, router: str, mode: str, capacity: float, **kwargs) -> torch.nn.Module:
     if mode == "tome":
         return amod.tome.apply(model, r=0 if capacity == 1.0 else 2)
+    if mode == "pitome":
+        return amod.pitome.apply(model, keep=1.0 if capacity == 1.0 else 0.75)
     return amod.convert(model, router=router, skipped=mode, capacity=capacity, **kwargs)
 
 
 CASES = [(name, router, mode) for name in MODELS for router in routers(name) for mode in MODES] + \
-        [(name, "-", "tome") for name in MODELS]
+        [(name, "-", merging) for name in MODELS for merging in ("tome", "pitome")]
 
 
 def _refusal(name: str, router: str, mode: str):
@@ -112,10 +114,11 @@ def test_every_conversion_keeps_the_contract_or_is_refused_in_one_line(name, rou
     with torch.no_grad():
         reference = output(name, base, x)
     # capacity 1 (every token processed, outputs unscaled; no token merged) is the dense model
-    full = convert(dense(name), router, mode, 1.0, **({} if mode == "tome" else {"scale_output": False}))
+    merging = mode in ("tome", "pitome")
+    full = convert(dense(name), router, mode, 1.0, **({} if merging else {"scale_output": False}))
     with torch.no_grad():
         diff = (output(name, full, x) - reference).abs().max().item()
-    scores = mode != "tome" and router_class(router).needs_attention and mode != "fold"
+    scores = not merging and router_class(router).needs_attention and mode != "fold"
     assert diff == 0.0 or (diff < 1e-5 and (scores or not name.startswith("timm"))), diff
     # cost: the analytic MACs are what FlopCounterMode measures (A-MoD's score sums aside)
     model = convert(dense(name), router, mode, 0.8 if mode == "fold" else 0.5)
@@ -165,7 +168,7 @@ def assert_same_gradients(name: str, model: torch.nn.Module, x: torch.Tensor) ->
 # converted one: a trace costs about a third less) except fold, whose consecutive fold blocks hand their token sizes
 # on. tests/test_export.py compiles timm with inductor.
 COMPILED = list({family_of(dense(name)).name: name for name in reversed(list(MODELS))}.values())[::-1]
-DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES + ("tome",)] + \
+DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES + ("tome", "pitome")] + \
            [(name, "standard", "bypass") for name in COMPILED]
 
 

@@ -123,11 +123,16 @@ def test_every_router_and_mode_matches_timm(family, router, skipped):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tome_and_fold_at_the_same_cost_match_timm(family):
+def test_tome_pitome_and_fold_at_the_same_cost_match_timm(family):
     tm, hf = pair(family)
     amod.tome.apply(tm, r=3)
     amod.tome.apply(hf, r=3)
     assert hf.amod_tome.schedule == tm.amod_tome.schedule
+    assert_same(tm, hf, images(hf))
+    tm, hf = pair(family)
+    amod.pitome.apply(tm, cost=0.7)
+    amod.pitome.apply(hf, cost=0.7)
+    assert hf.amod_pitome.keep == tm.amod_pitome.keep < 1
     assert_same(tm, hf, images(hf))
     tm, hf = pair(family)
     amod.convert(tm, skipped="fold", capacity=1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from amod.methods import (METADATA_KEYS, METHODS, Dense, IsoFLOP, MoD, TokenMerging, method_from_metadata,
+from amod.methods import (METADATA_KEYS, METHODS, Dense, IsoFLOP, MoD, PiToMe, TokenMerging, method_from_metadata,
                           method_from_run_fields)
 from amod.train.config import RunConfig
 
@@ -28,11 +28,13 @@ def test_settings_that_select_two_methods_are_refused():
 
 
 def test_each_method_names_its_checkpoint_metadata():
-    assert METADATA_KEYS == ("amod.mod", "amod.merge")  # "amod.merge": the key predates amod.tome
+    assert METADATA_KEYS == ("amod.mod", "amod.merge", "amod.pitome")  # "amod.merge": the key predates amod.tome
     assert [cls.metadata_key for cls in METHODS if cls.metadata_key] == list(METADATA_KEYS)
     assert set(MoD(layers=(1, 3)).metadata()) == {"amod.mod"}
     assert TokenMerging(r=(1, 2)).metadata() == {"amod.merge": '{"schedule": [1, 2]}'}
     assert method_from_metadata(TokenMerging(r=(1, 2)).metadata()) == TokenMerging(r=(1, 2))
+    assert PiToMe(keep=0.9).metadata() == {"amod.pitome": '{"keep": 0.9}'}
+    assert method_from_metadata(PiToMe(keep=0.9).metadata()) == PiToMe(keep=0.9)
     resolved = MoD(layers=(1, 3), scale_output=False)  # as a converted model holds it
     assert method_from_metadata(resolved.metadata()) == resolved
     assert method_from_metadata({}) == Dense() and Dense().metadata() == {}

@@ -23,7 +23,8 @@ from .families import hf_clip as _hf_clip, hf_siglip as _hf_siglip, detr as _det
 from . import analysis, families, stats
 from .cost import CostReport, count_flops, flops
 from .deploy import export
-from .methods import Dense, IsoFLOP, Method, MoD, TokenMerging, method_of
+from .methods import Dense, IsoFLOP, Method, MoD, PiToMe, TokenMerging, method_of
+from .tome import pitome
 from .mod.config import MoDConfig
 from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
                            set_recording)
@@ -33,7 +34,8 @@ from .checkpoint import load, save
 __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
-    "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "method_of",
+    "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "PiToMe", "pitome",
+    "method_of",
     "export", "hf", "families",
 ]
 __version__ = "0.1.0"

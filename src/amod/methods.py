@@ -23,6 +23,7 @@ from .mod.config import DEFAULT_PROTECT, MoDConfig
 from .mod.convert import capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
 from . import tome
+from .tome import pitome
 
 Layers = Optional[Union[str, list[int], tuple[int, ...]]]
 
@@ -238,13 +239,50 @@ class TokenMerging(Method):
         return TokenMerging(r=tuple(tome.schedule_for_cost(dense, cost, tolerance=1.0)))  # closest; a miss is flagged
 
 
+@dataclass(frozen=True)
+class PiToMe(Method):
+    """PiToMe (``amod.pitome``): every block keeps the share ``keep`` of its patch tokens, or ``cost``."""
+
+    kind: ClassVar[str] = "pitome"
+    metadata_key: ClassVar[Optional[str]] = "amod.pitome"
+    keep: Optional[float] = None
+    cost: Optional[float] = None
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return pitome.apply(model, keep=self.keep, cost=self.cost)
+
+    def label(self) -> str:
+        return f"pitome@{self.cost:g}" if self.cost is not None else f"pitome keep={self.keep:g}"
+
+    def run_fields(self) -> dict[str, Any]:
+        return {"pitome_keep": self.keep} if self.cost is None else {"pitome_cost": self.cost}
+
+    def metadata(self) -> dict[str, str]:
+        return {self.metadata_key: json.dumps({"keep": self.keep})}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["PiToMe"]:
+        if cls.metadata_key not in meta:
+            return None
+        return cls(keep=float(json.loads(meta[cls.metadata_key])["keep"]))
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["PiToMe"]:
+        config = getattr(model, "amod_pitome", None)
+        return None if config is None else cls(keep=config.keep)
+
+    def at_cost(self, dense: nn.Module, cost: float) -> "PiToMe":
+        model = PiToMe(keep=1.0).apply(skeleton(dense))
+        return PiToMe(keep=pitome.keep_for_cost(model, cost))
+
+
 def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:
     """``method``'s cost as a share of the dense model's MACs (priced on a weightless copy)."""
     return flops(method.apply(skeleton(dense)), img_size).ratio
 
 
 # Every method amod knows; the first whose metadata or model matches is the one.
-METHODS: tuple[type[Method], ...] = (MoD, TokenMerging, IsoFLOP, Dense)
+METHODS: tuple[type[Method], ...] = (MoD, TokenMerging, PiToMe, IsoFLOP, Dense)
 # The checkpoint metadata entries that name a method (a file names one at most; none: a dense model).
 METADATA_KEYS: tuple[str, ...] = tuple(cls.metadata_key for cls in METHODS if cls.metadata_key)
 

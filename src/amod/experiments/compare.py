@@ -367,6 +367,8 @@ def _finished_probe_rows(path: Path) -> dict[tuple[str, float, str], dict[str, A
 def _setting_text(s: dict[str, Any]) -> str:
     if "tome_r" in s:
         return f"r = {s['tome_r']}"
+    if "pitome_keep" in s:
+        return f"keep {s['pitome_keep']:g} a block"
     layers = s["layers"]
     if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
         layers = f"{layers[0]}–{layers[-1]}"

@@ -13,9 +13,9 @@ What a family knows (the methods below; ``amod.families.vit.ViTFamily`` gives th
 - its blocks and token layout: ``prepare`` gives the model timm's names (``blocks``, ``patch_embed``,
   ``num_prefix_tokens``, ...) as views, ``class_rows`` says which tokens' attention fold reads as importance;
 - how a block takes amod's roles: ``make_mod`` (an MoD block), ``make_scoring`` (the block before an attention-routed
-  one), ``make_sized`` (fold and ToMe); ``check_block`` refuses a block it cannot take;
+  one), ``make_sized`` (fold, ToMe, PiToMe); ``check_block`` refuses a block it cannot take;
 - what it refuses (``validate``: routers and skipped modes, with the reason) and how it converts (``convert``,
-  ``tome_apply``);
+  ``merge_apply``: token merging, ToMe or PiToMe);
 - what it costs (``flops``: the blocks price themselves, the family prices the rest);
 - how a checkpoint describes and rebuilds it (``describe``, ``rebuild``), a weightless copy (``skeleton``), what it
   exports and evaluates (``tensor_module``, ``feature_module``).
@@ -97,8 +97,9 @@ class Family:
         """``amod.convert`` once the arguments are checked: the blocks take their roles, in place."""
         raise NotImplementedError
 
-    def tome_apply(self, model: "nn.Module", r: Any, cost: Optional[float], img_size: Any) -> "nn.Module":
-        """``amod.tome.apply`` on this family's model."""
+    def merge_apply(self, model: "nn.Module", merge: Any) -> "nn.Module":
+        """A token-merging method (``amod.tome.apply``, ``amod.pitome.apply``) on this family's model: ``merge(model,
+        family)`` makes the blocks merge (through ``check_block`` and ``make_sized``); returns the model."""
         raise NotImplementedError
 
     def layers_count(self, model: "nn.Module") -> int:

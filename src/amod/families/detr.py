@@ -368,7 +368,7 @@ class DetrFamily(HFCheckpoints, ViTFamily):
             for i in config.layers:
                 model.blocks[i].router.norms = norms
 
-    def tome_apply(self, model: nn.Module, r: Any, cost: Optional[float], img_size: Any) -> nn.Module:
+    def merge_apply(self, model: nn.Module, merge: Any) -> nn.Module:
         raise TypeError("token merging does not fit a DETR encoder: it moves a position's content into another, and "
                         "the decoder reads the encoder output by position; use amod.convert (MoD, bypass)")
 

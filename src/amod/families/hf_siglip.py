@@ -16,7 +16,7 @@ on, and its MLP on the one pooled token.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,8 +101,8 @@ class HFSiglipFamily(HFFamily):
         super().convert(model, config)
         self._size_the_head(model)
 
-    def tome_apply(self, model: nn.Module, r: Any, cost: Optional[float], img_size: Any) -> nn.Module:
-        super().tome_apply(model, r, cost, img_size)
+    def merge_apply(self, model: nn.Module, merge: Any) -> nn.Module:
+        super().merge_apply(model, merge)
         self._size_the_head(model)
         return model
 

@@ -12,7 +12,6 @@ from torch import nn
 from ..cost import CostReport, embed_head_macs, vit_flops
 from ..mod.config import MoDConfig
 from ..mod.modes import skipped_mode
-from ..tome.merging import merge_blocks
 from . import Family
 
 
@@ -28,8 +27,8 @@ class ViTFamily(Family):
     def convert(self, model: nn.Module, config: MoDConfig) -> None:
         skipped_mode(config.skipped).convert(model, config, self)
 
-    def tome_apply(self, model: nn.Module, r: Any, cost: Optional[float], img_size: Any) -> nn.Module:
-        return merge_blocks(self.prepare(model), r, cost, img_size, self)
+    def merge_apply(self, model: nn.Module, merge: Any) -> nn.Module:
+        return merge(self.prepare(model), self)
 
     def outside_blocks_macs(self, model: nn.Module, num_patches: int, tokens_out: int) -> tuple[int, int]:
         """(patch embedding, head) MACs of one image whose last block hands on ``tokens_out`` tokens."""

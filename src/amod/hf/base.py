@@ -43,6 +43,7 @@ from ..mod.routers import Router
 from ..ops import attention_inputs, attention_output, tracing
 from ..reduce import SizedAttention
 from ..tome.merging import ToMeBlock
+from ..tome.pitome import PiToMeBlock
 from .common import SIDECAR, SIDECAR_FORMAT, attentions_requested
 
 IDENTITY = nn.Identity()  # timm's q_norm, k_norm, norm, proj_drop, ls1, ls2 where HF has none (no parameters)
@@ -139,7 +140,8 @@ class TimmStyleAttention(nn.Module):
 # ---------------------------------------------------------------- the swapped classes
 
 _CLASSES: dict[tuple[Optional[type], Optional[type], type], type] = {}
-_PREFIXES = {MoDBlock: "MoD", Block: "Dense", FoldBlock: "Fold", ToMeBlock: "ToMe", ScoringAttention: "Scoring",
+_PREFIXES = {MoDBlock: "MoD", Block: "Dense", FoldBlock: "Fold", ToMeBlock: "ToMe", PiToMeBlock: "PiToMe",
+             ScoringAttention: "Scoring",
              SizedAttention: "Sized", TimmStyleAttention: "Fused"}
 
 

@@ -131,7 +131,7 @@ def from_timm(timm_model: nn.Module, hf_class: Union[str, type] = "Dinov2Model",
     """The Hugging Face model (``hf_class``: a class or its name in ``transformers``) of ``timm_model``'s
     architecture with its weights, in eval mode. ``config_overrides`` go to the config (e.g.
     ``attn_implementation="eager"``). Dense timm models only (convert the Hugging Face model afterwards)."""
-    if getattr(timm_model, "amod_config", None) is not None or getattr(timm_model, "amod_tome", None) is not None:
+    if any(getattr(timm_model, a, None) is not None for a in ("amod_config", "amod_tome", "amod_pitome")):
         raise ValueError("from_timm maps a dense timm model; convert the Hugging Face model afterwards")
     cls = getattr(transformers, hf_class) if isinstance(hf_class, str) else hf_class
     config = hf_config_from_timm(timm_model, cls)

@@ -156,11 +156,11 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
             is chosen by ``schedule_for_cost`` within 2 %.
         img_size: input size at which ``cost`` is matched; default: the model's.
     """
-    return family_of(model).tome_apply(model, r, cost, img_size)
+    return family_of(model).merge_apply(model, lambda m, family: merge_blocks(m, r, cost, img_size, family))
 
 
 def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, family: Any) -> nn.Module:
-    """What ``apply`` does once the model family is known (``Family.tome_apply`` of the ViT pattern): the shared
+    """What ``apply`` does once the model family is known (``Family.merge_apply`` of the ViT pattern): the shared
     checks, ``family.check_block`` on each block, then every block made a ``ToMeBlock`` by ``family.make_sized``."""
     if getattr(model, "amod_config", None) is not None:
         raise ValueError("model is an MoD model; token merging applies to a dense model")

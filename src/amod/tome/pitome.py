@@ -1,0 +1,203 @@
+"""PiToMe (Tran et al., NeurIPS 2024, "Accelerating Transformers with Spectrum-Preserving Token Merging"): token
+merging that protects the isolated tokens. A peer of ToMe in amod's comparisons, written from the paper.
+
+In every block, after attention and before the MLP, a block with t patch tokens removes r = min(floor(t − keep · t),
+t // 2) of them (``keep``: the share of its patch tokens a block keeps, the same in every block, so the count falls
+geometrically):
+
+- *energy*: on the keys averaged over heads (ToMe's metric), each patch token's energy is the mean over all patch
+  tokens j of ELU(cos(k_i, k_j) − m), with the block's margin m = 0.9 − 0.8 · l / L (block l of L); a token with
+  many close neighbours has a high energy, an isolated one a low energy;
+- the 2r tokens of highest energy are the merge candidates, the others are *protected* (kept as they are);
+- the candidates, in energy order, alternate into sets A and B; each of the r A tokens merges into its most similar
+  B token, by size-weighted average (every A token merges: the candidates are already the most redundant);
+- proportional attention: as in ToMe, a merged token counts as the patches it holds (log size in the logits).
+
+Where this version differs from the public code (hchautran/PiToMe, ``algo/pitome``):
+
+- prefix tokens (class, distillation, registers) never merge and take no part in the energy (the public code sets
+  aside the class token only);
+- the energy's cosine matrix is priced in the MACs (``amod.flops``, checked against FlopCounterMode): n² · head_dim
+  per merging block, n the patch tokens, where the public FLOP count leaves it out;
+- the energy order is ``torch.topk``'s over all tokens (the public code's ``argsort``; ONNX has TopK, no sort):
+  the two can differ only where two energies are equal.
+
+``apply(model, keep=0.9)`` or ``apply(model, cost=0.56)`` makes a dense model of any family that takes token
+merging (``amod.families``) merge in place; ``set_keep`` changes the share kept.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cost import BlockPrice, flops, validate_cost
+from ..families import family_of
+from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
+from ..tokens import TokenSizes, flat_index, gather_tokens
+
+ALPHA = 1.0  # the ELU's slope below the margin, the public code's
+
+
+def margin(block: int, depth: int) -> float:
+    """The energy's margin in block ``block`` of ``depth``: 0.9 falling to 0.1 + 0.8 / depth (the paper's schedule)."""
+    return 0.9 - 0.8 * block / depth
+
+
+def pitome_count(keep: float, tokens: int) -> int:
+    """Patch tokens a block with ``tokens`` patch tokens removes at ``keep``: floor(t − keep · t), at most t // 2."""
+    return max(0, min(math.floor(tokens - keep * tokens + 1e-9), tokens // 2))
+
+
+def energy_merge(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int, num_prefix: int,
+                 block_margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Remove r patch tokens of ``x`` (B, N, D) by PiToMe's rule (see the module docstring); prefix tokens stay.
+
+    Args:
+        x: tokens, prefix first; size: their sizes (B, N, 1); metric: (B, N, c) keys averaged over heads.
+        r: tokens removed, at most half of the patch tokens.
+        block_margin: the energy's margin in this block.
+
+    Returns:
+        The tokens left (B, N - r, D): prefix, the protected tokens (in energy order, lowest last), then set B with
+        set A merged in; and their sizes (B, N - r, 1).
+    """
+    p = num_prefix
+    B, N, D = x.shape
+    with torch.no_grad():  # which tokens merge is a discrete choice: no gradient through it
+        m = F.normalize(metric[:, p:].float(), dim=-1)
+        sim = m @ m.transpose(-1, -2)  # (B, n, n) cosine similarities of the patch tokens
+        energy = F.elu(sim - block_margin, alpha=ALPHA).mean(-1)  # (B, n)
+        order = energy.topk(energy.shape[-1], dim=-1).indices  # highest energy first (topk: ONNX has no sort)
+        a, b, protected = order[:, 0:2 * r:2], order[:, 1:2 * r:2], order[:, 2 * r:]
+        n = sim.shape[-1]
+        sim_ab = sim.gather(1, a.unsqueeze(-1).expand(B, r, n)).gather(2, b.unsqueeze(1).expand(B, r, r))
+        dst = sim_ab.argmax(-1)  # (B, r): each A token's partner, an index into b
+    patches, sizes = x[:, p:], size[:, p:].contiguous()
+    weighted = patches * sizes
+
+    def merged_b(values: torch.Tensor) -> torch.Tensor:
+        """Set B's rows of ``values`` (B, n, c) with set A's added to their partners: (B, r, c)."""
+        c = values.shape[-1]
+        into = gather_tokens(values, b).reshape(B * r, c)
+        return into.index_add(0, flat_index(dst, r), gather_tokens(values, a).reshape(B * r, c)).view(B, r, c)
+
+    new_size = merged_b(sizes)
+    merged = merged_b(weighted) / new_size
+    out = torch.cat([x[:, :p], gather_tokens(patches.contiguous(), protected), merged.to(x.dtype)], 1)
+    return out, torch.cat([size[:, :p], gather_tokens(sizes, protected), new_size], 1)
+
+
+@dataclass(kw_only=True)
+class PiToMeSettings(SizedSettings):
+    """What a PiToMe block knows besides its weights, beyond every reduction block's ``SizedSettings``."""
+
+    keep: float = 1.0  # the share of its patch tokens the block keeps (1: it merges nothing)
+    margin: float = 0.9  # the energy's margin in this block
+
+
+class PiToMeBlock(SizedTokensBlock):
+    """Token-reduction block (``amod.reduce``) that merges by PiToMe's rule between attention and MLP (module
+    docstring). Attribute set by ``apply``: ``amod`` (its ``PiToMeSettings``)."""
+
+    amod: PiToMeSettings
+    amod_kind = "PiToMe block"
+
+    def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
+        return pitome_count(self.amod.keep, tokens)  # (a capacity does not apply to token merging)
+
+    def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
+                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return energy_merge(x, size, metric, r, self.amod.num_prefix, self.amod.margin)
+
+    def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
+        """ToMe's block MACs with the energy's n x n cosine matrix in place of the |A| x |B| matching."""
+        r = self._removed(tokens - num_prefix)
+        macs = reduction_macs(self, tokens, r, num_prefix)
+        if r > 0:
+            n, hd = tokens - num_prefix, self.attn.head_dim
+            macs += n * n * hd - ((n + 1) // 2) * (n // 2) * hd
+        return BlockPrice(macs, tokens, tokens - r)
+
+
+@dataclass
+class PiToMeConfig:
+    """How a model merges with PiToMe: the share of its patch tokens each block keeps."""
+
+    keep: float
+
+
+def _validate_keep(keep: float) -> float:
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.5 <= keep <= 1.0:
+        raise ValueError(f"keep must be a number in [0.5, 1] (the share of its patch tokens a block keeps; a block "
+                         f"merges at most half of them), got {keep!r}")
+    return float(keep)
+
+
+def apply(model: nn.Module, keep: Optional[float] = None, cost: Optional[float] = None) -> nn.Module:
+    """Make a dense model merge tokens with PiToMe, in place; returns the same model.
+
+    Args:
+        model: a dense model of a family that takes token merging (``amod.families``): timm ViTs, Hugging Face
+            ViT/DeiT/DINOv2, CLIP and SigLIP vision models.
+        keep: the share of its patch tokens every block keeps, in [0.5, 1] (the paper's ratio, e.g. 0.9).
+        cost: instead of ``keep``, the share of the dense model's MACs to match (e.g. 0.56), by ``keep_for_cost``.
+    """
+    if (keep is None) == (cost is None):
+        raise ValueError("give exactly one of keep= (share of patch tokens each block keeps) and cost= (share of "
+                         "dense MACs)")
+    keep = None if keep is None else _validate_keep(keep)
+    cost = None if cost is None else validate_cost(cost)
+    return family_of(model).merge_apply(model, lambda m, family: _merging_blocks(m, keep, cost, family))
+
+
+def _merging_blocks(model: nn.Module, keep: Optional[float], cost: Optional[float], family) -> nn.Module:
+    if getattr(model, "amod_config", None) is not None:
+        raise ValueError("model is an MoD model; PiToMe applies to a dense model")
+    if getattr(model, "amod_tome", None) is not None or getattr(model, "amod_pitome", None) is not None:
+        raise ValueError("model already merges tokens; use amod.pitome.set_keep to change a PiToMe model")
+    for i, blk in enumerate(model.blocks):
+        family.check_block(blk, i)
+    sizes, depth = TokenSizes(), len(model.blocks)
+    for i, blk in enumerate(model.blocks):
+        family.make_sized(blk, PiToMeBlock, PiToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes,
+                                                           first=i == 0, margin=margin(i, depth)))
+    model.amod_pitome = PiToMeConfig(keep=1.0)
+    set_keep(model, keep if keep is not None else keep_for_cost(model, cost))
+    return model
+
+
+def set_keep(model: nn.Module, keep: float) -> nn.Module:
+    """Change the share of its patch tokens every block of a PiToMe model keeps, in place."""
+    config = getattr(model, "amod_pitome", None)
+    if config is None:
+        raise ValueError("model does not merge with PiToMe; use amod.pitome.apply first")
+    keep = _validate_keep(keep)
+    for blk in model.blocks:
+        blk.amod.keep = keep
+    config.keep = keep
+    return model
+
+
+def keep_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
+    """The keep, on a grid of 0.001 steps in [0.5, 1], whose MACs are closest to ``cost`` x dense (``model``: a
+    PiToMe model; its own keep is restored). The MACs only grow with keep: a bisection."""
+    cost = validate_cost(cost)
+    before = model.amod_pitome.keep
+
+    def ratio(k: int) -> float:
+        set_keep(model, k / 1000)
+        return flops(model, img_size).ratio
+
+    try:
+        lo, hi = 500, 1000
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ratio(mid) < cost else (lo, mid)
+        return min((lo, hi), key=lambda k: abs(ratio(k) - cost)) / 1000
+    finally:
+        set_keep(model, before)
