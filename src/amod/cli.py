@@ -27,6 +27,7 @@ from .experiments.evaluate import EvalConfig, evaluate_checkpoint
 from .experiments.export import export_checkpoint
 from .experiments.study import StudyConfig, run_study
 from .experiments.finetune import FinetuneConfig, run_finetune_study
+from .experiments.frontier import FrontierConfig, run_frontier
 from .detect.config import DetectConfig, DetectStudyConfig
 from .checkpoint import skeleton
 from .files import dumps
@@ -390,6 +391,36 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
 
+def _frontier_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help=f"the dense backbone: an amod .safetensors file or {HF_MODEL}")
+    p.add_argument("--out", default=_default(FrontierConfig, "out"))
+    p.add_argument("--data", default=_default(FrontierConfig, "data"))
+    p.add_argument("--img-size", type=positive_int, default=None, help="input size; default the model's own")
+    p.add_argument("--cost", type=float, nargs="+", default=_default(FrontierConfig, "costs"),
+                   help="the cost grid every method is set to, shares of dense MACs")
+    p.add_argument("--probe-train", type=positive_int, default=_default(FrontierConfig, "probe_train"),
+                   help="training images the linear probe is fitted on")
+    p.add_argument("--val-limit", type=positive_int, default=_default(FrontierConfig, "val_limit"),
+                   help="test images each point is measured on (two halves give the error bar)")
+    p.add_argument("--speed-batch", type=positive_int, nargs="+", default=_default(FrontierConfig, "speed_batches"),
+                   help="batch sizes timed, every model interleaved")
+    p.add_argument("--speed-repeats", type=positive_int, default=_default(FrontierConfig, "speed_repeats"))
+    p.add_argument("--speedups", type=float, nargs="+", default=_default(FrontierConfig, "speedups"),
+                   help="measured speed-ups at which each method's frontier is read")
+    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                   help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'); default all")
+
+
+def _frontier(args: argparse.Namespace) -> int:
+    cfg = FrontierConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
+                         costs=tuple(args.cost), probe_train=args.probe_train, val_limit=args.val_limit,
+                         speed_batches=tuple(args.speed_batch), speed_repeats=args.speed_repeats,
+                         speedups=tuple(args.speedups)).only(args.methods)
+    print(run_frontier(cfg))
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
                         img_size=args.img_size, epochs=args.epochs, train_limit=args.train_limit,
@@ -519,6 +550,8 @@ COMMANDS: tuple[Command, ...] = (
             _study),
     Command("compare", "MoD vs token merging (ToMe) at matched cost: zero-training, finetuned, images/s",
             _compare_flags, _compare),
+    Command("frontier", "every training-free method: accuracy against measured speed-up (batch 32 and 1)",
+            _frontier_flags, _frontier),
     Command("demo", "the main job: pretrain, convert, finetune and compare on Fashion-MNIST", _demo_flags, _demo),
     Command("weights", "real pretrained weights, converted once and cached", _weights_flags, _weights),
     Command("detect", "DETR with an MoD encoder on Fashion-MNIST canvases, scored with COCO AP", _detect_flags,

@@ -1,0 +1,329 @@
+"""`amod frontier`: which training-free method keeps the most accuracy at the speed a user needs.
+
+Every method runs over a grid of costs (shares of the dense model's MACs) with zero training; each point gets
+its accuracy (the probe protocol of `amod compare`: a linear probe fitted once on the dense model's features,
+applied unchanged to every reduced model's) and its *measured* speed-up over dense, at batch 32 and at batch 1,
+every model timed interleaved in one process (median of the rounds; the speed-up is the median of the
+round-by-round ratios to dense). From those points each method's frontier (its points that no other point of
+the same method beats in both speed and accuracy) is read at fixed speed-ups by linear interpolation, so that
+methods are compared at the same measured speed, not at the same MACs.
+
+The test images are split in two halves (even and odd positions); each half's accuracy is kept, and the
+difference between the two halves' readings is the error bar of a reading. A killed run resumes: the dense
+features, the probe and each finished (method, cost) measurement are kept under ``--out``.
+
+Writes ``frontier.md`` (every point, and the readings at each speed-up), ``frontier.json`` and
+``frontier.png`` (accuracy against measured speed-up, one panel per batch size).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..checkpoint import check_dense_file, load
+from ..cost import flops, validate_cost
+from ..files import dumps, write_json, write_text
+from ..hf.loading import hf_source, load_hf_source
+from ..methods import MoD, PiToMe, TokenMerging
+from ..train import engine
+from ..train.data import build_datasets
+from ..train.models import fit_to_data
+from ..train.rundir import check_output_dir
+from .bench import paired_ratios, time_callables
+from .compare import (COST_TOLERANCE, Entry, _dense_features, _dense_probe, _feature_model, _features_key,
+                      _setting_text, check_inputs)
+from .plots import accuracy_vs_cost_panels
+from .presets import run_in_directory
+from .probe import LinearProbe, features, mean_cosine
+
+log = logging.getLogger("amod")
+
+# The methods `amod frontier` runs, in the report's order (``--methods`` picks some by name).
+FRONTIER_METHODS = (
+    Entry("ToMe", TokenMerging()),
+    Entry("PiToMe", PiToMe()),
+    Entry("A-MoD (paper)", MoD()),
+    Entry("A-MoD fold", MoD(skipped="fold")),
+    # what A-MoD's attention is worth to fold: the same schedule and matching with nothing protected, and with a
+    # random quarter protected
+    Entry("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
+    Entry("fold, random protected", MoD(router="random", skipped="fold")),
+)
+DEFAULT_COSTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+@dataclass
+class FrontierConfig:
+    checkpoint: Optional[str] = None  # the dense backbone: an amod .safetensors file, a save_pretrained folder, hf:ID
+    out: str = "runs/frontier"
+    data: str = "fashion-mnist"
+    img_size: Optional[int] = None  # input size; default the model's own (the position grid is resampled otherwise)
+    costs: tuple[float, ...] = DEFAULT_COSTS  # the grid every method is set to (closest cost it can reach)
+    probe_train: int = 3000  # training images the linear probe is fitted on (dense features)
+    val_limit: Optional[int] = 2000  # test images every point is measured on (two halves: the error bar)
+    speed_batches: tuple[int, ...] = (32, 1)  # batch sizes timed; the first one is the report's main reading
+    speed_repeats: int = 5  # timed rounds per batch size (after 2 discarded warm-up rounds)
+    forwards_per_call: int = 8  # forwards per timed call at a batch below 8 (one is too short to time alone)
+    speedups: tuple[float, ...] = (1.5, 2.0, 2.5)  # where each method's frontier is read
+    methods: tuple[Entry, ...] = field(default=FRONTIER_METHODS)
+    quick: bool = False
+
+    def only(self, names: Optional[list[str]]) -> "FrontierConfig":
+        """The same sweep restricted to the named methods (``Entry.name``), in their usual order."""
+        if not names:
+            return self
+        known = [e.name for e in self.methods]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
+        return dataclasses.replace(self, methods=tuple(e for e in self.methods if e.name in names))
+
+    def validate(self) -> "FrontierConfig":
+        """Check every setting before any work; raises ValueError naming the flag."""
+        if not self.checkpoint:
+            raise ValueError("give --checkpoint: the dense backbone to sweep (an amod .safetensors file, a "
+                             "save_pretrained folder or hf:ID)")
+        if not self.costs:
+            raise ValueError("give at least one --cost")
+        for cost in self.costs:
+            validate_cost(cost, "--cost")
+        for name in ("probe_train", "speed_repeats", "forwards_per_call"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.val_limit is not None and self.val_limit < 2:
+            raise ValueError(f"--val-limit must be at least 2 (two halves of the test images), got {self.val_limit}")
+        if not self.speed_batches or any(not isinstance(b, int) or b < 1 for b in self.speed_batches):
+            raise ValueError(f"--speed-batch must be positive integers, got {list(self.speed_batches)}")
+        if not self.speedups or any(not s > 1 for s in self.speedups):
+            raise ValueError(f"--speedups must be numbers above 1, got {list(self.speedups)}")
+        if hf_source(self.checkpoint) is None:
+            check_dense_file(self.checkpoint)
+        return self
+
+
+def run_frontier(cfg: FrontierConfig) -> Path:
+    """Measure every (method, cost) point (reusing finished ones), time them all, and write the report."""
+    cfg.validate()
+    check_output_dir(cfg.out)
+    check_inputs(cfg)
+    return run_in_directory(cfg.out, cfg.data, lambda root: _run(cfg, root))
+
+
+# ---------------------------------------------------------------- reading a frontier
+
+def pareto(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (speed-up, accuracy) points that no other point beats in both, in speed-up order."""
+    best: list[tuple[float, float]] = []
+    for s, a in sorted(points, key=lambda p: (-p[0], -p[1])):  # fastest first: keep what gains accuracy
+        if not best or a > best[-1][1]:
+            best.append((s, a))
+    return best[::-1]
+
+
+def accuracy_at(points: Sequence[tuple[float, float]], speedup: float) -> Optional[float]:
+    """The accuracy a method keeps at ``speedup``, linearly interpolated on its frontier (``pareto``); None where
+    its fastest point is slower. Below its slowest point the slowest point's accuracy holds (a faster point that
+    is as accurate serves a slower need too)."""
+    front = pareto(points)
+    if not front or speedup > front[-1][0]:
+        return None
+    if speedup <= front[0][0]:
+        return front[0][1]
+    for (s0, a0), (s1, a1) in zip(front, front[1:]):
+        if s0 <= speedup <= s1:
+            return a0 + (a1 - a0) * (speedup - s0) / (s1 - s0)
+    return None  # (unreachable: the front is sorted)
+
+
+# ---------------------------------------------------------------- the sweep
+
+def _run(cfg: FrontierConfig, root: Path) -> Path:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    source = hf_source(cfg.checkpoint)
+    dense = (load_hf_source(source) if source is not None else load(cfg.checkpoint, device)).to(device).eval()
+    img_size = cfg.img_size or dense.patch_embed.img_size[0]
+    train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train, cfg.val_limit)
+    if source is None:  # (a Hugging Face model was checked to fit the data by check_inputs)
+        fit_to_data(dense, info.in_chans, img_size)
+    key = _features_key(cfg, dense, Path(cfg.checkpoint), train, val)
+    cached = _dense_features(root, key, dense, train, val, device)
+    probe = _dense_probe(root, key, cached)
+    dense_row = {"method": "dense", "cost_target": 1.0, "cost": 1.0, "setting": {},
+                 **_scores(probe, cached["test"], cached["test_labels"]), "cosine": 1.0}
+    log.info("dense model %s at %d px: probe top-1 %.4f on %d test images", cfg.checkpoint, img_size,
+             dense_row["top1"], len(val))
+    rows = _measure(cfg, root, key, probe, dense, cached, val, device)
+    models = {"dense": dense, **{_key(r): r.pop("model") for r in rows}}
+    speeds = _time(cfg, models, device)
+    for r in [dense_row, *rows]:
+        r["speed"] = speeds[_key(r) if r is not dense_row else "dense"]
+    return _write_report(root, cfg, info.name, len(val), img_size, dense_row, rows)
+
+
+def _key(row: dict[str, Any]) -> str:
+    return f"{row['method']} @ {row['cost_target']:g}"
+
+
+def _scores(probe: LinearProbe, feats: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """Probe top-1 on all test images and on each half (even and odd positions)."""
+    correct = (probe.logits(feats).argmax(1) == labels).double()
+    return {"top1": correct.mean().item(), "halves": [correct[0::2].mean().item(), correct[1::2].mean().item()]}
+
+
+def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dense: torch.nn.Module,
+             cached: dict[str, torch.Tensor], val, device: torch.device) -> list[dict[str, Any]]:
+    """Every (method, cost) point's accuracy, each appended to a file as it finishes (a killed sweep resumes
+    after the last one); returns the rows with their models (``model``), for timing. A cost whose closest
+    setting is one the method already has at another cost is not measured twice."""
+    loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
+    done_path = root / f"frontier_rows_{key}_{probe.l2:g}.jsonl"
+    finished = _finished_rows(done_path)
+    rows: list[dict[str, Any]] = []
+    pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
+    for number, (entry, cost) in enumerate(pairs, start=1):
+        method = entry.at_cost(dense, cost)
+        if any(r["method"] == entry.name and r["method_repr"] == repr(method) for r in rows):
+            log.info("[%d/%d] %s at cost %g: the same setting as at another cost, measured once", number,
+                     len(pairs), entry.name, cost)
+            continue
+        model = method.apply(copy.deepcopy(dense)).eval()
+        measured = finished.get((entry.name, cost, repr(method)))
+        if measured is None:
+            feats, labels = features(_feature_model(model), engine.image_batches(loader), device)
+            measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
+                        "cost": flops(model).ratio, "setting": method.run_fields(), **_scores(probe, feats, labels),
+                        "cosine": mean_cosine(feats, cached["test"])}
+            with open(done_path, "a") as f:
+                f.write(dumps(measured) + "\n")
+        log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f (halves %.4f, %.4f)", number, len(pairs),
+                 entry.name, cost, measured["cost"], measured["top1"], *measured["halves"])
+        rows.append({**measured, "model": model})
+    return rows
+
+
+def _finished_rows(path: Path) -> dict[tuple[str, float, str], dict[str, Any]]:
+    """The measurements a previous, killed sweep finished (a torn or foreign line is ignored)."""
+    finished: dict[tuple[str, float, str], dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                finished[(r["method"], float(r["cost_target"]), r["method_repr"])] = r
+            except (ValueError, KeyError, TypeError):
+                continue
+    return finished
+
+
+def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
+          device: torch.device) -> dict[str, dict[str, Any]]:
+    """Images/s of every model at each batch size, all interleaved in the same rounds, and each model's
+    speed-up over dense (median of the round-by-round ratios)."""
+    first = next(iter(models.values()))
+    speeds: dict[str, dict[str, Any]] = {name: {} for name in models}
+    for batch in cfg.speed_batches:
+        calls = cfg.forwards_per_call if batch < 8 else 1
+        x = torch.randn(batch, first.patch_embed.proj.in_channels, *first.patch_embed.img_size,
+                        generator=torch.Generator().manual_seed(0)).to(device)
+        log.info("timing %d models interleaved at batch %d (%d rounds after 2 warm-up rounds, %d forward(s) a call)",
+                 len(models), batch, cfg.speed_repeats, calls)
+        timed = time_callables({n: _forwards(m, x, calls) for n, m in models.items()}, cfg.speed_repeats, 2, device)
+        for name, t in timed.items():
+            speeds[name][str(batch)] = {
+                "images_per_s": batch * calls / t["seconds"], "spread": t["spread"],
+                "speedup": paired_ratios(timed["dense"]["times"], t["times"])["median"]}
+    return speeds
+
+
+def _forwards(model: torch.nn.Module, x: torch.Tensor, calls: int) -> Callable[[], None]:
+    def run() -> None:
+        with torch.no_grad():
+            for _ in range(calls):
+                model(x)
+    return run
+
+
+# ---------------------------------------------------------------- the report
+
+def readings(rows: list[dict[str, Any]], dense_row: dict[str, Any], batch: int, speedups: Sequence[float],
+             methods: Sequence[str]) -> dict[str, dict[str, Optional[dict[str, float]]]]:
+    """{speed-up: {method: {"top1", "spread"} or None}}: each method's frontier read at each speed-up, its
+    spread half the difference between the two test halves' readings."""
+    out: dict[str, dict[str, Optional[dict[str, float]]]] = {}
+    for s in speedups:
+        out[f"{s:g}"] = {}
+        for name in methods:
+            mine = [dense_row] + [r for r in rows if r["method"] == name]
+            speed = [r["speed"][str(batch)]["speedup"] for r in mine]
+            whole = accuracy_at(list(zip(speed, (r["top1"] for r in mine))), s)
+            halves = [accuracy_at(list(zip(speed, (r["halves"][h] for r in mine))), s) for h in (0, 1)]
+            out[f"{s:g}"][name] = None if whole is None else {
+                "top1": whole, "spread": abs(halves[0] - halves[1]) / 2 if None not in halves else None}
+    return out
+
+
+def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, img_size: int,
+                  dense_row: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+    methods = [e.name for e in cfg.methods]
+    batches = [str(b) for b in cfg.speed_batches]
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    dense_speed = ", ".join(f"{dense_row['speed'][b]['images_per_s']:.1f} images/s at batch {b}" for b in batches)
+    lines = [f"# amod frontier: accuracy against measured speed-up, zero training, on {data_name}"
+             + (" (quick)" if cfg.quick else ""), "",
+             f"Dense backbone `{cfg.checkpoint}` at {img_size} px: linear-probe top-1 **{100 * dense_row['top1']:.2f} %** "
+             f"on {n_val} test images (probe fitted on the dense features of {cfg.probe_train} training images, "
+             f"applied unchanged to every reduced model); {dense_speed}. Speed: every model interleaved in one "
+             f"process, {cfg.speed_repeats} rounds after 2 warm-up rounds, {torch.get_num_threads()} threads, "
+             f"GLIBC_TUNABLES={tunables or '(unset: timings swing more)'}; speed-up = median of the round-by-round "
+             "ratios to dense. Halves: top-1 on the even and the odd test images.", ""]
+    for b in batches:
+        lines += [f"## Accuracy at measured speed-up, batch {b}", "",
+                  "Each method's frontier (its points no other of its points beats in speed and accuracy, dense "
+                  "included) read at the speed-up by linear interpolation; ± half the difference between the two "
+                  "halves' readings; – the method does not reach that speed-up.", "",
+                  "| speed-up | " + " | ".join(methods) + " | leader |", "|---" * (len(methods) + 2) + "|"]
+        for s, by_method in readings(rows, dense_row, int(b), cfg.speedups, methods).items():
+            cells = [("–" if v is None else f"{100 * v['top1']:.2f}"
+                      + ("" if v["spread"] is None else f" ± {100 * v['spread']:.2f}")) for v in by_method.values()]
+            reached = {n: v["top1"] for n, v in by_method.items() if v is not None}
+            leader = max(reached, key=reached.get) if reached else "–"
+            lines.append(f"| {s}x | " + " | ".join(cells) + f" | {leader} |")
+        lines.append("")
+    lines += ["## Every point", "",
+              "| method | cost target | setting | cost vs dense | probe top-1 | halves | cosine to dense | "
+              + " | ".join(f"speed-up b{b}" for b in batches) + " |", "|---" * (7 + len(batches)) + "|"]
+    for r in [dense_row, *rows]:
+        miss = " (!)" if abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE else ""
+        setting = _setting_text(r["setting"]) if r["setting"] else "–"
+        lines.append(f"| {r['method']} | {r['cost_target']:g} | {setting} | {r['cost']:.3f}{miss} | "
+                     f"{100 * r['top1']:.2f} | {100 * r['halves'][0]:.2f} / {100 * r['halves'][1]:.2f} | "
+                     f"{r['cosine']:.4f} | " + " | ".join(f"{r['speed'][b]['speedup']:.2f}x" for b in batches) + " |")
+    lines.append("")
+    if any(abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE for r in rows):
+        lines += ["(!) the method cannot reach the cost target within 2 % on this model; its closest cost is shown.",
+                  ""]
+    panels = {}
+    for b in batches:
+        panels[f"zero training, batch {b} ({img_size} px)"] = {
+            name: [(1.0, dense_row["top1"])] + [(r["speed"][b]["speedup"], r["top1"]) for r in rows
+                                                 if r["method"] == name] for name in methods}
+    png = accuracy_vs_cost_panels(panels, root / "frontier.png", xlabel="measured speed-up over dense")
+    lines += [f"![accuracy against measured speed-up]({png.name})", ""]
+    report = root / "frontier.md"
+    write_text(report, "\n".join(lines))
+    write_json(root / "frontier.json", {
+        "checkpoint": str(cfg.checkpoint), "data": data_name, "img_size": img_size, "test_images": n_val,
+        "probe_train": cfg.probe_train, "threads": torch.get_num_threads(), "glibc_tunables": tunables,
+        "speed_repeats": cfg.speed_repeats, "dense": dense_row, "rows": rows,
+        "readings": {b: readings(rows, dense_row, int(b), cfg.speedups, methods) for b in batches}})
+    print("\n".join(lines[4:]))
+    log.info("report written to %s", report)
+    return report

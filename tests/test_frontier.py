@@ -1,0 +1,71 @@
+"""`amod frontier` on a small random backbone: every (method, cost) point measured and timed at two batch sizes,
+each method's frontier read at fixed speed-ups, a finished sweep reused; and the reading itself on known points."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+from conftest import cli_in_process
+
+import amod
+from amod.experiments.frontier import accuracy_at, pareto
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=42, patch_size=7, depth=4,
+                              embed_dim=64, num_heads=2, num_classes=0)
+    return amod.save(model, tmp_path_factory.mktemp("backbone") / "backbone.safetensors")
+
+
+def test_the_frontier_keeps_the_points_nothing_beats_and_interpolates_between_them():
+    points = [(1.0, 0.90), (1.3, 0.80), (1.4, 0.85), (1.9, 0.70), (2.0, 0.60), (1.5, 0.50)]
+    assert pareto(points) == [(1.0, 0.90), (1.4, 0.85), (1.9, 0.70), (2.0, 0.60)]  # (1.3 and 1.5 are beaten)
+    assert accuracy_at(points, 1.2) == pytest.approx(0.875)
+    assert accuracy_at(points, 1.95) == pytest.approx(0.65)
+    assert accuracy_at(points, 0.8) == 0.90  # a faster point serves a slower need
+    assert accuracy_at(points, 2.1) is None  # not reached
+    assert accuracy_at([], 1.5) is None
+
+
+def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_measured(backbone, tmp_path, capsys):
+    out = tmp_path / "frontier"
+    argv = ["frontier", "--checkpoint", str(backbone), "--img-size", "28", "--cost", "0.5", "0.8", "--probe-train",
+            "100", "--val-limit", "64", "--speed-batch", "4", "1", "--speed-repeats", "1", "--speedups", "1.05", "50",
+            "--methods", "ToMe", "PiToMe", "A-MoD fold", "--out", str(out)]
+    res = cli_in_process(argv, capsys)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "frontier.json").read_text())
+    assert data["test_images"] == 64 and data["dense"]["speed"]["4"]["speedup"] == 1.0
+    assert {(r["method"], r["cost_target"]) for r in data["rows"]} == \
+        {(m, c) for m in ("ToMe", "PiToMe", "A-MoD fold") for c in (0.5, 0.8)}
+    for r in data["rows"]:
+        assert 0 <= r["top1"] <= 1 and sum(r["halves"]) / 2 == pytest.approx(r["top1"])  # two halves of 32
+        assert r["cost"] < 0.95 and all(r["speed"][b]["images_per_s"] > 0 for b in ("4", "1"))
+    for batch in ("4", "1"):
+        assert all(v is None for v in data["readings"][batch]["50"].values())  # no method is 50x faster
+        reached = data["readings"][batch]["1.05"]
+        assert set(reached) == {"ToMe", "PiToMe", "A-MoD fold"}
+    report = (out / "frontier.md").read_text()
+    assert "| 50x | – | – | – | – |" in report and "## Accuracy at measured speed-up, batch 1" in report
+    assert (out / "frontier.png").stat().st_size > 10_000
+    # a second sweep in the same directory measures no point again: the same accuracies, the rows file unchanged
+    rows_file = next(out.glob("frontier_rows_*.jsonl"))
+    measured = rows_file.read_text()
+    assert len(measured.splitlines()) == 6
+    assert cli_in_process(argv, capsys).returncode == 0
+    assert rows_file.read_text() == measured
+    again = json.loads((out / "frontier.json").read_text())
+    assert [r["top1"] for r in again["rows"]] == [r["top1"] for r in data["rows"]]
+
+
+@pytest.mark.parametrize("extra, message", [(["--speedups", "1"], "--speedups must be numbers above 1"),
+                                            (["--cost", "0"], "--cost must be a number in (0, 1]"),
+                                            (["--methods", "EViT"], "unknown method 'EViT' for --methods")])
+def test_bad_settings_are_refused_in_one_line_before_any_work(backbone, tmp_path, capsys, extra, message):
+    res = cli_in_process(["frontier", "--checkpoint", str(backbone), *extra, "--out", str(tmp_path / "f")], capsys)
+    assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "f").exists()
