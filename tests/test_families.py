@@ -168,7 +168,10 @@ def assert_same_gradients(name: str, model: torch.nn.Module, x: torch.Tensor) ->
 # converted one: a trace costs about a third less) except fold, whose consecutive fold blocks hand their token sizes
 # on. tests/test_export.py compiles timm with inductor.
 COMPILED = list({family_of(dense(name)).name: name for name in reversed(list(MODELS))}.values())[::-1]
-DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES + ("tome", "pitome")] + \
+# PiToMe's merge is the same tensor code on every family (its block is the shared token-reduction block): traced on
+# timm and on SigLIP (no class token)
+DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES + ("tome",)] + \
+           [(name, "-", "pitome") for name in ("timm-vit", "hf-siglip")] + \
            [(name, "standard", "bypass") for name in COMPILED]
 
 
