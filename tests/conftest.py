@@ -31,6 +31,17 @@ def images(model: torch.nn.Module, batch: int = 2, seed: int = 1) -> torch.Tenso
     return torch.randn(batch, 3, h, w, generator=g)
 
 
+@pytest.fixture(scope="module")
+def backbone_path(tmp_path_factory):
+    """A small random DINOv2-style backbone (no classifier) saved by amod: what the backbone commands take."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=42, patch_size=7, depth=4,
+                              embed_dim=64, num_heads=2, num_classes=0)
+    import amod
+
+    return amod.save(model, tmp_path_factory.mktemp("backbone") / "backbone.safetensors")
+
+
 @pytest.fixture
 def tiny_vit():
     return make_model("vit")

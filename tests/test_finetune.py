@@ -18,12 +18,6 @@ from amod.experiments.finetune import ARMS, FinetuneConfig, EvalRows, pack, plan
 from amod.experiments.probe import fit_probe
 
 
-@pytest.fixture(scope="module")
-def backbone_path(tmp_path_factory):
-    torch.manual_seed(0)
-    model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=42, patch_size=7, depth=4,
-                              embed_dim=64, num_heads=2, num_classes=0)
-    return amod.save(model, tmp_path_factory.mktemp("backbone") / "backbone.safetensors")
 
 
 def study_argv(path, out, *extra):

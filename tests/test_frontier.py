@@ -5,20 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import timm
-import torch
 from conftest import cli_in_process
 
-import amod
 from amod.experiments.frontier import accuracy_at, pareto
 
 
-@pytest.fixture(scope="module")
-def backbone(tmp_path_factory):
-    torch.manual_seed(0)
-    model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=42, patch_size=7, depth=4,
-                              embed_dim=64, num_heads=2, num_classes=0)
-    return amod.save(model, tmp_path_factory.mktemp("backbone") / "backbone.safetensors")
 
 
 def test_the_frontier_keeps_the_points_nothing_beats_and_interpolates_between_them():
@@ -31,9 +22,9 @@ def test_the_frontier_keeps_the_points_nothing_beats_and_interpolates_between_th
     assert accuracy_at([], 1.5) is None
 
 
-def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_measured(backbone, tmp_path, capsys):
+def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_measured(backbone_path, tmp_path, capsys):
     out = tmp_path / "frontier"
-    argv = ["frontier", "--checkpoint", str(backbone), "--img-size", "28", "--cost", "0.5", "0.8", "--probe-train",
+    argv = ["frontier", "--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.5", "0.8", "--probe-train",
             "100", "--val-limit", "64", "--speed-batch", "4", "1", "--speed-repeats", "1", "--speedups", "1.05", "50",
             "--methods", "ToMe", "PiToMe", "A-MoD fold", "--out", str(out)]
     res = cli_in_process(argv, capsys)
@@ -65,7 +56,7 @@ def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_meas
 @pytest.mark.parametrize("extra, message", [(["--speedups", "1"], "--speedups must be numbers above 1"),
                                             (["--cost", "0"], "--cost must be a number in (0, 1]"),
                                             (["--methods", "EViT"], "unknown method 'EViT' for --methods")])
-def test_bad_settings_are_refused_in_one_line_before_any_work(backbone, tmp_path, capsys, extra, message):
-    res = cli_in_process(["frontier", "--checkpoint", str(backbone), *extra, "--out", str(tmp_path / "f")], capsys)
+def test_bad_settings_are_refused_in_one_line_before_any_work(backbone_path, tmp_path, capsys, extra, message):
+    res = cli_in_process(["frontier", "--checkpoint", str(backbone_path), *extra, "--out", str(tmp_path / "f")], capsys)
     assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
     assert not (tmp_path / "f").exists()

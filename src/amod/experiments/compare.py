@@ -84,6 +84,17 @@ COMPARED = (
 )
 
 
+def select_methods(methods: tuple[Entry, ...], names: Optional[list[str]]) -> tuple[Entry, ...]:
+    """The entries named in ``names`` (``--methods``), in their usual order; all of them when none is named."""
+    if not names:
+        return methods
+    known = [e.name for e in methods]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
+    return tuple(e for e in methods if e.name in names)
+
+
 @dataclass
 class CompareConfig:
     out: str = "runs/compare"
@@ -104,13 +115,7 @@ class CompareConfig:
 
     def only(self, names: Optional[list[str]]) -> "CompareConfig":
         """The same comparison restricted to the named methods (``Entry.name``), in their usual order."""
-        if not names:
-            return self
-        known = [e.name for e in self.methods]
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
-        return dataclasses.replace(self, methods=tuple(e for e in self.methods if e.name in names))
+        return dataclasses.replace(self, methods=select_methods(self.methods, names))
 
     def as_quick(self) -> "CompareConfig":
         """The same comparison in seconds (for tests): the demo's quick model and data, one epoch."""

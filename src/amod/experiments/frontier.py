@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
 from .bench import paired_ratios, time_callables
 from .compare import (COST_TOLERANCE, Entry, _dense_features, _dense_probe, _feature_model, _features_key,
-                      _setting_text, check_inputs)
+                      _finished_probe_rows, _setting_text, check_inputs, select_methods)
 from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
 from .probe import LinearProbe, features, mean_cosine
@@ -78,13 +77,7 @@ class FrontierConfig:
 
     def only(self, names: Optional[list[str]]) -> "FrontierConfig":
         """The same sweep restricted to the named methods (``Entry.name``), in their usual order."""
-        if not names:
-            return self
-        known = [e.name for e in self.methods]
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
-        return dataclasses.replace(self, methods=tuple(e for e in self.methods if e.name in names))
+        return dataclasses.replace(self, methods=select_methods(self.methods, names))
 
     def validate(self) -> "FrontierConfig":
         """Check every setting before any work; raises ValueError naming the flag."""
@@ -186,7 +179,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
     setting is one the method already has at another cost is not measured twice."""
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
     done_path = root / f"frontier_rows_{key}_{probe.l2:g}.jsonl"
-    finished = _finished_rows(done_path)
+    finished = _finished_probe_rows(done_path)
     rows: list[dict[str, Any]] = []
     pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
     for number, (entry, cost) in enumerate(pairs, start=1):
@@ -208,19 +201,6 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
                  entry.name, cost, measured["cost"], measured["top1"], *measured["halves"])
         rows.append({**measured, "model": model})
     return rows
-
-
-def _finished_rows(path: Path) -> dict[tuple[str, float, str], dict[str, Any]]:
-    """The measurements a previous, killed sweep finished (a torn or foreign line is ignored)."""
-    finished: dict[tuple[str, float, str], dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-                finished[(r["method"], float(r["cost_target"]), r["method_repr"])] = r
-            except (ValueError, KeyError, TypeError):
-                continue
-    return finished
 
 
 def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
