@@ -103,5 +103,7 @@ def test_refusals_name_the_problem():
     merged = amod.pitome.apply(copy.deepcopy(model), keep=0.9)
     with pytest.raises(ValueError, match="already merges tokens"):
         amod.pitome.apply(merged, keep=0.8)
+    with pytest.raises(ValueError, match="already merges tokens"):
+        amod.tome.apply(merged, r=2)
     with pytest.raises(ValueError, match="does not merge with PiToMe"):
         amod.pitome.set_keep(model, 0.8)

@@ -73,7 +73,6 @@ class FrontierConfig:
     forwards_per_call: int = 8  # forwards per timed call at a batch below 8 (one is too short to time alone)
     speedups: tuple[float, ...] = (1.5, 2.0, 2.5)  # where each method's frontier is read
     methods: tuple[Entry, ...] = field(default=FRONTIER_METHODS)
-    quick: bool = False
 
     def only(self, names: Optional[list[str]]) -> "FrontierConfig":
         """The same sweep restricted to the named methods (``Entry.name``), in their usual order."""
@@ -256,8 +255,8 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
     batches = [str(b) for b in cfg.speed_batches]
     tunables = os.environ.get("GLIBC_TUNABLES")
     dense_speed = ", ".join(f"{dense_row['speed'][b]['images_per_s']:.1f} images/s at batch {b}" for b in batches)
-    lines = [f"# amod frontier: accuracy against measured speed-up, zero training, on {data_name}"
-             + (" (quick)" if cfg.quick else ""), "",
+    read = {b: readings(rows, dense_row, int(b), cfg.speedups, methods) for b in batches}
+    lines = [f"# amod frontier: accuracy against measured speed-up, zero training, on {data_name}", "",
              f"Dense backbone `{cfg.checkpoint}` at {img_size} px: linear-probe top-1 **{100 * dense_row['top1']:.2f} %** "
              f"on {n_val} test images (probe fitted on the dense features of {cfg.probe_train} training images, "
              f"applied unchanged to every reduced model); {dense_speed}. Speed: every model interleaved in one "
@@ -270,7 +269,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
                   "included) read at the speed-up by linear interpolation; ± half the difference between the two "
                   "halves' readings; – the method does not reach that speed-up.", "",
                   "| speed-up | " + " | ".join(methods) + " | leader |", "|---" * (len(methods) + 2) + "|"]
-        for s, by_method in readings(rows, dense_row, int(b), cfg.speedups, methods).items():
+        for s, by_method in read[b].items():
             cells = [("–" if v is None else f"{100 * v['top1']:.2f}"
                       + ("" if v["spread"] is None else f" ± {100 * v['spread']:.2f}")) for v in by_method.values()]
             reached = {n: v["top1"] for n, v in by_method.items() if v is not None}
@@ -303,7 +302,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
         "checkpoint": str(cfg.checkpoint), "data": data_name, "img_size": img_size, "test_images": n_val,
         "probe_train": cfg.probe_train, "threads": torch.get_num_threads(), "glibc_tunables": tunables,
         "speed_repeats": cfg.speed_repeats, "dense": dense_row, "rows": rows,
-        "readings": {b: readings(rows, dense_row, int(b), cfg.speedups, methods) for b in batches}})
+        "readings": read})
     print("\n".join(lines[4:]))
     log.info("report written to %s", report)
     return report

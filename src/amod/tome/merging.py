@@ -159,17 +159,28 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
     return family_of(model).merge_apply(model, lambda m, family: merge_blocks(m, r, cost, img_size, family))
 
 
-def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, family: Any) -> nn.Module:
-    """What ``apply`` does once the model family is known (``Family.merge_apply`` of the ViT pattern): the shared
-    checks, ``family.check_block`` on each block, then every block made a ``ToMeBlock`` by ``family.make_sized``."""
+# the attribute each token-merging method sets on the model it merges (ToMe here, PiToMe in amod.tome.pitome)
+MERGING_CONFIGS = ("amod_tome", "amod_pitome")
+
+
+def check_mergeable(model: nn.Module, family: Any, method: str) -> None:
+    """Refuse, in one line, a model that token merging (``method``: its name) cannot take: an MoD model, a model that
+    already merges (by either method), a block its family cannot take (``family.check_block``)."""
     if getattr(model, "amod_config", None) is not None:
-        raise ValueError("model is an MoD model; token merging applies to a dense model")
-    if getattr(model, "amod_tome", None) is not None:
-        raise ValueError("model already merges tokens; use amod.tome.set_schedule to change it")
-    if (r is None) == (cost is None):
-        raise ValueError("give exactly one of r= (tokens merged per block) and cost= (share of dense MACs)")
+        raise ValueError(f"model is an MoD model; {method} applies to a dense model")
+    if any(getattr(model, name, None) is not None for name in MERGING_CONFIGS):
+        raise ValueError("model already merges tokens; use amod.tome.set_schedule (ToMe) or amod.pitome.set_keep "
+                         "(PiToMe) to change it")
     for i, blk in enumerate(model.blocks):
         family.check_block(blk, i)
+
+
+def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, family: Any) -> nn.Module:
+    """What ``apply`` does once the model family is known (``Family.merge_apply`` of the ViT pattern): the shared
+    checks (``check_mergeable``), then every block made a ``ToMeBlock`` by ``family.make_sized``."""
+    if (r is None) == (cost is None):
+        raise ValueError("give exactly one of r= (tokens merged per block) and cost= (share of dense MACs)")
+    check_mergeable(model, family, "token merging")
     schedule = schedule_for_cost(model, cost, img_size) if cost is not None else _validate_schedule(model, r)
     sizes = TokenSizes()
     for i, blk in enumerate(model.blocks):

@@ -39,6 +39,7 @@ from ..cost import BlockPrice, flops, validate_cost
 from ..families import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..tokens import TokenSizes, flat_index, gather_tokens
+from .merging import check_mergeable
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
 
@@ -156,12 +157,7 @@ def apply(model: nn.Module, keep: Optional[float] = None, cost: Optional[float] 
 
 
 def _merging_blocks(model: nn.Module, keep: Optional[float], cost: Optional[float], family) -> nn.Module:
-    if getattr(model, "amod_config", None) is not None:
-        raise ValueError("model is an MoD model; PiToMe applies to a dense model")
-    if getattr(model, "amod_tome", None) is not None or getattr(model, "amod_pitome", None) is not None:
-        raise ValueError("model already merges tokens; use amod.pitome.set_keep to change a PiToMe model")
-    for i, blk in enumerate(model.blocks):
-        family.check_block(blk, i)
+    check_mergeable(model, family, "PiToMe")
     sizes, depth = TokenSizes(), len(model.blocks)
     for i, blk in enumerate(model.blocks):
         family.make_sized(blk, PiToMeBlock, PiToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes,
