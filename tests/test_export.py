@@ -16,6 +16,7 @@ from conftest import images, make_model
 
 import amod
 from amod import cli
+from amod.mod.calibrate import tilt_shape
 from amod.mod import routing
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs the onnx extra: pip install 'amod[onnx]'")
@@ -164,12 +165,13 @@ def test_a_failed_check_leaves_no_file(tmp_path, monkeypatch):
 
 
 def test_cli_exports_a_checkpoint_and_says_which_exporter(tmp_path, capsys):
-    ckpt = amod.save(amod.convert(make_model("vit", depth=2), router="attention", capacity=0.5, skipped="fold"),
-                     tmp_path / "model.safetensors")
+    fold = amod.convert(make_model("vit", depth=2), router="attention", capacity=0.5, skipped="fold",
+                        shape=tilt_shape(-1.0, 2))  # a calibrated fold's per-block schedule, read from the file
+    ckpt = amod.save(fold, tmp_path / "model.safetensors")
     out = tmp_path / "model.onnx"
     assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["exporter"] == "dynamo" and r["method"] == "attention@0.5 skipped=fold" and out.is_file()
+    assert r["exporter"] == "dynamo" and r["method"] == "attention@0.5 skipped=fold shaped" and out.is_file()
     assert r["check"]["same_top1"] and r["check"]["max_abs_diff"] <= 1e-4 and r["check"]["batches"] == [8, 3]
     assert r["batch"] == "dynamic"
     assert_routing_ops("fold", out, r)

@@ -16,6 +16,7 @@ from conftest import make_model
 
 import amod
 from amod.families import family_of
+from amod.mod.calibrate import tilt_shape
 from amod.mod.routers import SeededDraws, router_class, router_names
 
 transformers = pytest.importorskip("transformers")
@@ -86,6 +87,8 @@ def convert(model: torch.nn.Module, router: str, mode: str, capacity: float, **k
         return amod.tome.apply(model, r=0 if capacity == 1.0 else 2)
     if mode == "pitome":
         return amod.pitome.apply(model, keep=1.0 if capacity == 1.0 else 0.75)
+    if mode == "fold":  # amod.calibrate's kind of fold: a per-block schedule (more tokens fold early)
+        kwargs.setdefault("shape", tilt_shape(-1.0, family_of(model).layers_count(family_of(model).prepare(model))))
     return amod.convert(model, router=router, skipped=mode, capacity=capacity, **kwargs)
 
 

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import amod  # noqa: E402
 from amod.hf import from_timm  # noqa: E402
+from amod.mod.calibrate import tilt_shape  # noqa: E402
 
 ROUTERS = ("attention", "standard", "random", "shuffled-attention", "inverse-attention")
 SKIPPED = ("bypass", "merge", "kv", "fold")
@@ -135,8 +136,9 @@ def test_tome_pitome_and_fold_at_the_same_cost_match_timm(family):
     assert hf.amod_pitome.keep == tm.amod_pitome.keep < 1
     assert_same(tm, hf, images(hf))
     tm, hf = pair(family)
-    amod.convert(tm, skipped="fold", capacity=1.0)
-    amod.convert(hf, skipped="fold", capacity=1.0)
+    shape = tilt_shape(-1.0, len(tm.blocks))  # a calibrated fold's per-block schedule
+    amod.convert(tm, skipped="fold", capacity=1.0, shape=shape)
+    amod.convert(hf, skipped="fold", capacity=1.0, shape=shape)
     capacity = amod.capacity_for_cost(hf, 0.7)
     assert capacity == amod.capacity_for_cost(tm, 0.7)
     amod.set_capacity(tm, capacity)
@@ -363,8 +365,9 @@ def test_real_dinov2_tome_and_fold_at_cost(real_pair):
     amod.tome.apply(hf, cost=0.56)
     assert_same(tm, hf, images(hf))
     tm, hf = real_pair()
-    amod.convert(tm, skipped="fold", capacity=1.0)
-    amod.convert(hf, skipped="fold", capacity=1.0)
+    shape = tilt_shape(-1.0, len(tm.blocks))  # a calibrated fold's per-block schedule
+    amod.convert(tm, skipped="fold", capacity=1.0, shape=shape)
+    amod.convert(hf, skipped="fold", capacity=1.0, shape=shape)
     capacity = amod.capacity_for_cost(hf, 0.56)
     amod.set_capacity(tm, capacity)
     amod.set_capacity(hf, capacity)

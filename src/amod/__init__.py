@@ -29,13 +29,14 @@ from .mod.config import MoDConfig
 from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
                            set_recording)
 from .mod.isoflop import isoflop_baseline
+from .mod.calibrate import calibrate
 from .checkpoint import load, save
 
 __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "PiToMe", "pitome",
-    "method_of",
+    "method_of", "calibrate",
     "export", "hf", "families",
 ]
 __version__ = "0.1.0"

@@ -88,6 +88,14 @@ def parse_schedule(text: str):
     return values[0] if len(values) == 1 and "," not in text else values
 
 
+def parse_shape(text: str) -> list[float]:
+    """Comma-separated numbers, one per block (a fold model's capacity exponents)."""
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, one per block, got {text!r}") from None
+
+
 def parse_batch(text: str):
     """``dynamic`` or a positive batch size."""
     return text if text == "dynamic" else positive_int(text)
@@ -170,6 +178,9 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
     g.add_argument("--protect", type=float, default=S,
                    help=f"--skipped fold: share of a fold block's patch tokens the router protects "
                         f"(default {RunConfig.protect})")
+    g.add_argument("--shape", type=parse_shape, default=S,
+                   help="--skipped fold: one capacity exponent per block, 1.6,1.4,...; block i keeps capacity ** w_i "
+                        "of its patch tokens (amod calibrate prints one; default: all 1)")
     g = p.add_argument_group("token merging (ToMe) instead of MoD")
     g.add_argument("--tome-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
     g.add_argument("--tome-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
@@ -408,6 +419,8 @@ def _frontier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-repeats", type=positive_int, default=_default(FrontierConfig, "speed_repeats"))
     p.add_argument("--speedups", type=float, nargs="+", default=_default(FrontierConfig, "speedups"),
                    help="measured speed-ups at which each method's frontier is read")
+    p.add_argument("--calibration-images", type=positive_int, default=_default(FrontierConfig, "calibration_images"),
+                   help="unlabeled training images each calibrated method chooses its schedule on")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
                    help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'); default all")
 
@@ -416,7 +429,8 @@ def _frontier(args: argparse.Namespace) -> int:
     cfg = FrontierConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
                          costs=tuple(args.cost), probe_train=args.probe_train, val_limit=args.val_limit,
                          speed_batches=tuple(args.speed_batch), speed_repeats=args.speed_repeats,
-                         speedups=tuple(args.speedups)).only(args.methods)
+                         speedups=tuple(args.speedups),
+                         calibration_images=args.calibration_images).only(args.methods)
     print(run_frontier(cfg))
     return 0
 

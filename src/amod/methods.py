@@ -108,14 +108,21 @@ class MoD(Method):
     seed: int = 0
     skipped: str = "bypass"
     protect: float = DEFAULT_PROTECT
+    shape: Optional[tuple[float, ...]] = None  # fold: one capacity exponent per block (``amod.calibrate``)
+
+    def __repr__(self) -> str:
+        # shape is named only when set: a plain MoD keeps the repr that finished measurements are keyed by
+        shown = [f for f in dataclasses.fields(self) if f.name != "shape" or self.shape is not None]
+        return f"MoD({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     def apply(self, model: nn.Module) -> nn.Module:
         layers = _as_list(self.layers)
         return convert(model, router=self.router, capacity=self.capacity, layers=layers, scale_output=self.scale_output,
-                       seed=self.seed, skipped=self.skipped, protect=self.protect)
+                       seed=self.seed, skipped=self.skipped, protect=self.protect, shape=_as_list(self.shape))
 
     def label(self) -> str:
-        return f"{self.router}@{self.capacity:g}" + ("" if self.skipped == "bypass" else f" skipped={self.skipped}")
+        return (f"{self.router}@{self.capacity:g}" + ("" if self.skipped == "bypass" else f" skipped={self.skipped}")
+                + (" shaped" if self.shape is not None else ""))
 
     def run_fields(self) -> dict[str, Any]:
         layers = _as_list(self.layers)
@@ -124,6 +131,8 @@ class MoD(Method):
             fields["scale_output"] = self.scale_output
         if self.skipped == "fold":
             fields["protect"] = self.protect
+        if self.shape is not None:
+            fields["shape"] = _as_list(self.shape)
         return fields
 
     def metadata(self) -> dict[str, str]:
@@ -133,7 +142,7 @@ class MoD(Method):
         """The ``MoDConfig`` of this method (layers must be resolved: take it from ``of_model``)."""
         return MoDConfig(router=self.router, capacity=self.capacity, layers=list(self.layers or []),
                          scale_output=bool(self.scale_output), seed=self.seed, skipped=self.skipped,
-                         protect=self.protect)
+                         protect=self.protect, shape=_as_list(self.shape))
 
     @classmethod
     def from_run_fields(cls, fields: Any) -> Optional["MoD"]:
@@ -141,21 +150,22 @@ class MoD(Method):
             return None
         layers = _as_tuple(fields.layers)
         return cls(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
-                   seed=fields.seed, skipped=fields.skipped, protect=fields.protect)
+                   seed=fields.seed, skipped=fields.skipped, protect=fields.protect, shape=_as_tuple(fields.shape))
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
         if cls.metadata_key not in meta:
             return None
-        config = MoDConfig.from_dict(json.loads(meta[cls.metadata_key]))
-        return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers)})
+        return cls._of_config(MoDConfig.from_dict(json.loads(meta[cls.metadata_key])))
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["MoD"]:
         config = getattr(model, "amod_config", None)
-        if config is None:
-            return None
-        return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers)})
+        return None if config is None else cls._of_config(config)
+
+    @classmethod
+    def _of_config(cls, config: MoDConfig) -> "MoD":
+        return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": _as_tuple(config.shape)})
 
     def at_cost(self, dense: nn.Module, cost: float) -> "MoD":
         # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for

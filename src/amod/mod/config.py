@@ -5,7 +5,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from .modes import skipped_mode, skipped_mode_names
 from .routers import ROUTER_CLASSES, router_class
@@ -28,6 +28,9 @@ class MoDConfig:
     seed: int = 0  # seed of the random router (ignored by the others)
     skipped: str = "bypass"  # what skipped tokens do: one of SKIPPED_MODES
     protect: float = DEFAULT_PROTECT  # fold only: share of patch tokens the router protects in a fold block
+    # fold only: one exponent per block; block i keeps the share capacity ** shape[i] of its patch tokens
+    # (None: every exponent 1, the same share in every block). ``amod.calibrate`` chooses it.
+    shape: Optional[list[float]] = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -78,6 +81,22 @@ def validate_protect(protect: Any) -> float:
         raise ValueError(f"protect must be a number in [0, 1) (the share of patch tokens a fold block's router "
                          f"protects), got {protect!r}")
     return float(protect)
+
+
+def validate_shape(shape: Any, depth: int) -> Optional[list[float]]:
+    """Return ``shape`` (one capacity exponent per block, or None) as a list of floats, or raise a ValueError."""
+    if shape is None:
+        return None
+    try:
+        values = list(shape)
+    except TypeError:
+        raise ValueError(f"shape must be a list of {depth} numbers (one capacity exponent per block), "
+                         f"got {shape!r}") from None
+    if len(values) != depth or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                   or v < 0 for v in values):
+        raise ValueError(f"shape must be {depth} finite numbers >= 0 (one capacity exponent per block of this "
+                         f"model), got {shape!r}")
+    return [float(v) for v in values]
 
 
 def resolve_layers(layers: Any, depth: int, router: str, own_attention: bool = False) -> list[int]:

@@ -14,7 +14,7 @@ from ..cost import flops, token_sizes, validate_cost
 from ..families import family_of
 from .block import RoutedForward
 from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
-                     validate_skipped)
+                     validate_shape, validate_skipped)
 from .fold import FoldBlock
 from .modes import skipped_mode
 from .routers import router_class
@@ -37,6 +37,7 @@ def convert(
     seed: int = 0,
     skipped: str = "bypass",
     protect: float = DEFAULT_PROTECT,
+    shape: Optional[Sequence[float]] = None,
 ) -> nn.Module:
     """Convert a timm ViT into a Mixture-of-Depths model, in place; returns the same model.
 
@@ -66,6 +67,8 @@ def convert(
             later block (``amod.mod.fold``); the router protects its top ``protect`` share of tokens and the
             most redundant of the rest fold.
         protect: ``"fold"`` only: share in [0, 1) of a fold block's patch tokens the router protects.
+        shape: ``"fold"`` only: one exponent w_i >= 0 per block; block i keeps the share ``capacity ** w_i`` of
+            its patch tokens (default: every w_i = 1). ``amod.calibrate`` chooses one on unlabeled images.
     """
     family = family_of(model)  # (a model no family claims: a TypeError naming what amod takes)
     router = validate_router(router)
@@ -82,13 +85,16 @@ def convert(
     if allowed is not None and family.name not in allowed:
         raise ValueError(f"router={router!r} routes {' and '.join(allowed)} models only "
                          f"({router_class(router).families_why}); this is a {family.name} model")
-    family.prepare(model)
+    if shape is not None and skipped != "fold":
+        raise ValueError(f"shape bends the token schedule of skipped='fold'; skipped={skipped!r} has none")
+    family.prepare(model)  # (views only: ``blocks`` for a Hugging Face model)
+    shape = validate_shape(shape, family.layers_count(model))
     if layers is None:
         layers = mode.default_layers
     config = MoDConfig(router=router, capacity=capacity,
                        layers=resolve_layers(layers, family.layers_count(model), router,
                                              own_attention=mode.own_attention),
-                       scale_output=scale_output, seed=int(seed), skipped=skipped, protect=protect)
+                       scale_output=scale_output, seed=int(seed), skipped=skipped, protect=protect, shape=shape)
     family.validate(config, model)
     mode.validate(config, model)
     family.convert(model, config)

