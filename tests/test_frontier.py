@@ -26,29 +26,39 @@ def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_meas
     out = tmp_path / "frontier"
     argv = ["frontier", "--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.5", "0.8", "--probe-train",
             "100", "--val-limit", "64", "--speed-batch", "4", "1", "--speed-repeats", "1", "--speedups", "1.05", "50",
-            "--methods", "ToMe", "PiToMe", "A-MoD fold", "--out", str(out)]
+            "--methods", "ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated", "--calibration-images", "16",
+            "--out", str(out)]
     res = cli_in_process(argv, capsys)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((out / "frontier.json").read_text())
     assert data["test_images"] == 64 and data["dense"]["speed"]["4"]["speedup"] == 1.0
     assert {(r["method"], r["cost_target"]) for r in data["rows"]} == \
-        {(m, c) for m in ("ToMe", "PiToMe", "A-MoD fold") for c in (0.5, 0.8)}
+        {(m, c) for m in ("ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated") for c in (0.5, 0.8)}
     for r in data["rows"]:
         assert 0 <= r["top1"] <= 1 and sum(r["halves"]) / 2 == pytest.approx(r["top1"])  # two halves of 32
         assert r["cost"] < 0.95 and all(r["speed"][b]["images_per_s"] > 0 for b in ("4", "1"))
     for batch in ("4", "1"):
         assert all(v is None for v in data["readings"][batch]["50"].values())  # no method is 50x faster
         reached = data["readings"][batch]["1.05"]
-        assert set(reached) == {"ToMe", "PiToMe", "A-MoD fold"}
+        assert set(reached) == {"ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated"}
+    for r in data["rows"]:  # the calibrated points: the candidate chosen is the most faithful one at the cost
+        if r["method"] == "A-MoD calibrated":
+            report = r["calibration"]
+            assert report["images"] == 16 and len(report["candidates"]) == 12
+            best = report["candidates"][report["chosen"]]
+            assert best["fidelity"] == max(c["fidelity"] for c in report["candidates"]
+                                           if abs(c["cost"] - r["cost_target"]) <= 0.02 * r["cost_target"])
+            assert r["setting"]["shape"] is not None and r["setting"]["protect"] == best["protect"]
     report = (out / "frontier.md").read_text()
-    assert "| 50x | – | – | – | – |" in report and "## Accuracy at measured speed-up, batch 1" in report
+    assert "| 50x | – | – | – | – | – |" in report and "## Accuracy at measured speed-up, batch 1" in report
+    assert "## Calibration" in report
     assert (out / "frontier.png").stat().st_size > 10_000
     # a second sweep in the same directory measures no point again: the same accuracies, the rows file unchanged
-    rows_file = next(out.glob("frontier_rows_*.jsonl"))
-    measured = rows_file.read_text()
-    assert len(measured.splitlines()) == 6
+    rows_file, calibrations = next(out.glob("frontier_rows_*.jsonl")), next(out.glob("calibrations_*.jsonl"))
+    measured, calibrated = rows_file.read_text(), calibrations.read_text()
+    assert len(measured.splitlines()) == 8 and len(calibrated.splitlines()) == 2
     assert cli_in_process(argv, capsys).returncode == 0
-    assert rows_file.read_text() == measured
+    assert rows_file.read_text() == measured and calibrations.read_text() == calibrated
     again = json.loads((out / "frontier.json").read_text())
     assert [r["top1"] for r in again["rows"]] == [r["top1"] for r in data["rows"]]
 

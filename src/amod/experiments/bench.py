@@ -24,7 +24,8 @@ from ..train.engine import autocast
 from ..train.models import check_vit_name
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA), so that a timer reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -44,10 +45,10 @@ def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup:
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             fns[name]()
-            _sync(device)
+            sync_device(device)
             if r >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {n: {"seconds": statistics.median(t), "spread": (max(t) - min(t)) / statistics.median(t), "times": t}

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -32,11 +35,12 @@ from ..cost import flops, validate_cost
 from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source, load_hf_source
 from ..methods import MoD, PiToMe, TokenMerging
+from ..mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
 from ..train import engine
 from ..train.data import build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
-from .bench import paired_ratios, time_callables
+from .bench import sync_device
 from .compare import (COST_TOLERANCE, Entry, _dense_features, _dense_probe, _feature_model, _features_key,
                       _finished_probe_rows, _setting_text, check_inputs, select_methods)
 from .plots import accuracy_vs_cost_panels
@@ -44,6 +48,26 @@ from .presets import run_in_directory
 from .probe import LinearProbe, features, mean_cosine
 
 log = logging.getLogger("amod")
+
+
+@dataclass(frozen=True)
+class CalibratedEntry:
+    """A method whose setting at each cost ``amod.calibrate`` chooses on unlabeled images (the first
+    ``--calibration-images`` of the probe's training images; their labels are not read)."""
+
+    name: str
+    router: str = "attention"
+    protects: tuple[float, ...] = DEFAULT_PROTECTS
+    tilts: tuple[float, ...] = DEFAULT_TILTS
+
+    def calibrated(self, dense: torch.nn.Module, cost: float, images: torch.Tensor) -> tuple[MoD, dict[str, Any]]:
+        """The method at ``cost`` and what the calibration tried and chose (for the report)."""
+        model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
+                          protects=self.protects)
+        report = model.amod_calibration
+        return MoD.of_model(model), {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
+                                     "candidates": [dataclasses.asdict(c) for c in report.candidates]}
+
 
 # The methods `amod frontier` runs, in the report's order (``--methods`` picks some by name).
 FRONTIER_METHODS = (
@@ -55,6 +79,11 @@ FRONTIER_METHODS = (
     # random quarter protected
     Entry("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
     Entry("fold, random protected", MoD(router="random", skipped="fold")),
+    # amod's training-free mode: fold on a per-block schedule (and protection) chosen on unlabeled images, and what
+    # A-MoD's attention is worth to it: the same calibration with random scores, and with nothing protected
+    CalibratedEntry("A-MoD calibrated"),
+    CalibratedEntry("calibrated, random scores", router="random"),
+    CalibratedEntry("calibrated, nothing protected", protects=(0.0,)),
 )
 DEFAULT_COSTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -72,7 +101,8 @@ class FrontierConfig:
     speed_repeats: int = 5  # timed rounds per batch size (after 2 discarded warm-up rounds)
     forwards_per_call: int = 8  # forwards per timed call at a batch below 8 (one is too short to time alone)
     speedups: tuple[float, ...] = (1.5, 2.0, 2.5)  # where each method's frontier is read
-    methods: tuple[Entry, ...] = field(default=FRONTIER_METHODS)
+    calibration_images: int = 256  # unlabeled training images a calibrated method chooses its schedule on
+    methods: tuple[Any, ...] = field(default=FRONTIER_METHODS)  # Entry or CalibratedEntry
 
     def only(self, names: Optional[list[str]]) -> "FrontierConfig":
         """The same sweep restricted to the named methods (``Entry.name``), in their usual order."""
@@ -87,10 +117,13 @@ class FrontierConfig:
             raise ValueError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
-        for name in ("probe_train", "speed_repeats", "forwards_per_call"):
+        for name in ("probe_train", "speed_repeats", "forwards_per_call", "calibration_images"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if any(isinstance(e, CalibratedEntry) for e in self.methods) and self.calibration_images > self.probe_train:
+            raise ValueError(f"--calibration-images ({self.calibration_images}) must be at most --probe-train "
+                             f"({self.probe_train}): they are the first of the probe's training images")
         if self.val_limit is not None and self.val_limit < 2:
             raise ValueError(f"--val-limit must be at least 2 (two halves of the test images), got {self.val_limit}")
         if not self.speed_batches or any(not isinstance(b, int) or b < 1 for b in self.speed_batches):
@@ -153,7 +186,7 @@ def _run(cfg: FrontierConfig, root: Path) -> Path:
                  **_scores(probe, cached["test"], cached["test_labels"]), "cosine": 1.0}
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images", cfg.checkpoint, img_size,
              dense_row["top1"], len(val))
-    rows = _measure(cfg, root, key, probe, dense, cached, val, device)
+    rows = _measure(cfg, root, key, probe, dense, cached, train, val, device)
     models = {"dense": dense, **{_key(r): r.pop("model") for r in rows}}
     speeds = _time(cfg, models, device)
     for r in [dense_row, *rows]:
@@ -172,17 +205,23 @@ def _scores(probe: LinearProbe, feats: torch.Tensor, labels: torch.Tensor) -> di
 
 
 def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dense: torch.nn.Module,
-             cached: dict[str, torch.Tensor], val, device: torch.device) -> list[dict[str, Any]]:
+             cached: dict[str, torch.Tensor], train, val, device: torch.device) -> list[dict[str, Any]]:
     """Every (method, cost) point's accuracy, each appended to a file as it finishes (a killed sweep resumes
     after the last one); returns the rows with their models (``model``), for timing. A cost whose closest
     setting is one the method already has at another cost is not measured twice."""
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
     done_path = root / f"frontier_rows_{key}_{probe.l2:g}.jsonl"
     finished = _finished_probe_rows(done_path)
+    calibrations = Calibrations(root / f"calibrations_{key}_{cfg.calibration_images}.jsonl", train,
+                                cfg.calibration_images, device)
     rows: list[dict[str, Any]] = []
     pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
     for number, (entry, cost) in enumerate(pairs, start=1):
-        method = entry.at_cost(dense, cost)
+        calibration = None
+        if isinstance(entry, CalibratedEntry):
+            method, calibration = calibrations.get(entry, dense, cost)
+        else:
+            method = entry.at_cost(dense, cost)
         if any(r["method"] == entry.name and r["method_repr"] == repr(method) for r in rows):
             log.info("[%d/%d] %s at cost %g: the same setting as at another cost, measured once", number,
                      len(pairs), entry.name, cost)
@@ -198,14 +237,53 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
                 f.write(dumps(measured) + "\n")
         log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f (halves %.4f, %.4f)", number, len(pairs),
                  entry.name, cost, measured["cost"], measured["top1"], *measured["halves"])
-        rows.append({**measured, "model": model})
+        rows.append({**measured, "model": model, **({"calibration": calibration} if calibration else {})})
     return rows
+
+
+class Calibrations:
+    """Each calibrated (method, cost)'s choice, appended to ``path`` as it is made: a resumed sweep reuses it (the
+    calibration is deterministic, and takes up to a few minutes a point)."""
+
+    def __init__(self, path: Path, train, count: int, device: torch.device) -> None:
+        self.path, self.train, self.count, self.device = path, train, count, device
+        self.images: Optional[torch.Tensor] = None
+        self.done: dict[tuple, dict[str, Any]] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    self.done[(row["method"], row["cost_target"], row["grid"])] = row
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line of a killed run: calibrated again
+
+    def get(self, entry: CalibratedEntry, dense: torch.nn.Module, cost: float) -> tuple[MoD, dict[str, Any]]:
+        grid = repr((entry.router, entry.protects, entry.tilts))
+        row = self.done.get((entry.name, cost, grid))
+        if row is None:
+            if self.images is None:  # the first images of the probe's training subset, labels unread
+                self.images = torch.stack([self.train[i][0] for i in range(self.count)]).to(self.device)
+            method, report = entry.calibrated(dense, cost, self.images)
+            row = {"method": entry.name, "cost_target": cost, "grid": grid, "setting": dataclasses.asdict(method),
+                   "report": report}
+            with open(self.path, "a") as f:
+                f.write(dumps(row) + "\n")
+            self.done[(entry.name, cost, grid)] = row
+        setting = row["setting"]
+        method = MoD(**{**setting, "layers": tuple(setting["layers"]),
+                        "shape": None if setting["shape"] is None else tuple(setting["shape"])})
+        return method, row["report"]
+
+
+DENSE_EVERY = 4  # the dense model runs again after every this many models of a round: each ratio has a near dense
 
 
 def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
           device: torch.device) -> dict[str, dict[str, Any]]:
     """Images/s of every model at each batch size, all interleaved in the same rounds, and each model's
-    speed-up over dense (median of the round-by-round ratios)."""
+    speed-up over dense: the median over rounds of the mean of the two dense runs around it (the dense model
+    runs after every ``DENSE_EVERY`` models) over its own time, so that a slow minute of a shared machine
+    touches both sides of a ratio."""
     first = next(iter(models.values()))
     speeds: dict[str, dict[str, Any]] = {name: {} for name in models}
     for batch in cfg.speed_batches:
@@ -214,12 +292,49 @@ def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
                         generator=torch.Generator().manual_seed(0)).to(device)
         log.info("timing %d models interleaved at batch %d (%d rounds after 2 warm-up rounds, %d forward(s) a call)",
                  len(models), batch, cfg.speed_repeats, calls)
-        timed = time_callables({n: _forwards(m, x, calls) for n, m in models.items()}, cfg.speed_repeats, 2, device)
-        for name, t in timed.items():
-            speeds[name][str(batch)] = {
-                "images_per_s": batch * calls / t["seconds"], "spread": t["spread"],
-                "speedup": paired_ratios(timed["dense"]["times"], t["times"])["median"]}
+        times, ratios = interleaved_with_reference({n: _forwards(m, x, calls) for n, m in models.items()}, "dense",
+                                                   cfg.speed_repeats, 2, device)
+        for name, t in times.items():
+            median = statistics.median(t)
+            speeds[name][str(batch)] = {"images_per_s": batch * calls / median, "spread": (max(t) - min(t)) / median,
+                                        "speedup": statistics.median(ratios[name])}
     return speeds
+
+
+def interleaved_with_reference(fns: dict[str, Callable[[], None]], reference: str, repeats: int, warmup: int,
+                               device: torch.device) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds of every call in each kept round, and each function's ratios (the mean of the reference's runs just
+    before and after it, over its own time), one per kept round. Round r runs the others in a rotating order, the
+    reference first and again after every ``DENSE_EVERY`` of them."""
+    others = [n for n in fns if n != reference]
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    ratios: dict[str, list[float]] = {n: [] for n in fns}
+
+    def timed(name: str) -> float:
+        sync_device(device)
+        start = time.perf_counter()
+        fns[name]()
+        sync_device(device)
+        return time.perf_counter() - start
+
+    for r in range(warmup + repeats):
+        order = others[r % len(others):] + others[:r % len(others)] if others else []
+        before, group, reference_runs = timed(reference), [], []
+        reference_runs.append(before)
+        for i, name in enumerate(order, start=1):
+            group.append((name, timed(name)))
+            if i % DENSE_EVERY == 0 or i == len(order):
+                after = timed(reference)
+                reference_runs.append(after)
+                for n, t in group:
+                    if r >= warmup:
+                        times[n].append(t)
+                        ratios[n].append((before + after) / 2 / t)
+                before, group = after, []
+        if r >= warmup:
+            times[reference].append(statistics.median(reference_runs))
+            ratios[reference].append(1.0)
+    return times, ratios
 
 
 def _forwards(model: torch.nn.Module, x: torch.Tensor, calls: int) -> Callable[[], None]:
@@ -289,6 +404,23 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
     if any(abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE for r in rows):
         lines += ["(!) the method cannot reach the cost target within 2 % on this model; its closest cost is shown.",
                   ""]
+    calibrated = [r for r in rows if "calibration" in r]
+    if calibrated:
+        lines += ["## Calibration", "",
+                  f"Each calibrated point chose its schedule on the first {cfg.calibration_images} probe-training "
+                  "images (labels unread): every tilt x protect candidate at the cost, the highest fidelity (mean "
+                  "cosine to the dense features on those images) within 2 % of the cost wins.", "",
+                  "| method | cost target | tilt | protect | capacity | fidelity | runner-up fidelity | seconds |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in calibrated:
+            report = r["calibration"]
+            ranked = sorted(report["candidates"], key=lambda c: -c["fidelity"])
+            best = report["candidates"][report["chosen"]]
+            runner = next((c for c in ranked if c is not best), None)
+            lines.append(f"| {r['method']} | {r['cost_target']:g} | {best['tilt']:+g} | {best['protect']:g} | "
+                         f"{best['capacity']:.3f} | {best['fidelity']:.4f} | "
+                         f"{'–' if runner is None else format(runner['fidelity'], '.4f')} | {report['seconds']:.0f} |")
+        lines.append("")
     panels = {}
     for b in batches:
         panels[f"zero training, batch {b} ({img_size} px)"] = {
