@@ -173,9 +173,13 @@ class FoldMode(SkippedMode):
         return lowest
 
     def capacity_candidates(self, model: nn.Module, num_patches: int) -> list[float]:
-        """A fold model's k changes block by block: a grid of 0.001 steps from its floor up."""
+        """A fold model's k changes block by block: a grid of 0.001 steps from its floor up, one capacity (the
+        largest, as ``capacity_for_cost``'s ties go) per distinct token schedule, so that each cost is priced once."""
         lowest = round(self.lowest_capacity(model, num_patches) * 1000)
-        return [i / 1000 for i in range(lowest, 1001)]
+        largest: dict[tuple[int, ...], float] = {}
+        for i in range(lowest, 1001):
+            largest[fold_schedule(model, num_patches, i / 1000)] = i / 1000  # (the schedule grows with capacity)
+        return list(largest.values())
 
     def below_floor_warning(self, model: nn.Module, capacity: float) -> Optional[str]:
         if capacity >= 1.0:
