@@ -38,9 +38,9 @@ def features(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def test_calibrate_keeps_the_most_faithful_schedule_at_the_cost_and_saves_it(dinov2, tmp_path):
     x = torch.randn(8, 3, 112, 112, generator=torch.Generator().manual_seed(0))
-    model = amod.calibrate(copy.deepcopy(dinov2), x, cost=0.5, tilts=(-1.0, 0.0, 1.0), protects=(0.0, 0.25))
+    model = amod.calibrate(copy.deepcopy(dinov2), x, cost=0.5, tilts=(-1.0, 1.0), protects=(0.0, 0.25))
     report = model.amod_calibration
-    assert len(report.candidates) == 6 and report.images == 8 and report.seconds > 0
+    assert len(report.candidates) == 4 and report.images == 8 and report.seconds > 0
     reachable = [c for c in report.candidates if abs(c.cost - 0.5) <= COST_TOLERANCE * 0.5]
     assert reachable and report.best.fidelity == max(c.fidelity for c in reachable)
     assert len({round(c.fidelity, 6) for c in report.candidates}) > 1  # the schedules differ on real weights
@@ -95,10 +95,10 @@ def test_the_dial_turns_along_the_shape_and_bad_shapes_are_refused_in_one_line()
 def test_the_cli_writes_a_calibrated_file_that_a_finetune_starts_from(backbone_path, tmp_path, capsys):
     out = tmp_path / "calibrated.safetensors"
     argv = ["calibrate", "--checkpoint", str(backbone_path), "--out", str(out), "--img-size", "28", "--cost", "0.6",
-            "--images", "8"]
+            "--images", "4"]
     res = cli_in_process(argv, capsys)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.count("| chosen |") == 1 and "on 8 fashion-mnist images" in res.stdout
+    assert res.stdout.count("| chosen |") == 1 and "on 4 fashion-mnist images" in res.stdout
     config = amod.get_config(amod.load(out))
     assert config.skipped == "fold" and config.shape is not None and len(config.shape) == 4
     # a finetune from the file keeps its schedule (the run records it as its settings)
