@@ -382,6 +382,8 @@ def _setting_text(s: dict[str, Any]) -> str:
         text += f", skipped={s['skipped']}"
     if s["skipped"] == "fold":
         text += f", protect {s['protect']:g}" + ("" if s["router"] == "attention" else f" ({s['router']})")
+    if s.get("shape"):  # a calibrated schedule: the first and last blocks' exponents
+        text += f", shape {s['shape'][0]:.2f}…{s['shape'][-1]:.2f}"
     return text
 
 
