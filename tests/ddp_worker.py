@@ -1,4 +1,4 @@
-"""Run by torchrun (tests/test_pipeline.py), one launch for every DDP check: ``amod train`` with its own DDP
+"""Run by torchrun (tests/test_pipeline.py), one launch for every DDP check: an amod command with its own DDP
 (argv), then two DDP steps of a learned router on a converted DETR and a converted CLIP vision encoder, and of a
 calibrated A-MoD fold (a tilted shape) on a timm ViT, each rank on its own images; prints each model's parameter and
 router checksums, gathered from both ranks."""

@@ -171,11 +171,13 @@ def assert_same_gradients(name: str, model: torch.nn.Module, x: torch.Tensor) ->
 # converted one: a trace costs about a third less) except fold, whose consecutive fold blocks hand their token sizes
 # on. tests/test_export.py compiles timm with inductor.
 COMPILED = list({family_of(dense(name)).name: name for name in reversed(list(MODELS))}.values())[::-1]
-# PiToMe's merge is the same tensor code on every family (its block is the shared token-reduction block): traced on
-# timm and on SigLIP (no class token)
-DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES + ("tome",)] + \
-           [(name, "-", "pitome") for name in ("timm-vit", "hf-siglip")] + \
-           [(name, "standard", "bypass") for name in COMPILED]
+# ToMe's and PiToMe's merges are the same tensor code on every family (their block is the shared token-reduction
+# block): traced on timm and on SigLIP (no class token). The learned router is one module on every family: traced on
+# timm and on DETR (its encoder positions), its family's attention path by A-MoD's bypass.
+MERGED_ON = ("timm-vit", "hf-siglip")
+DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES] + \
+           [(name, router, mode) for name in MERGED_ON for router, mode in (("attention", "tome"), ("-", "pitome"))] + \
+           [(name, "standard", "bypass") for name in COMPILED if name in ("timm-vit", "detr")]
 
 
 @pytest.mark.parametrize("name, router, mode", DEPLOYED, ids=[f"{n}-{r}-{m}" for n, r, m in DEPLOYED])

@@ -79,48 +79,70 @@ from amod.cli import main
 
 sys.exit(main(sys.argv[4:]))
 '''
-KILL_ARGS = [*TINY, "--train-limit", "512", "--epochs", "3", "--router", "random", "--capacity", "0.5",
-             "--drop-path", "0.1", "--seed", "7"]
+def tiny_start(path: Path, seed: int = 0) -> Path:
+    """A TINY dense model with Fashion-MNIST's 10 classes, as a timm state dict (``.pth``) or an amod file."""
+    torch.manual_seed(seed)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, patch_size=7, depth=2, embed_dim=32,
+                              num_heads=2, img_size=28, in_chans=1, num_classes=10)
+    if path.suffix == ".pth":
+        torch.save(model.state_dict(), path)
+        return path
+    return amod.save(model, path)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_run(tmp_path_factory) -> Path:
+def kill_args(tmp_path_factory) -> list[str]:
+    """A finetune with drop path, a random router, a capacity drawn per step (any cost) and feature distillation
+    from the starting weights: every source of randomness and state a resumed run must restore."""
+    start = tiny_start(tmp_path_factory.mktemp("start") / "start.pth")
+    return ["finetune", "--checkpoint", str(start), *TINY, "--train-limit", "512", "--epochs", "3", "--router",
+            "random", "--capacity", "0.5", "--drop-path", "0.1", "--seed", "7", "--any-cost", "0.3", "0.9",
+            "--distill", "--distill-logits", "0", "--distill-features", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory, kill_args) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
-    assert amod_main(["train", *KILL_ARGS, "--out", str(out)]) == 0
+    assert amod_main([*kill_args, "--out", str(out)]) == 0
     return out
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run, when, capsys):
+def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run, kill_args, when, capsys):
     """Killed between writing the metrics row of epoch 2 and its checkpoint, or right after the checkpoint."""
     script = tmp_path / "kill_at.py"
     script.write_text(KILL_AT)
     killed = tmp_path / "killed"
-    res = subprocess.run([sys.executable, str(script), when, "checkpoint.pt", "2", "train", *KILL_ARGS,
+    res = subprocess.run([sys.executable, str(script), when, "checkpoint.pt", "2", *kill_args,
                           "--out", str(killed)], capture_output=True, text=True, timeout=300)
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
     assert torch.load(killed / "checkpoint.pt", weights_only=True)["epoch"] == (1 if when == "before" else 2)
-    # each epoch's row is written before its checkpoint: the metrics are never behind the checkpoint
-    assert [r["epoch"] for r in read_metrics(killed / "metrics.jsonl")] == [1, 2]
-    res = cli_in_process(["train", "--resume", "--out", str(killed)], capsys)  # resumed in this process
+    # each epoch's row is written before its checkpoint: the metrics are never behind the checkpoint (epoch 0: the
+    # finetune's zero-training evaluation)
+    assert [r["epoch"] for r in read_metrics(killed / "metrics.jsonl")] == [0, 1, 2]
+    res = cli_in_process(["finetune", "--resume", "--out", str(killed)], capsys)  # resumed in this process
     assert res.returncode == 0, res.stderr
     full = uninterrupted_run
     assert without_timings(read_metrics(killed / "metrics.jsonl")) == without_timings(read_metrics(full / "metrics.jsonl"))
-    assert (killed / "metrics.csv").read_text().count("\n") == (full / "metrics.csv").read_text().count("\n") == 4
+    assert (killed / "metrics.csv").read_text().count("\n") == (full / "metrics.csv").read_text().count("\n") == 5
     a = amod.load(killed / "model.safetensors").state_dict()
     b = amod.load(full / "model.safetensors").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # a finished run is not silently restarted
-    again = cli_in_process(["train", *KILL_ARGS, "--out", str(killed)], capsys)
+    assert amod.load(killed / "model.safetensors").amod_config.capacity == 0.5  # saved at its own capacity
+    again = cli_in_process([*kill_args, "--out", str(killed)], capsys)
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
 def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
-    """The one torchrun launch of the suite (tests/ddp_worker.py): `amod train` under DDP, then a learned router
-    trained under DDP on a converted DETR and a converted CLIP vision encoder, and a calibrated fold on a timm ViT."""
+    """The one torchrun launch of the suite (tests/ddp_worker.py): `amod finetune` under DDP (a learned router, a
+    capacity drawn per step, distilled from a teacher file), then a learned router trained under DDP on a converted
+    DETR and a converted CLIP vision encoder, and a calibrated fold on a timm ViT."""
     worker = Path(__file__).with_name("ddp_worker.py")
+    start, teacher = tiny_start(tmp_path / "start.safetensors"), tiny_start(tmp_path / "teacher.safetensors", seed=1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-           "train", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
+           "finetune", "--checkpoint", str(start), "--teacher", str(teacher), "--distill-features", "0.5",
+           "--any-cost", "0.3", "0.9", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
            "--capacity", "0.5", "--val-limit", "127", "--out", str(tmp_path / "ddp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]
@@ -136,7 +158,7 @@ def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     assert len(summary["rank_weight_checksums"]) == 2 and len(set(summary["rank_weight_checksums"])) == 1
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
     # validation split across both ranks and summed, each image counted once (127 is odd: no padding)
-    assert len(rows) == 2 and rows[-1]["val_images"] == 127 and summary["val_images"] == 127
+    assert len(rows) == 3 and rows[-1]["val_images"] == 127 and summary["val_images"] == 127
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

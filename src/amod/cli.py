@@ -27,6 +27,7 @@ from .experiments.evaluate import EvalConfig, evaluate_checkpoint
 from .experiments.export import export_checkpoint
 from .experiments.study import StudyConfig, run_study
 from .experiments.finetune import FinetuneConfig, run_finetune_study
+from .train.distill import Distillation
 from .experiments.frontier import FrontierConfig, run_frontier
 from .experiments.calibration import CalibrateConfig, run_calibrate
 from .detect.config import DetectConfig, DetectStudyConfig
@@ -182,6 +183,21 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
     g.add_argument("--shape", type=parse_shape, default=S,
                    help="--skipped fold: one capacity exponent per block, 1.6,1.4,...; block i keeps capacity ** w_i "
                         "of its patch tokens (amod calibrate prints one; default: all 1)")
+    g.add_argument("--any-cost", type=float, nargs=2, metavar=("LOW", "HIGH"), default=S,
+                   help="train at a share of the dense MACs drawn per step from [LOW, HIGH] (12 evenly spaced), so "
+                        "one model serves the whole capacity dial (amod.set_capacity); evaluated at --capacity")
+    if finetune:
+        g = p.add_argument_group("distillation from a dense teacher")
+        g.add_argument("--distill", action="store_true", default=S,
+                       help="learn from a dense teacher's outputs too (default teacher: the starting weights, frozen)")
+        g.add_argument("--teacher", default=S, metavar="FILE",
+                       help="the teacher: a dense model file with the data's classes (implies --distill)")
+        g.add_argument("--distill-logits", type=float, default=S, metavar="W",
+                       help=f"weight of the soft-logit term; the labels get 1 - W (default {RunConfig.distill_logits:g})")
+        g.add_argument("--distill-temperature", type=float, default=S, metavar="T",
+                       help=f"its softmax temperature (default {RunConfig.distill_temperature:g})")
+        g.add_argument("--distill-features", type=float, default=S, metavar="W",
+                       help=f"weight of 1 - cosine to the teacher's features (default {RunConfig.distill_features:g})")
     g = p.add_argument_group("token merging (ToMe) instead of MoD")
     g.add_argument("--tome-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
     g.add_argument("--tome-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
@@ -362,6 +378,22 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
                    help="write the report from the evaluations in OUT/evals.jsonl; train nothing")
     g.add_argument("--methods", nargs="+", default=None, metavar="NAME",
                    help="only these methods (names as in the report); dense and 'A-MoD (paper)' are always run")
+    _distill_flags(g, "the distilled methods' teacher: a dense model file with the probe's classes (default: the "
+                      "study's dense run of seed 0, done again with its final weights kept)")
+
+
+def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str) -> None:
+    """Distillation's flags, shared by the finetune study and `amod finetune`."""
+    d = Distillation()
+    g.add_argument("--teacher", default=None, metavar="FILE", help=teacher_help)
+    g.add_argument("--distill-logits", type=float, default=d.logits, metavar="W",
+                   help=f"weight of the soft-logit term (KL to the teacher at the temperature); the labels' "
+                        f"cross-entropy gets 1 - W (default {d.logits:g})")
+    g.add_argument("--distill-temperature", type=float, default=d.temperature, metavar="T",
+                   help=f"softmax temperature of the soft-logit term (default {d.temperature:g})")
+    g.add_argument("--distill-features", type=float, default=d.features, metavar="W",
+                   help=f"weight of the feature term: 1 - cosine of the model's and the teacher's features "
+                        f"(default {d.features:g})")
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -370,7 +402,10 @@ def _study(args: argparse.Namespace) -> int:
         ft = FinetuneConfig(checkpoint=args.checkpoint, out=out, data=args.data, img_size=args.img_size,
                             costs=tuple(args.cost), seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
                             lr=args.lr, eval_images=args.eval_images, probe_train=args.probe_train, amp=args.amp,
-                            fp32_check=not args.no_fp32_check, report_only=args.report_only).only(args.methods)
+                            fp32_check=not args.no_fp32_check, report_only=args.report_only,
+                            teacher=args.teacher, distillation=Distillation(args.distill_logits,
+                                                                            args.distill_temperature,
+                                                                            args.distill_features)).only(args.methods)
         print(run_finetune_study(ft))
         return 0
     cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=tuple(args.capacity),

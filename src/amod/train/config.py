@@ -21,6 +21,7 @@ from ..methods import Method, method_from_run_fields
 from ..mod.config import DEFAULT_PROTECT, validate_capacity, validate_protect, validate_skipped
 from ..mod.modes import skipped_mode
 from . import engine
+from .distill import Distillation
 from .models import checkpoint_architecture
 
 # Fields that only mean something for an MoD model (a router given).
@@ -54,6 +55,14 @@ class RunConfig:
     # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
     tome_cost: Optional[float] = None
     tome_r: Optional[Union[int, list[int]]] = None
+    # distillation from a dense teacher (amod.train.distill): off unless --distill or --teacher
+    distill: bool = False
+    teacher: Optional[str] = None  # a dense model file with the data's classes (default: the starting weights)
+    distill_logits: float = Distillation.logits  # soft-logit weight; the labels get 1 - it
+    distill_temperature: float = Distillation.temperature
+    distill_features: float = Distillation.features  # weight of 1 - cosine to the teacher's features
+    # one finetune for every cost: an MoD model trained at a share of dense MACs drawn per step from [low, high]
+    any_cost: Optional[list[float]] = None
     # data
     data: str = "fashion-mnist"
     train_limit: Optional[int] = None  # a fixed random subset of the training set
@@ -121,7 +130,22 @@ class RunConfig:
             raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
         if self.pretrained and self.checkpoint:
             raise ValueError("give either --pretrained or --checkpoint, not both")
+        if self.teacher is not None:
+            self.distill = True
+        if self.distill:
+            self.distillation().validate()
+        if self.any_cost is not None:
+            if len(self.any_cost) != 2 or not 0 < self.any_cost[0] < self.any_cost[1] <= 1:
+                raise ValueError(f"--any-cost takes LOW HIGH, shares of the dense MACs with 0 < LOW < HIGH <= 1, got "
+                                 f"{self.any_cost}")
+            if self.router is None or self.isoflop:
+                raise ValueError("--any-cost turns an MoD model's capacity per step: give --router (and --skipped "
+                                 "fold for the dial that serves every cost)")
         return self
+
+    def distillation(self) -> Distillation:
+        """The distillation loss these settings select (used when ``distill``)."""
+        return Distillation(self.distill_logits, self.distill_temperature, self.distill_features)
 
     def method(self) -> Method:
         """The method these settings select (``amod.methods``)."""

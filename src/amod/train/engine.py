@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from .. import files
 from ..mod.routers import SeededDraws
 from .data import BadSample, DataError, collate_checked
+from .distill import Teacher, forward_with_features
 
 log = logging.getLogger("amod")
 
@@ -255,8 +256,12 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
 
 def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Any, dist_info: Dist,
-                    epoch: int, bad_images: Optional[BadImages] = None) -> dict[str, float]:
+                    epoch: int, bad_images: Optional[BadImages] = None, teacher: Optional[Teacher] = None,
+                    dial: Optional[Callable[[], None]] = None) -> dict[str, float]:
+    """One epoch of ``loader``. ``teacher``: distil from it with ``cfg.distillation()``; ``dial``: called before
+    each step (an any-cost run sets the step's capacity)."""
     model.train()
+    distillation = cfg.distillation() if teacher is not None else None
     device = dist_info.device
     loss_sum = correct = n = 0.0
     start = time.perf_counter()
@@ -264,9 +269,15 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
     log_every = max(1, len(loader) // 4)
     for step, (x, y) in enumerate(batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if dial is not None:
+            dial()
         with autocast(cfg.amp, device):
-            logits = model(x)
-            loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
+            if distillation is None:
+                logits = model(x)
+                loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
+            else:
+                logits, features = forward_with_features(model, x, distillation.features > 0)
+                loss = distillation.loss(logits, features, *teacher(x), y, label_smoothing=cfg.label_smoothing)
         if not torch.isfinite(loss):
             raise NonFiniteError(f"the training loss is {loss.item()} at epoch {epoch}, step {step + 1}; "
                                  "lower --lr, or check the data")

@@ -2,6 +2,7 @@
 file, fitted to the data, then turned into the method the run config selects (``amod.methods``)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -18,7 +19,7 @@ from .. import files
 from ..families import claimed
 from ..methods import Dense, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
-from ..checkpoint import load as load_amod, read_metadata
+from ..checkpoint import load as load_amod, read_metadata, skeleton as skeleton_of_file
 
 log = logging.getLogger("amod")
 
@@ -253,3 +254,49 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         raise ValueError(f"the checkpoint already runs {running.label()}; drop the method options "
                          "(--router, --tome-cost, ...) to keep it")
     return method.apply(model)
+
+
+def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
+    """The dense model a distilled run learns from: ``cfg.teacher`` (a model file), or else the run's starting
+    weights as a dense model. Refuses a teacher that runs a method (it must be dense), and logit distillation from
+    starting weights whose classifier was not trained for the data's classes (its logits would teach nothing)."""
+    if cfg.teacher is not None:
+        path = Path(cfg.teacher).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"no teacher at {path}")
+        teacher = fit_to_data(load_amod(path) if _is_amod_file(path) else _teacher_from_weights(cfg, path, num_classes,
+                                                                                               in_chans, img_size),
+                              in_chans, img_size)
+        source = str(path)
+    else:
+        dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, any_cost=None)
+        teacher = build_model(dense, num_classes, in_chans, img_size)
+        source = "the starting weights"
+        if cfg.distill_logits > 0 and not _trained_head(cfg, num_classes):
+            raise ValueError(f"the starting weights have no classifier trained for the data's {num_classes} classes, "
+                             "so their logits teach nothing: give --teacher FILE (a dense model finetuned on this "
+                             "data), or distil features alone (--distill-logits 0 --distill-features 1)")
+    if not isinstance(method_of(teacher), Dense):
+        raise ValueError(f"the teacher ({source}) runs {method_of(teacher).label()}; distil from a dense model")
+    if getattr(teacher, "num_classes", None) != num_classes and cfg.distill_logits > 0:
+        raise ValueError(f"the teacher ({source}) has {getattr(teacher, 'num_classes', None)} classes and the data "
+                         f"{num_classes}: distil from a teacher trained on the same classes")
+    return teacher
+
+
+def _teacher_from_weights(cfg: Any, path: Path, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
+    model = _create(cfg.model, False, model_overrides(cfg, num_classes, in_chans, img_size))
+    _load_into(model, load_state_dict_file(path), path)
+    return model
+
+
+def _trained_head(cfg: Any, num_classes: int) -> bool:
+    """Whether the run's starting weights bring a classifier for ``num_classes`` classes (an amod file that has
+    one, or timm's pretrained head where it has that many classes)."""
+    if cfg.checkpoint:
+        path = Path(cfg.checkpoint)
+        return _is_amod_file(path) and skeleton_of_file(path).num_classes == num_classes
+    if cfg.pretrained:
+        pretrained = timm.models.get_pretrained_cfg(cfg.model)
+        return pretrained is not None and pretrained.num_classes == num_classes
+    return False

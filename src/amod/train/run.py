@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import yaml
@@ -26,7 +26,10 @@ from ..cost import flops
 from . import engine
 from .config import RunConfig
 from .data import DataInfo, build_datasets
-from .models import build_model, checkpoint_settings
+from ..mod.convert import set_capacity
+from .any_cost import AnyCost
+from .distill import Teacher
+from .models import build_model, build_teacher, checkpoint_settings
 from .rundir import RunDirectory, check_output_dir
 
 log = logging.getLogger("amod")
@@ -65,14 +68,20 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                              f"{world} processes: each process needs at least one; give more images "
                              "(--train-limit) or start fewer processes")
         engine.seed_everything(cfg.seed)
-        model = build_model(cfg, num_classes, info.in_chans, cfg.img_size or info.img_size)
+        img_size = cfg.img_size or info.img_size
+        model = build_model(cfg, num_classes, info.in_chans, img_size)
+        teacher = Teacher(build_teacher(cfg, num_classes, info.in_chans, img_size)) if cfg.distill else None
+        if teacher is not None:
+            teacher.check_student(model, train_ds[0][0][None], cfg.distill_features > 0)
     dist_info = engine.setup_distributed()
     try:
         model = model.to(dist_info.device)
+        if teacher is not None:
+            teacher.model.to(dist_info.device)
         with RunDirectory(out, lock=dist_info.main):
             if state is None and ckpt_path.exists():  # another run finished here while we were getting ready
                 raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it")
-            return _train(cfg, model, state, train_ds, val_ds, info, dist_info)
+            return _train(cfg, model, state, train_ds, val_ds, info, dist_info, teacher)
     finally:
         engine.teardown_distributed()
 
@@ -95,8 +104,14 @@ def _num_classes(cfg: RunConfig, info: DataInfo) -> int:
     return cfg.num_classes
 
 
+def _any_cost_dial(cfg: RunConfig, model: torch.nn.Module, scheduler: Any) -> Callable[[], None]:
+    """Before each step of an ``--any-cost`` run: set the capacity drawn for (seed, step) (``AnyCost``)."""
+    dial = AnyCost(model, *cfg.any_cost)
+    return lambda: set_capacity(model, dial.capacity(cfg.seed, scheduler.last_epoch))
+
+
 def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any]], train_ds, val_ds,
-           info: DataInfo, dist_info: engine.Dist) -> dict[str, Any]:
+           info: DataInfo, dist_info: engine.Dist, teacher: Optional[Teacher] = None) -> dict[str, Any]:
     """The loop, once the run directory is held."""
     out = Path(cfg.out)
     ckpt_path = out / "checkpoint.pt"
@@ -114,6 +129,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         engine.set_router_state(model, state.get("routers", {}))
         log.info("resumed %s after epoch %d", out, state["epoch"])
     train_model = DistributedDataParallel(model) if dist_info.world > 1 else model
+    dial = _any_cost_dial(cfg, model, scheduler) if cfg.any_cost else None
 
     writer = engine.MetricsWriter(out, dist_info.main)
     if dist_info.main:
@@ -136,7 +152,9 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         loader = engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, epoch, dist_info, cfg.workers)
         try:
             row = engine.train_one_epoch(train_model, loader, optimizer, scheduler, cfg, dist_info, epoch,
-                                         bad_images=bad_images)
+                                         bad_images=bad_images, teacher=teacher, dial=dial)
+            if dial is not None:
+                set_capacity(model, cfg.capacity)  # evaluated, and saved, at the run's own capacity
             metrics = engine.evaluate(model, val_loader, dist_info.device, cfg.amp, dist_info, bad_images=bad_images)
             _check_finite(model, metrics, epoch)
         except engine.NonFiniteError as e:
