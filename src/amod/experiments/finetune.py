@@ -12,6 +12,10 @@ Kill-safe: every evaluation appends one row (with the per-image correctness) to 
 then saves the run's state; a killed study resumes each run at its last evaluation. Rows carry a
 fingerprint of the settings that decide them, so rows of other settings are never mixed in; the
 file can be carried to another machine or sitting and the study goes on from it.
+
+Beyond the paper's methods: the frontier's calibrated fold, distillation from a dense teacher (the study's own dense
+run of seed 0, kept; ``amod.train.distill``), one any-cost model per seed (``amod.train.any_cost``) and 4x longer
+runs (``ARMS``).
 """
 from __future__ import annotations
 
