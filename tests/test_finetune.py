@@ -182,6 +182,8 @@ def test_rows_of_other_settings_are_not_reused(tmp_path, backbone_path):
     assert EvalRows(tmp_path / "evals.jsonl", "aaa", "logits 0.5, T 1, features 0, teacher t2").get(
         0, 0.56, "ToMe", "bf16", 8)["top1"] == 0.5
     assert EvalRows(tmp_path / "evals.jsonl", "aaa").get(*key)["top1"] == 0.6
+    assert EvalRows(tmp_path / "evals.jsonl", "aaa", "logits 0.5, T 1, features 0").get(*key)["top1"] == 0.6
+    assert EvalRows(tmp_path / "evals.jsonl", "aaa", "logits 1, T 1, features 0").get(*key) is None
 
 
 def test_report_only_without_evaluations_says_so_and_does_nothing(backbone_path, tmp_path, capsys):

@@ -362,7 +362,8 @@ class EvalRows:
 
     def __init__(self, path: Path, fingerprint: str, distillation: Optional[str] = None) -> None:
         """``distillation``: the study's distillation settings and teacher in words; a distilled run's rows of
-        other settings are not reused (None: every row is read, as for a report)."""
+        other settings are not reused. The settings alone (no teacher, as a report reads them) take every teacher's
+        rows of those settings; None: every row."""
         self.path, self.fingerprint, self.distillation = path, fingerprint, distillation
         self.rows: dict[tuple, dict[str, Any]] = {}
         if path.exists():
@@ -372,7 +373,7 @@ class EvalRows:
                     r = json.loads(line)
                     if r["fingerprint"] != fingerprint:
                         continue
-                    if distillation is not None and r.get("distillation", distillation) != distillation:
+                    if distillation is not None and not r.get("distillation", distillation).startswith(distillation):
                         other_teacher += 1
                         continue
                     self.rows[self.key(r["seed"], r["cost_target"], r["method"], r["amp"], r["step"])] = r
@@ -617,6 +618,8 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
     if any(a.distill for a in cfg.arms) and not cfg.report_only:  # (a report takes the rows as they are)
         distilled = study_teacher(cfg, prep, root, device)
         prep.rows = EvalRows(prep.rows.path, prep.rows.fingerprint, distilled.text)
+    if cfg.report_only:  # the distilled rows of these loss settings, whichever teacher made them
+        prep.rows = EvalRows(prep.rows.path, prep.rows.fingerprint, cfg.distillation.text())
     planned = plan(cfg, prep.start, calibrated, prep.rows)
     log.info("finetune study: %d settings, runs of %d steps x %d images (%s), evaluated at steps 0, %s on %d test "
              "images", len(planned), cfg.steps, cfg.batch_size, cfg.amp, ", ".join(map(str, cfg.eval_steps())),
