@@ -615,11 +615,11 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
     prep = prepare(cfg, root, device)
     calibrated = Calibrations(root, prep, device)
     distilled = None
-    if any(a.distill for a in cfg.arms) and not cfg.report_only:  # (a report takes the rows as they are)
-        distilled = study_teacher(cfg, prep, root, device)
-        prep.rows = EvalRows(prep.rows.path, prep.rows.fingerprint, distilled.text)
     if cfg.report_only:  # the distilled rows of these loss settings, whichever teacher made them
         prep.rows = EvalRows(prep.rows.path, prep.rows.fingerprint, cfg.distillation.text())
+    elif any(a.distill for a in cfg.arms):
+        distilled = study_teacher(cfg, prep, root, device)
+        prep.rows = EvalRows(prep.rows.path, prep.rows.fingerprint, distilled.text)
     planned = plan(cfg, prep.start, calibrated, prep.rows)
     log.info("finetune study: %d settings, runs of %d steps x %d images (%s), evaluated at steps 0, %s on %d test "
              "images", len(planned), cfg.steps, cfg.batch_size, cfg.amp, ", ".join(map(str, cfg.eval_steps())),

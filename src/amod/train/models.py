@@ -234,8 +234,7 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         if _is_amod_file(path):
             model = fit_to_data(load_amod(path), in_chans, img_size)  # an amod file knows its architecture
         else:
-            model = _create(cfg.model, False, model_overrides(cfg, num_classes, in_chans, img_size))
-            _load_into(model, load_state_dict_file(path), path)
+            model = _from_weights_file(cfg, path, num_classes, in_chans, img_size)
         if model.num_classes != num_classes:
             model.reset_classifier(num_classes)
             log.info("classifier reset to %d classes", num_classes)
@@ -264,8 +263,8 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
         path = Path(cfg.teacher).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"no teacher at {path}")
-        teacher = fit_to_data(load_amod(path) if _is_amod_file(path) else _teacher_from_weights(cfg, path, num_classes,
-                                                                                               in_chans, img_size),
+        teacher = fit_to_data(load_amod(path) if _is_amod_file(path) else _from_weights_file(cfg, path, num_classes,
+                                                                                            in_chans, img_size),
                               in_chans, img_size)
         source = str(path)
     else:
@@ -284,7 +283,8 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
     return teacher
 
 
-def _teacher_from_weights(cfg: Any, path: Path, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
+def _from_weights_file(cfg: Any, path: Path, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
+    """``cfg.model`` with a timm/DeiT state dict file's weights (a head of another size is dropped)."""
     model = _create(cfg.model, False, model_overrides(cfg, num_classes, in_chans, img_size))
     _load_into(model, load_state_dict_file(path), path)
     return model
