@@ -13,7 +13,6 @@ Usage:
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _common import ensure_tunables, machine
-from bench_train_speed import build
+from bench_train_speed import build, training_speed_args
 
 import amod
 from amod.methods import Dense, MoD, TokenMerging
@@ -36,15 +35,8 @@ MODES = ("plain", "live teacher", "kept outputs")
 
 def main() -> None:
     ensure_tunables()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--img-size", type=int, default=112)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--cost", type=float, nargs="+", default=[0.56, 0.40])
-    p.add_argument("--out", default="benchmarks/results/distill_speed.json")
-    args = p.parse_args()
+    args = training_speed_args(__doc__, rounds=10, warmup=2, out="benchmarks/results/distill_speed.json",
+                               costs=2).parse_args()
 
     dense = build(args.checkpoint, args.img_size)
     methods = {"dense": Dense()}

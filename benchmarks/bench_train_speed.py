@@ -37,17 +37,26 @@ def build(checkpoint: str | None, img_size: int) -> torch.nn.Module:
     return model
 
 
-def main() -> None:
-    ensure_tunables()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", default=None)
+def training_speed_args(doc: str, rounds: int, warmup: int, out: str, costs: int = 1) -> argparse.ArgumentParser:
+    """The options of the training-speed benchmarks (this one and bench_distill_speed.py); ``costs``: how many
+    --cost values (1: one float, 2 or more: a list with that many defaults)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--checkpoint", default=None, help="timm/amod weights file (default: random weights)")
     p.add_argument("--img-size", type=int, default=112)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--cost", type=float, default=0.56)
-    p.add_argument("--out", default="benchmarks/results/train_speed.json")
-    args = p.parse_args()
+    p.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+    p.add_argument("--warmup", type=int, default=warmup, help="rounds discarded first")
+    if costs == 1:
+        p.add_argument("--cost", type=float, default=0.56)
+    else:
+        p.add_argument("--cost", type=float, nargs="+", default=[0.56, 0.40][:costs])
+    p.add_argument("--out", default=out)
+    return p
+
+
+def main() -> None:
+    ensure_tunables()
+    args = training_speed_args(__doc__, rounds=12, warmup=3, out="benchmarks/results/train_speed.json").parse_args()
 
     dense = build(args.checkpoint, args.img_size)
     with warnings.catch_warnings():

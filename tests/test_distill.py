@@ -2,6 +2,8 @@
 loss, the teacher wired into `amod finetune`, every method, gradient checkpointing, the refusals. DDP and resume
 after a kill of a distilled any-cost finetune: tests/test_pipeline.py; the study's distilled arms:
 tests/test_finetune.py."""
+import dataclasses
+
 import pytest
 import timm
 import torch
@@ -11,10 +13,13 @@ import amod
 from amod.methods import MoD, PiToMe, TokenMerging
 from amod.mod.calibrate import tilt_shape
 from amod.train.any_cost import AnyCost
+from amod.train.config import RunConfig
+from amod.train.models import build_teacher
 from amod.train.distill import Distillation, Teacher, TeacherOutputs, forward_with_features
 from conftest import cli_in_process
 
 ARCH = dict(img_size=28, patch_size=7, depth=3, embed_dim=32, num_heads=2)
+ARCH_FLAGS = {k: v for k, v in ARCH.items() if k != "img_size"}
 DATA = ["--train-limit", "64", "--val-limit", "32", "--batch-size", "32", "--epochs", "1"]
 
 
@@ -109,14 +114,15 @@ def test_the_any_cost_dial_draws_the_same_capacities_on_every_run():
 
 
 def test_distillation_and_any_cost_refusals(tmp_path, capsys):
-    pth = tmp_path / "weights.pth"
-    torch.save(vit().state_dict(), pth)
+    pth = tmp_path / "four.pth"  # a timm state dict whose head has other classes than the data's 10
+    torch.save(vit(num_classes=4).state_dict(), pth)
     mod_file = amod.save(amod.convert(vit(), router="attention", capacity=0.5), tmp_path / "mod.safetensors")
     other = amod.save(vit(num_classes=4), tmp_path / "four.safetensors")
     base = ["finetune", "--checkpoint", str(pth), "--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth",
             "3", "--embed-dim", "32", "--num-heads", "2", *DATA, "--out", str(tmp_path / "run")]
     for extra, message in [
         (["--distill"], "no classifier trained for the data's 10 classes"),
+        (["--teacher", str(pth)], "has no classifier for the data's 10 classes"),
         (["--teacher", str(tmp_path / "none.safetensors")], "no teacher at"),
         (["--teacher", str(mod_file)], "runs attention@0.5; distil from a dense model"),
         (["--teacher", str(other)], "has 4 classes and the data 10"),
@@ -127,3 +133,10 @@ def test_distillation_and_any_cost_refusals(tmp_path, capsys):
         res = cli_in_process([*base, *extra], capsys)
         assert res.returncode == 2 and message in res.stderr, (extra, res.stderr)
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    # a state dict file with the data's classes teaches with its own classifier, as starting weights or as --teacher
+    ten = tmp_path / "ten.pth"
+    torch.save(vit().state_dict(), ten)
+    cfg = RunConfig(model="vit_tiny_patch16_224", checkpoint=str(ten), distill=True, **ARCH_FLAGS)
+    for teacher_file in (None, str(ten)):
+        teacher = build_teacher(dataclasses.replace(cfg, teacher=teacher_file), 10, 1, 28)
+        assert torch.equal(teacher.head.weight, vit().head.weight)

@@ -190,14 +190,8 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
         g = p.add_argument_group("distillation from a dense teacher")
         g.add_argument("--distill", action="store_true", default=S,
                        help="learn from a dense teacher's outputs too (default teacher: the starting weights, frozen)")
-        g.add_argument("--teacher", default=S, metavar="FILE",
-                       help="the teacher: a dense model file with the data's classes (implies --distill)")
-        g.add_argument("--distill-logits", type=float, default=S, metavar="W",
-                       help=f"weight of the soft-logit term; the labels get 1 - W (default {RunConfig.distill_logits:g})")
-        g.add_argument("--distill-temperature", type=float, default=S, metavar="T",
-                       help=f"its softmax temperature (default {RunConfig.distill_temperature:g})")
-        g.add_argument("--distill-features", type=float, default=S, metavar="W",
-                       help=f"weight of 1 - cosine to the teacher's features (default {RunConfig.distill_features:g})")
+        _distill_flags(g, "the teacher: a dense model file with the data's classes (implies --distill)",
+                       suppress=True)
     g = p.add_argument_group("token merging (ToMe) instead of MoD")
     g.add_argument("--tome-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
     g.add_argument("--tome-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
@@ -382,16 +376,21 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
                       "study's dense run of seed 0, done again with its final weights kept)")
 
 
-def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str) -> None:
-    """Distillation's flags, shared by the finetune study and `amod finetune`."""
+def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool = False) -> None:
+    """Distillation's flags, shared by the finetune study and `amod finetune`. ``suppress``: leave flags that are
+    not given out of the namespace (`amod finetune` takes its defaults from RunConfig, which match these)."""
     d = Distillation()
-    g.add_argument("--teacher", default=None, metavar="FILE", help=teacher_help)
-    g.add_argument("--distill-logits", type=float, default=d.logits, metavar="W",
+
+    def default(value):
+        return argparse.SUPPRESS if suppress else value
+
+    g.add_argument("--teacher", default=default(None), metavar="FILE", help=teacher_help)
+    g.add_argument("--distill-logits", type=float, default=default(d.logits), metavar="W",
                    help=f"weight of the soft-logit term (KL to the teacher at the temperature); the labels' "
                         f"cross-entropy gets 1 - W (default {d.logits:g})")
-    g.add_argument("--distill-temperature", type=float, default=d.temperature, metavar="T",
+    g.add_argument("--distill-temperature", type=float, default=default(d.temperature), metavar="T",
                    help=f"softmax temperature of the soft-logit term (default {d.temperature:g})")
-    g.add_argument("--distill-features", type=float, default=d.features, metavar="W",
+    g.add_argument("--distill-features", type=float, default=default(d.features), metavar="W",
                    help=f"weight of the feature term: 1 - cosine of the model's and the teacher's features "
                         f"(default {d.features:g})")
 

@@ -74,7 +74,7 @@ class Arm:
     ``only_seeds``: run at these costs, on the first seeds, only."""
 
     name: str
-    method: Method
+    method: Optional[Method]  # None: set by ``best_of`` when the run is planned
     isoflop_of: Optional[str] = None
     every_block_below: bool = False
     calibrated: bool = False
@@ -116,7 +116,7 @@ ARMS = (
     Arm(ANY_COST, MoD(skipped="fold"), distill=True, any_cost=(0.35, 0.9), counterpart="A-MoD fold + distillation"),
     # the 4x longer schedule, one seed
     Arm(f"{DENSE}, {LONG_STEPS} steps", Dense(), steps=LONG_STEPS, only_seeds=1, counterpart=DENSE),
-    Arm(f"best distilled, {LONG_STEPS} steps", Dense(), steps=LONG_STEPS, only_seeds=1,
+    Arm(f"best distilled, {LONG_STEPS} steps", None, steps=LONG_STEPS, only_seeds=1,
         best_of=("A-MoD fold + distillation", "ToMe + distillation", f"{CALIBRATED} + distillation")),
     Arm(f"{REFERENCE}, {LONG_STEPS} steps", MoD(router="attention", scale_output=False), every_block_below=True,
         steps=LONG_STEPS, only_seeds=1, only_costs=(0.56,), counterpart=REFERENCE),
@@ -272,12 +272,12 @@ def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[f
     depth = len(model.blocks)
     planned: list[Planned] = []
     for arm in cfg.arms:
-        if arm.method == Dense() and not arm.best_of:
+        if arm.method == Dense():
             planned.append(Planned(arm, 1.0, Dense(), 1.0, depth))
     for cost in cfg.costs:
         resolved: dict[str, Method] = {}
         for arm in cfg.arms:
-            if (arm.method == Dense() and not arm.best_of) or (arm.only_costs and cost not in arm.only_costs):
+            if arm.method == Dense() or (arm.only_costs and cost not in arm.only_costs):
                 continue
             if arm.best_of:
                 best = _best_of(cfg, arm, cost, planned, rows)

@@ -55,9 +55,10 @@ def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in ckpt.items()}
 
 
-def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> bool:
     """Load a foreign (timm/DeiT) state dict: resample pos_embed, adapt input channels, drop a head of
-    another size. Anything else that does not fit is an error."""
+    another size. Anything else that does not fit is an error. Returns whether the model's classifier came from
+    the file (False: it was dropped for another size, or the model has none)."""
     own = model.state_dict()
     hint = "set --model, --embed-dim, --depth and --num-heads to the checkpoint's architecture"
     try:
@@ -83,6 +84,7 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> 
         raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if dropped:
         log.info("checkpoint head has another number of classes: new head initialised")
+    return not dropped and "head.weight" in own and "head.weight" in state
 
 
 def fit_to_data(model: nn.Module, in_chans: int, img_size: int) -> nn.Module:
@@ -234,7 +236,7 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         if _is_amod_file(path):
             model = fit_to_data(load_amod(path), in_chans, img_size)  # an amod file knows its architecture
         else:
-            model = _from_weights_file(cfg, path, num_classes, in_chans, img_size)
+            model, _ = _from_weights_file(cfg, path, num_classes, in_chans, img_size)
         if model.num_classes != num_classes:
             model.reset_classifier(num_classes)
             log.info("classifier reset to %d classes", num_classes)
@@ -263,9 +265,14 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
         path = Path(cfg.teacher).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"no teacher at {path}")
-        teacher = fit_to_data(load_amod(path) if _is_amod_file(path) else _from_weights_file(cfg, path, num_classes,
-                                                                                            in_chans, img_size),
-                              in_chans, img_size)
+        if _is_amod_file(path):
+            teacher = fit_to_data(load_amod(path), in_chans, img_size)
+        else:
+            teacher, head_loaded = _from_weights_file(cfg, path, num_classes, in_chans, img_size)
+            if not head_loaded and cfg.distill_logits > 0:
+                raise ValueError(f"the teacher {path} has no classifier for the data's {num_classes} classes, so its "
+                                 "logits would teach nothing: give a teacher finetuned on this data, or distil "
+                                 "features alone (--distill-logits 0 --distill-features 1)")
         source = str(path)
     else:
         dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, any_cost=None)
@@ -283,19 +290,24 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
     return teacher
 
 
-def _from_weights_file(cfg: Any, path: Path, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
-    """``cfg.model`` with a timm/DeiT state dict file's weights (a head of another size is dropped)."""
+def _from_weights_file(cfg: Any, path: Path, num_classes: int, in_chans: int,
+                       img_size: int) -> tuple[nn.Module, bool]:
+    """``cfg.model`` with a timm/DeiT state dict file's weights (a head of another size is dropped), and whether
+    its classifier came from the file."""
     model = _create(cfg.model, False, model_overrides(cfg, num_classes, in_chans, img_size))
-    _load_into(model, load_state_dict_file(path), path)
-    return model
+    head_loaded = _load_into(model, load_state_dict_file(path), path)
+    return model, head_loaded
 
 
 def _trained_head(cfg: Any, num_classes: int) -> bool:
-    """Whether the run's starting weights bring a classifier for ``num_classes`` classes (an amod file that has
-    one, or timm's pretrained head where it has that many classes)."""
+    """Whether the run's starting weights bring a classifier for ``num_classes`` classes (an amod file or a timm/DeiT
+    state dict file that has one, or timm's pretrained head where it has that many classes)."""
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
-        return _is_amod_file(path) and skeleton_of_file(path).num_classes == num_classes
+        if _is_amod_file(path):
+            return skeleton_of_file(path).num_classes == num_classes
+        head = load_state_dict_file(path).get("head.weight")
+        return head is not None and head.ndim == 2 and head.shape[0] == num_classes
     if cfg.pretrained:
         pretrained = timm.models.get_pretrained_cfg(cfg.model)
         return pretrained is not None and pretrained.num_classes == num_classes
