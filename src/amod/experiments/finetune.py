@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -32,7 +33,6 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
@@ -46,7 +46,7 @@ from ..mod.convert import set_capacity
 from ..train import engine
 from ..train.any_cost import AnyCost
 from ..train.data import TensorImages, build_datasets, collate_checked
-from ..train.distill import Distillation, Teacher, TeacherOutputs, forward_with_features
+from ..train.distill import Distillation, Teacher, TeacherOutputs, training_loss
 from ..train.models import fit_to_data
 from ..train.rundir import run_dir_name
 from .bench import time_models
@@ -474,14 +474,12 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         if dial is not None:
             set_capacity(model, dial.capacity(seed, step))
         with engine.autocast(amp, device):
-            if distilled is None:
-                loss = F.cross_entropy(model(x).float(), y)
-            else:
-                logits, features = forward_with_features(model, x, distilled.loss.features > 0)
+            teacher = None
+            if distilled is not None:
                 indices = order[step * cfg.batch_size:step * cfg.batch_size + len(y)]
-                t_logits, t_features = distilled.outputs(distilled.teacher, x, indices) if distilled.outputs \
-                    else distilled.teacher(x)
-                loss = distilled.loss.loss(logits, features, t_logits, t_features, y)
+                teacher = functools.partial(distilled.outputs, distilled.teacher, indices=indices) \
+                    if distilled.outputs else distilled.teacher
+            loss, _ = training_loss(model, x, y, distilled.loss if distilled else None, teacher)
         if not torch.isfinite(loss):
             raise engine.NonFiniteError(f"{name} at cost {cost:g}, seed {seed}: the training loss is {loss.item()} "
                                         f"at step {step + 1}; lower --lr")

@@ -23,7 +23,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -95,6 +95,18 @@ def head_inputs(model: nn.Module) -> Iterator[list[torch.Tensor]]:
         yield seen
     finally:
         handle.remove()
+
+
+def training_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, distillation: Optional[Distillation],
+                  teacher: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
+                  label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's training loss and the model's logits: the labels' cross-entropy, or, with ``distillation``, its
+    loss against ``teacher(x)`` (a ``Teacher``, or kept outputs of the same images)."""
+    if distillation is None:
+        logits = model(x)
+        return F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing), logits
+    logits, features = forward_with_features(model, x, distillation.features > 0)
+    return distillation.loss(logits, features, *teacher(x), labels, label_smoothing=label_smoothing), logits
 
 
 def forward_with_features(model: nn.Module, x: torch.Tensor, want_features: bool

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from .. import files
 from ..mod.routers import SeededDraws
 from .data import BadSample, DataError, collate_checked
-from .distill import Teacher, forward_with_features
+from .distill import Teacher, training_loss
 
 log = logging.getLogger("amod")
 
@@ -272,12 +272,7 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
         if dial is not None:
             dial()
         with autocast(cfg.amp, device):
-            if distillation is None:
-                logits = model(x)
-                loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
-            else:
-                logits, features = forward_with_features(model, x, distillation.features > 0)
-                loss = distillation.loss(logits, features, *teacher(x), y, label_smoothing=cfg.label_smoothing)
+            loss, logits = training_loss(model, x, y, distillation, teacher, cfg.label_smoothing)
         if not torch.isfinite(loss):
             raise NonFiniteError(f"the training loss is {loss.item()} at epoch {epoch}, step {step + 1}; "
                                  "lower --lr, or check the data")
