@@ -906,7 +906,8 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
             seeds = f"{done[0]}" if len(done) == 1 else f"{done[0]}–{done[-1]}"
             curves_png.append(accuracy_vs_steps(series, root / f"finetune_curves_{cost:g}.png",
                                                 f"finetuning at {cost:g} of dense MACs (mean of {seeds} of "
-                                                f"{cfg.seeds} seeds)"))
+                                                f"{cfg.seeds} seeds)",
+                                                _curve_styles([p.arm for p in planned if p.cost_target in (cost, 1.0)])))
     lines += [""] + [f"![curves at {p.stem}]({p.name})" for p in curves_png]
     lines += ["", f"images/s: inference at batch {cfg.speed_batch}, every architecture interleaved in one process, "
                   f"median of {cfg.speed_repeats}. Steps to target: the first evaluation step at which the seed-mean "
@@ -921,6 +922,21 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
                                                             for p, a, b in precision]})
     print("\n".join(lines))
     return report
+
+
+def _curve_styles(arms: list[Arm]) -> dict[str, tuple[str, str]]:
+    """Each arm with a counterpart drawn in the colour of the arm its chain of counterparts starts from: distilled
+    dashed, any-cost dotted, longer runs dash-dotted."""
+    counterpart = {a.name: a.counterpart for a in arms}
+    styles = {}
+    for arm in arms:
+        if arm.counterpart is None:
+            continue
+        root = arm.counterpart
+        while counterpart.get(root) is not None:
+            root = counterpart[root]
+        styles[arm.name] = (root, "-." if arm.steps else ":" if arm.any_cost else "--")
+    return styles
 
 
 def command_line(cfg: FinetuneConfig) -> str:

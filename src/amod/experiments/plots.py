@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import matplotlib
 
@@ -107,6 +107,28 @@ def keep_frequency_figure(frequency: dict[int, torch.Tensor], grid: tuple[int, i
     return path
 
 
-def accuracy_vs_steps(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path, title: str) -> Path:
-    """One line per method: (finetuning steps, accuracies)."""
-    return _line_plot(curves, path, title, "finetuning step (0 = zero-training)")
+def accuracy_vs_steps(curves: dict[str, tuple[Sequence[float], Sequence[float]]], path: Path, title: str,
+                      variants: Optional[dict[str, tuple[str, str]]] = None) -> Path:
+    """One line per method: (finetuning steps, accuracies). ``variants``: method -> (the method it varies, line
+    style), drawn in that method's colour (e.g. the same method distilled, dashed), so the colours go to the
+    distinct methods and the legend sits beside the axes."""
+    variants = variants or {}
+    fig, ax = plt.subplots(figsize=(9.0, 4.6))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colours: dict[str, str] = {}
+    for name, (xs, acc) in curves.items():
+        base, style = variants.get(name, (None, "-"))
+        if base not in colours:
+            base, style = name, "-"
+            colours[name] = palette[len(colours) % len(palette)]
+        ax.plot(xs, [100 * a for a in acc], marker="o", markersize=3.5, color=colours[base], linestyle=style,
+                label=name)
+    ax.set_xlabel("finetuning step (0 = zero-training)")
+    ax.set_ylabel("val top-1 (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
