@@ -275,10 +275,14 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
                                  "features alone (--distill-logits 0 --distill-features 1)")
         source = str(path)
     else:
-        dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, any_cost=None)
-        teacher = build_model(dense, num_classes, in_chans, img_size)
         source = "the starting weights"
-        if cfg.distill_logits > 0 and not _trained_head(cfg, num_classes):
+        if cfg.checkpoint and not _is_amod_file(Path(cfg.checkpoint)):  # a state dict file: loading it tells
+            teacher, trained_head = _from_weights_file(cfg, Path(cfg.checkpoint), num_classes, in_chans, img_size)
+        else:
+            dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, any_cost=None)
+            teacher = build_model(dense, num_classes, in_chans, img_size)
+            trained_head = _trained_head(cfg, num_classes)
+        if cfg.distill_logits > 0 and not trained_head:
             raise ValueError(f"the starting weights have no classifier trained for the data's {num_classes} classes, "
                              "so their logits teach nothing: give --teacher FILE (a dense model finetuned on this "
                              "data), or distil features alone (--distill-logits 0 --distill-features 1)")
@@ -300,14 +304,12 @@ def _from_weights_file(cfg: Any, path: Path, num_classes: int, in_chans: int,
 
 
 def _trained_head(cfg: Any, num_classes: int) -> bool:
-    """Whether the run's starting weights bring a classifier for ``num_classes`` classes (an amod file or a timm/DeiT
-    state dict file that has one, or timm's pretrained head where it has that many classes)."""
+    """Whether the run's starting weights bring a classifier for ``num_classes`` classes (an amod file that has
+    one, or timm's pretrained head where it has that many classes; a state dict file says so as it loads:
+    ``_from_weights_file``)."""
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
-        if _is_amod_file(path):
-            return skeleton_of_file(path).num_classes == num_classes
-        head = load_state_dict_file(path).get("head.weight")
-        return head is not None and head.ndim == 2 and head.shape[0] == num_classes
+        return _is_amod_file(path) and skeleton_of_file(path).num_classes == num_classes
     if cfg.pretrained:
         pretrained = timm.models.get_pretrained_cfg(cfg.model)
         return pretrained is not None and pretrained.num_classes == num_classes
