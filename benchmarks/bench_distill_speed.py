@@ -36,7 +36,7 @@ MODES = ("plain", "live teacher", "kept outputs")
 def main() -> None:
     ensure_tunables()
     args = training_speed_args(__doc__, rounds=10, warmup=2, out="benchmarks/results/distill_speed.json",
-                               costs=2).parse_args()
+                               several_costs=True).parse_args()
 
     dense = build(args.checkpoint, args.img_size)
     methods = {"dense": Dense()}
