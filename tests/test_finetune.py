@@ -14,7 +14,9 @@ import torch
 
 import amod
 from amod.cli import main as amod_main
-from amod.experiments.finetune import ARMS, FinetuneConfig, EvalRows, pack, plan, unpack, with_probe_head
+from amod.experiments.finetune import with_probe_head
+from amod.experiments.finetune_plan import ARMS, FinetuneConfig, plan
+from amod.experiments.finetune_rows import EvalRows, pack, unpack
 from amod.experiments.probe import fit_probe
 from amod.methods import Dense, MoD
 

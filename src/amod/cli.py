@@ -26,7 +26,8 @@ from .experiments.toy_demo import run_toy_demo
 from .experiments.evaluate import EvalConfig, evaluate_checkpoint
 from .experiments.export import export_checkpoint
 from .experiments.study import StudyConfig, run_study
-from .experiments.finetune import FinetuneConfig, run_finetune_study
+from .experiments.finetune import run_finetune_study
+from .experiments.finetune_plan import FinetuneConfig
 from .train.distill import Distillation
 from .experiments.frontier import FrontierConfig, run_frontier
 from .experiments.calibration import CalibrateConfig, run_calibrate

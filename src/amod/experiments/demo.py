@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 
 from ..files import write_json, write_text
-from .finetune import (ARMS, DENSE, REFERENCE, FinetuneConfig, Planned, finetune_run, label, plan, prepare,
-                       speeds_of, zero_training)
+from .finetune import finetune_run, prepare, speeds_of, zero_training
+from .finetune_plan import ARMS, DENSE, REFERENCE, FinetuneConfig, Planned, label, plan
 from .presets import run_in_directory
 
 log = logging.getLogger("amod")

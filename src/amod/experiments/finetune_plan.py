@@ -1,0 +1,274 @@
+"""The finetune study's arms, settings and plan: what ``amod study --checkpoint`` runs at each cost
+(``ARMS``, ``FinetuneConfig``) and each arm's matched setting (``plan``). Running them is ``finetune``; the
+report is ``finetune_report``."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+from torch import nn
+
+from ..cost import flops, validate_cost
+from ..families import skeleton
+from ..methods import Dense, IsoFLOP, Method, MoD, TokenMerging
+from ..train.distill import Distillation
+
+if TYPE_CHECKING:
+    from .finetune_rows import EvalRows
+
+COST_TOLERANCE = 0.02  # a method further than this from the target cost is named in the report
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method of the study. ``method`` is set to each cost by ``at_cost``; ``isoflop_of`` names the
+    arm whose MoD setup the isoFLOP baseline matches; ``every_block_below`` lets a bypass MoD arm that
+    cannot reach a cost on alternate blocks place MoD on every block after the first instead.
+
+    ``calibrated``: the fold schedule at each cost is ``amod.calibrate``'s choice on unlabeled training images
+    (nothing protected). ``distill``: trained against the study's dense teacher (``FinetuneConfig.distillation``).
+    ``any_cost``: one model per seed, trained at a cost drawn per step from this range (``amod.train.any_cost``)
+    and evaluated at each study cost. ``steps``: its own schedule length (the long runs). ``best_of``: a long
+    run of whichever of these arms has the best mean finetuned accuracy at the cost when it starts. ``only_costs``,
+    ``only_seeds``: run at these costs, on the first seeds, only."""
+
+    name: str
+    method: Optional[Method]  # None: set by ``best_of`` when the run is planned
+    isoflop_of: Optional[str] = None
+    every_block_below: bool = False
+    calibrated: bool = False
+    distill: bool = False
+    any_cost: Optional[tuple[float, float]] = None
+    steps: Optional[int] = None
+    best_of: tuple[str, ...] = ()
+    only_costs: Optional[tuple[float, ...]] = None
+    only_seeds: Optional[int] = None
+    counterpart: Optional[str] = None  # the arm the report compares it with (without distillation, per cost, short)
+
+
+REFERENCE = "A-MoD (paper)"
+DENSE = "dense"
+CALIBRATED = "calibrated, nothing protected"
+ANY_COST = "any-cost A-MoD fold + distillation"
+LONG_STEPS = 1024
+CALIBRATION_IMAGES = 256  # the first of the probe's training images (labels unread)
+ARMS = (
+    Arm(DENSE, Dense()),
+    Arm(REFERENCE, MoD(router="attention", scale_output=False), every_block_below=True),
+    Arm("standard MoD", MoD(router="standard", scale_output=True), every_block_below=True),
+    Arm("A-MoD scaled", MoD(router="attention", scale_output=True), every_block_below=True),
+    Arm("standard MoD unscaled (STE)", MoD(router="standard", scale_output=False), every_block_below=True),
+    Arm("random", MoD(router="random", scale_output=False), every_block_below=True),
+    Arm("isoFLOP dense", IsoFLOP(), isoflop_of=REFERENCE),
+    Arm("ToMe", TokenMerging()),
+    Arm("A-MoD fold", MoD(skipped="fold")),
+    # the frontier's best zero-training mode: fold on the schedule amod.calibrate picks, nothing protected
+    Arm(CALIBRATED, MoD(skipped="fold", protect=0.0), calibrated=True),
+    # with distillation from the dense teacher
+    Arm("A-MoD fold + distillation", MoD(skipped="fold"), distill=True, counterpart="A-MoD fold"),
+    Arm("ToMe + distillation", TokenMerging(), distill=True, counterpart="ToMe"),
+    Arm(f"{CALIBRATED} + distillation", MoD(skipped="fold", protect=0.0), calibrated=True, distill=True,
+        counterpart=CALIBRATED),
+    Arm(f"{REFERENCE} + distillation", MoD(router="attention", scale_output=False), every_block_below=True,
+        distill=True, counterpart=REFERENCE),
+    # one finetune that serves every cost
+    Arm(ANY_COST, MoD(skipped="fold"), distill=True, any_cost=(0.35, 0.9), counterpart="A-MoD fold + distillation"),
+    # the 4x longer schedule, one seed
+    Arm(f"{DENSE}, {LONG_STEPS} steps", Dense(), steps=LONG_STEPS, only_seeds=1, counterpart=DENSE),
+    Arm(f"best distilled, {LONG_STEPS} steps", None, steps=LONG_STEPS, only_seeds=1,
+        best_of=("A-MoD fold + distillation", "ToMe + distillation", f"{CALIBRATED} + distillation")),
+    Arm(f"{REFERENCE}, {LONG_STEPS} steps", MoD(router="attention", scale_output=False), every_block_below=True,
+        steps=LONG_STEPS, only_seeds=1, only_costs=(0.56,), counterpart=REFERENCE),
+)
+TEACHER = "dense (teacher)"  # the dense run of seed 0 again, its final weights kept: the distilled arms' teacher
+
+
+@dataclass
+class FinetuneConfig:
+    checkpoint: str
+    out: str = "runs/finetune"
+    data: str = "fashion-mnist"
+    img_size: int = 112
+    costs: tuple[float, ...] = (0.56, 0.40)
+    seeds: int = 3
+    steps: int = 256
+    batch_size: int = 32
+    lr: float = 3e-5
+    weight_decay: float = 0.05
+    warmup: float = 0.1  # share of the steps
+    eval_at: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)  # shares of the steps (step 0 is always evaluated)
+    eval_images: int = 2000
+    probe_train: int = 3000
+    amp: str = "off"  # fp32: bf16 autocast is ~20x slower than fp32 on a CPU without bf16 instructions (AVX2)
+    fp32_check: bool = True  # with amp bf16: also finetune dense in fp32 once (seed 0) to check that bf16 is close
+    arms: tuple[Arm, ...] = field(default=ARMS)
+    speed_batch: int = 32
+    speed_repeats: int = 5
+    report_only: bool = False  # write the report from the finished evaluations; train nothing
+    # the distilled arms: the loss's weights, and the teacher (None: the study's dense run of seed 0, kept)
+    distillation: Distillation = field(default_factory=Distillation)
+    teacher: Optional[str] = None
+
+    def only(self, names: Optional[list[str]]) -> "FinetuneConfig":
+        """The same study restricted to the named arms (dense and the reference are always kept)."""
+        if not names:
+            return self
+        known = [a.name for a in self.arms]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
+        keep = set(names) | {DENSE, REFERENCE}
+        while True:  # and what the named arms are compared with or chosen from
+            more = {n for a in self.arms if a.name in keep for n in (a.counterpart, *a.best_of) if n} - keep
+            if not more:
+                break
+            keep |= more
+        return dataclasses.replace(self, arms=tuple(a for a in self.arms if a.name in keep))
+
+    def validate(self) -> "FinetuneConfig":
+        if not self.costs:
+            raise ValueError("give at least one --cost")
+        for cost in self.costs:
+            validate_cost(cost, "--cost")
+        for name in ("seeds", "steps", "batch_size", "eval_images", "probe_train", "img_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not self.eval_at or any(not 0 < f <= 1 for f in self.eval_at):
+            raise ValueError(f"evaluation points are shares of the steps in (0, 1], got {self.eval_at}")
+        if self.amp not in ("off", "bf16"):
+            raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        self.distillation.validate()
+        if self.teacher is not None and not Path(self.teacher).expanduser().is_file():
+            raise FileNotFoundError(f"no teacher at {self.teacher}: give a dense model file with the probe's classes "
+                                    "(or leave --teacher out: the study finetunes its own)")
+        return self
+
+    def eval_steps(self, steps: Optional[int] = None) -> list[int]:
+        """The steps after which a run of ``steps`` (default the study's) is evaluated (besides step 0), ascending,
+        the last one the end; a longer run is also evaluated where the study's runs are."""
+        steps = steps or self.steps
+        at = {max(1, math.ceil(f * steps)) for f in self.eval_at} | {steps}
+        if steps > self.steps:
+            at |= set(self.eval_steps())
+        return sorted(at)
+
+    def fingerprint(self, checkpoint_digest: str) -> str:
+        """What a run's rows depend on besides (seed, cost, arm, amp): rows of another fingerprint are not reused."""
+        fields = [checkpoint_digest, self.data, self.img_size, self.steps, self.batch_size, self.lr,
+                  self.weight_decay, self.warmup, self.eval_images, self.probe_train]
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One (cost, arm) of the study at its matched setting."""
+
+    arm: Arm
+    cost_target: float  # 1.0 for dense
+    method: Method
+    cost: float  # what it reaches, as a share of dense MACs
+    depth: int  # the backbone's blocks
+    note: str = ""
+
+    @property
+    def setting(self) -> str:
+        """What the method runs, in words: its blocks, capacity or merge schedule."""
+        m = self.method
+        if isinstance(m, Dense):
+            return f"all {self.depth} blocks"
+        if isinstance(m, TokenMerging):
+            return f"r = {list(m.r)}"
+        if isinstance(m, IsoFLOP):
+            return f"isoFLOP of C = {m.capacity:.3f}"
+        layers = list(m.layers or [])
+        contiguous = len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1))
+        text = f"C = {m.capacity:.3f}, blocks {f'{layers[0]}–{layers[-1]}' if contiguous else layers}"
+        return text if m.skipped == "bypass" else f"{text}, {m.skipped}"
+
+
+def share_of_dense(method: Method, dense: nn.Module) -> float:
+    """``method``'s MACs over the dense model's (an isoFLOP model is dense in itself: its ``ratio`` is 1)."""
+    return flops(method.apply(skeleton(dense))).macs / flops(dense).macs
+
+
+def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[float], Method]] = None,
+         rows: Optional["EvalRows"] = None) -> list[Planned]:
+    """Every (cost, arm) at its matched setting: dense once, then each cost's reduced arms in order.
+
+    ``calibrated(cost)``: the calibrated arms' method at a cost (required when the study has one). A long run of
+    the best arm (``Arm.best_of``) is planned once ``rows`` hold a finished run of one of its candidates."""
+    depth = len(model.blocks)
+    planned: list[Planned] = []
+    for arm in cfg.arms:
+        if arm.method == Dense():
+            planned.append(Planned(arm, 1.0, Dense(), 1.0, depth))
+    for cost in cfg.costs:
+        resolved: dict[str, Method] = {}
+        for arm in cfg.arms:
+            if arm.method == Dense() or (arm.only_costs and cost not in arm.only_costs):
+                continue
+            if arm.best_of:
+                best = _best_of(cfg, arm, cost, planned, rows)
+                if best is not None:
+                    planned.append(best)
+                continue
+            note = ""
+            if arm.isoflop_of is not None:
+                ref = resolved[arm.isoflop_of]
+                method = IsoFLOP(router=ref.router, capacity=ref.capacity, layers=ref.layers)
+            elif arm.calibrated:
+                if calibrated is None:
+                    raise ValueError(f"{arm.name} needs calibration images to be planned")
+                method = calibrated(cost)
+            else:
+                method = arm.method.at_cost(model, cost)
+                reached = share_of_dense(method, model)
+                if arm.every_block_below and abs(reached - cost) / cost > COST_TOLERANCE:
+                    wider = dataclasses.replace(arm.method, layers=tuple(range(1, depth))).at_cost(model, cost)
+                    if abs(share_of_dense(wider, model) - cost) < abs(reached - cost):
+                        method = wider
+                        note = f"alternate blocks reach {reached:.3f} at best: MoD on blocks 1–{depth - 1}"
+            resolved[arm.name] = method
+            reached = share_of_dense(method, model)
+            if abs(reached - cost) / cost > COST_TOLERANCE and not note:
+                note = f"closest cost it reaches is {reached:.3f}"
+            planned.append(Planned(arm, cost, method, reached, depth, note))
+    return planned
+
+
+def _best_of(cfg: FinetuneConfig, arm: Arm, cost: float, planned: list[Planned], rows: Optional["EvalRows"]
+             ) -> Optional[Planned]:
+    """The long run of ``arm.best_of``'s best at ``cost``: the one its rows name once it has started, else the
+    candidate with the best mean finetuned accuracy over its finished seeds; None while none has finished."""
+    if rows is None:
+        return None
+    candidates = {p.arm.name: p for p in planned if p.cost_target == cost and p.arm.name in arm.best_of}
+    started = next((r.get("of") for r in rows.rows.values() if r["method"] == arm.name
+                    and round(r["cost_target"], 6) == round(cost, 6) and r.get("of") in candidates), None)
+    if started is None:
+        means = {}
+        for name in candidates:
+            finals = [r["top1"] for s in range(cfg.seeds) if (r := rows.get(s, cost, name, cfg.amp, cfg.steps))]
+            if finals:
+                means[name] = float(np.mean(finals))
+        if not means:
+            return None
+        started = max(means, key=means.get)
+    chosen = candidates[started]
+    long_arm = dataclasses.replace(chosen.arm, name=arm.name, steps=arm.steps, only_seeds=arm.only_seeds,
+                                   best_of=(started,), counterpart=started)
+    return dataclasses.replace(chosen, arm=long_arm, note=f"the best distilled at {cost:g} after {cfg.steps} steps: "
+                                                          f"{started}")
+
+
+def label(p: Planned) -> str:
+    return p.arm.name if p.arm.name == DENSE else f"{p.arm.name} @ {p.cost_target:g}"
