@@ -35,8 +35,8 @@ class Arm:
     (nothing protected). ``distill``: trained against the study's dense teacher (``FinetuneConfig.distillation``).
     ``any_cost``: one model per seed, trained at a cost drawn per step from this range (``amod.train.any_cost``)
     and evaluated at each study cost. ``steps``: its own schedule length (the long runs). ``best_of``: a long
-    run of whichever of these arms has the best mean finetuned accuracy at the cost when it starts. ``only_costs``,
-    ``only_seeds``: run at these costs, on the first seeds, only."""
+    run of whichever of these arms has the best mean finetuned accuracy at the cost when it starts.
+    ``only_seeds``: run on the first seeds only."""
 
     name: str
     method: Optional[Method]  # None: set by ``best_of`` when the run is planned
@@ -47,7 +47,6 @@ class Arm:
     any_cost: Optional[tuple[float, float]] = None
     steps: Optional[int] = None
     best_of: tuple[str, ...] = ()
-    only_costs: Optional[tuple[float, ...]] = None
     only_seeds: Optional[int] = None
     counterpart: Optional[str] = None  # the arm the report compares it with (without distillation, per cost, short)
 
@@ -84,7 +83,7 @@ ARMS = (
     Arm(f"best distilled, {LONG_STEPS} steps", None, steps=LONG_STEPS, only_seeds=1,
         best_of=("A-MoD fold + distillation", "ToMe + distillation", f"{CALIBRATED} + distillation")),
     Arm(f"{REFERENCE}, {LONG_STEPS} steps", MoD(router="attention", scale_output=False), every_block_below=True,
-        steps=LONG_STEPS, only_seeds=1, only_costs=(0.56,), counterpart=REFERENCE),
+        steps=LONG_STEPS, only_seeds=1, counterpart=REFERENCE),
 )
 TEACHER = "dense (teacher)"  # the dense run of seed 0 again, its final weights kept: the distilled arms' teacher
 
@@ -214,7 +213,7 @@ def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[f
     for cost in cfg.costs:
         resolved: dict[str, Method] = {}
         for arm in cfg.arms:
-            if arm.method == Dense() or (arm.only_costs and cost not in arm.only_costs):
+            if arm.method == Dense():
                 continue
             if arm.best_of:
                 best = _best_of(cfg, arm, cost, planned, rows)
