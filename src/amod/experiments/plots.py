@@ -123,6 +123,15 @@ def accuracy_vs_steps(curves: dict[str, tuple[Sequence[float], Sequence[float]]]
             colours[name] = palette[len(colours) % len(palette)]
         ax.plot(xs, [100 * a for a in acc], marker="o", markersize=3.5, color=colours[base], linestyle=style,
                 label=name)
+    steps = sorted({int(x) for xs, _ in curves.values() for x in xs})
+    positive = [x for x in steps if x > 0]
+    if positive and positive[-1] >= 8 * positive[0]:
+        # Evaluation steps double (32, 64, ..., 1024): a log axis gives each the same room, so the short runs are not
+        # squeezed into the left quarter by the long ones; symlog keeps step 0 (zero-training) on the axis.
+        ax.set_xscale("symlog", linthresh=positive[0], linscale=0.5)
+        ax.set_xticks(steps)
+        ax.set_xticklabels([str(x) for x in steps])
+        ax.minorticks_off()
     ax.set_xlabel("finetuning step (0 = zero-training)")
     ax.set_ylabel("val top-1 (%)")
     ax.set_title(title)
