@@ -95,6 +95,8 @@ def _pct(v: Optional[float]) -> str:
 def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: list[Planned], rows: EvalRows,
                  speeds: dict[str, float], n_test: int, probe: LinearProbe) -> Path:
     table = summarise(cfg, planned, rows, n_test)
+    dense_rows = [r for r in table if r["method"] == DENSE and r["cost_target"] == 1.0 and r["final_mean_std"]]
+    target = dense_rows[0]["final_mean_std"][0] - 0.01 if dense_rows else None
     precision = [(p, rows.get(0, p.cost_target, p.arm.name, "off", cfg.steps),
                   rows.get(0, p.cost_target, p.arm.name, "bf16", cfg.steps)) for p in planned]
     precision = [(p, fp32, bf16) for p, fp32, bf16 in precision if fp32 and bf16]  # seed 0 finished in both
@@ -157,7 +159,9 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
     lines += [""] + [f"![curves at {p.stem}]({p.name})" for p in curves_png]
     lines += ["", f"images/s: inference at batch {cfg.speed_batch}, every architecture interleaved in one process, "
                   f"median of {cfg.speed_repeats}. Steps to target: the first evaluation step at which the seed-mean "
-                  "accuracy reaches the finetuned dense model's mean − 1 point."]
+                  f"accuracy reaches the finetuned dense model's mean after {cfg.steps} steps − 1 point"
+                  f"{'' if target is None else f' ({100 * target:.2f} %)'}, one target for every row, long runs "
+                  "included (a long run's schedule spans its own steps, so its step 256 is not a short run's end)."]
     report = root / "finetune.md"
     write_text(report, "\n".join(lines) + "\n")
     write_json(root / "finetune.json", {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "arms"},
