@@ -55,8 +55,6 @@ def summarise(cfg: FinetuneConfig, planned: list[Planned], rows: EvalRows, n_tes
             name = q.arm.counterpart if q is not None and q.arm.counterpart != name else None
         return None
 
-    dense_seeds = finished(DENSE, 1.0)
-    target = finals(DENSE, 1.0, dense_seeds).mean() - 0.01 if dense_seeds else None
     long_dense = f"{DENSE}, {LONG_STEPS} steps"
     out = []
     for p in planned:
@@ -75,17 +73,26 @@ def summarise(cfg: FinetuneConfig, planned: list[Planned], rows: EvalRows, n_tes
         vs_dense = None if is_dense and not p.arm.steps else against(name, cost, dense_name, 1.0)
         counterpart = p.arm.counterpart
         vs_counterpart = against(name, cost, counterpart, 1.0 if is_dense else cost) if counterpart else None
-        to_target = None
-        if target is not None and None not in curve[1:] and seeds:
-            to_target = next((s for s, a in zip(steps, curve) if a is not None and a >= target), "not reached")
         out.append({"method": name, "cost_target": cost, "cost": p.cost, "setting": p.setting,
                     "note": p.note, "zero_top1": zero["top1"] if zero else None, "steps": steps, "curve": curve,
                     "finals": None if accs is None else accs.tolist(),
                     "final_mean_std": None if accs is None else mean_std(accs), "seeds_done": len(seeds),
                     "seeds_planned": p.arm.only_seeds or cfg.seeds, "vs_reference": vs_ref, "vs_dense": vs_dense,
-                    "counterpart": counterpart, "vs_counterpart": vs_counterpart, "steps_to_target": to_target,
+                    "counterpart": counterpart, "vs_counterpart": vs_counterpart, "steps_to_target": None,
                     "distilled": p.arm.distill, "train_steps": p.arm.steps or cfg.steps})
+    target = steps_target(out)
+    for r in out:
+        if target is not None and None not in r["curve"][1:] and r["seeds_done"]:
+            r["steps_to_target"] = next((s for s, a in zip(r["steps"], r["curve"]) if a is not None and a >= target),
+                                       "not reached")
     return out
+
+
+def steps_target(table: list[dict[str, Any]]) -> Optional[float]:
+    """The accuracy every row's "steps to dense − 1 point" counts to: the short finetuned dense mean − 1 point (one
+    target for every row, long runs included); None until a dense run has finished."""
+    dense = next((r for r in table if r["method"] == DENSE and r["cost_target"] == 1.0 and r["final_mean_std"]), None)
+    return None if dense is None else dense["final_mean_std"][0] - 0.01
 
 
 def _pct(v: Optional[float]) -> str:
@@ -95,8 +102,7 @@ def _pct(v: Optional[float]) -> str:
 def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: list[Planned], rows: EvalRows,
                  speeds: dict[str, float], n_test: int, probe: LinearProbe) -> Path:
     table = summarise(cfg, planned, rows, n_test)
-    dense_rows = [r for r in table if r["method"] == DENSE and r["cost_target"] == 1.0 and r["final_mean_std"]]
-    target = dense_rows[0]["final_mean_std"][0] - 0.01 if dense_rows else None
+    target = steps_target(table)
     precision = [(p, rows.get(0, p.cost_target, p.arm.name, "off", cfg.steps),
                   rows.get(0, p.cost_target, p.arm.name, "bf16", cfg.steps)) for p in planned]
     precision = [(p, fp32, bf16) for p, fp32, bf16 in precision if fp32 and bf16]  # seed 0 finished in both
@@ -161,7 +167,8 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
                   f"median of {cfg.speed_repeats}. Steps to target: the first evaluation step at which the seed-mean "
                   f"accuracy reaches the finetuned dense model's mean after {cfg.steps} steps − 1 point"
                   f"{'' if target is None else f' ({100 * target:.2f} %)'}, one target for every row, long runs "
-                  "included (a long run's schedule spans its own steps, so its step 256 is not a short run's end)."]
+                  f"included (a long run's schedule spans its own steps, so its step {cfg.steps} is not a short "
+                  "run's end)."]
     report = root / "finetune.md"
     write_text(report, "\n".join(lines) + "\n")
     write_json(root / "finetune.json", {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "arms"},
