@@ -40,6 +40,29 @@ def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
     return x.reshape(B * N, D).index_copy(0, flat_index(index, N), values.reshape(-1, D)).view(B, N, D)
 
 
+# ---------------------------------------------------------------- ranking
+
+def descending_order(scores: torch.Tensor) -> torch.Tensor:
+    """Indices that order each row of ``scores`` (B, n) from the highest score down, ties broken by position
+    (the lower index first): (B, n) int64.
+
+    A reduced model's output depends on this order (which tokens are protected, merged or kept, and the order of
+    the tokens left), and ties are common: identical background patches score alike, and protected tokens all
+    score -inf in the matching. So every backend must break them the same way: a stable sort in eager PyTorch and
+    under ``torch.compile``; ONNX's TopK in an export (the ONNX exporters have no stable sort, and TopK's
+    specification breaks ties by the lower index, as ONNX Runtime does).
+    """
+    if torch.onnx.is_in_onnx_export():
+        return scores.topk(scores.shape[-1], dim=-1).indices
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k highest scores of each row of ``scores`` (B, n), highest first, ties to the lower
+    position (``descending_order``): (B, k)."""
+    return descending_order(scores)[:, :k]
+
+
 # ---------------------------------------------------------------- sized tokens
 
 class TokenSizes:
@@ -76,7 +99,7 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: Optional[to
     node_max, node_idx = scores.max(dim=-1)
     if protected is not None:
         node_max = node_max.masked_fill(protected[:, ::2], -math.inf)  # a protected A token stays
-    edge_idx = node_max.argsort(dim=-1, descending=True)[..., None]
+    edge_idx = descending_order(node_max)[..., None]  # ties (protected tokens: all -inf) by position
     unmerged, src = edge_idx[:, r:], edge_idx[:, :r]
     dst = node_idx[..., None].gather(1, src)
     return unmerged, src, dst

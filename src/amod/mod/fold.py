@@ -38,7 +38,7 @@ from torch import nn
 
 from ..cost import BlockPrice, flops, token_sizes
 from ..reduce import ALL_ROWS, SizedSettings, SizedTokensBlock
-from ..tokens import TokenSizes, reduce_weighted
+from ..tokens import TokenSizes, reduce_weighted, top_indices
 from .config import MoDConfig
 from .modes import SkippedMode, register_skipped_mode
 from .routers import Router, build_router, router_class
@@ -104,7 +104,7 @@ class FoldBlock(SizedTokensBlock):
         q = protected_count(self.amod.config.protect, x.shape[1] - p)
         protected = None
         if q > 0:
-            top = scores.topk(q, dim=1).indices
+            top = top_indices(scores, q)
             protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
         return reduce_weighted(x, size, metric, r, p, protected=protected)
 

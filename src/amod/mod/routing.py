@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..ops import tracing
+from ..tokens import top_indices
 
 
 def num_kept(capacity: float, num_patches: int) -> int:
@@ -31,8 +32,7 @@ def select_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
     Returns:
         (B, k) int64 indices into the patch tokens, sorted so gathered tokens keep their order.
     """
-    idx = torch.topk(scores, k, dim=1, sorted=False).indices  # (B, k)
-    return idx.sort(dim=1).values
+    return top_indices(scores, k).sort(dim=1).values  # (B, k); equal scores: the lower position is kept
 
 
 def skipped_tokens(patch_idx: torch.Tensor, num_patches: int) -> torch.Tensor:

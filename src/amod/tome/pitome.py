@@ -19,8 +19,8 @@ Where this version differs from the public code (hchautran/PiToMe, ``algo/pitome
   aside the class token only);
 - the energy's cosine matrix is priced in the MACs (``amod.flops``, checked against FlopCounterMode): n² · head_dim
   per merging block, n the patch tokens, where the public FLOP count leaves it out;
-- the energy order is ``torch.topk``'s over all tokens (the public code's ``argsort``; ONNX has TopK, no sort):
-  the two can differ only where two energies are equal.
+- equal energies are ordered by position (``amod.tokens.descending_order``, the same in every backend), where the
+  public code's ``argsort`` leaves their order to the sort.
 
 ``apply(model, keep=0.9)`` or ``apply(model, cost=0.56)`` makes a dense model of any family that takes token
 merging (``amod.families``) merge in place; ``set_keep`` changes the share kept.
@@ -38,7 +38,7 @@ from torch import nn
 from ..cost import BlockPrice, flops, validate_cost
 from ..families import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
-from ..tokens import TokenSizes, flat_index, gather_tokens
+from ..tokens import TokenSizes, descending_order, flat_index, gather_tokens
 from .merging import check_mergeable
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
@@ -73,7 +73,7 @@ def energy_merge(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: i
         m = F.normalize(metric[:, p:].float(), dim=-1)
         sim = m @ m.transpose(-1, -2)  # (B, n, n) cosine similarities of the patch tokens
         energy = F.elu(sim - block_margin, alpha=ALPHA).mean(-1)  # (B, n)
-        order = energy.topk(energy.shape[-1], dim=-1).indices  # highest energy first (topk: ONNX has no sort)
+        order = descending_order(energy)  # highest energy first, ties by position
         a, b, protected = order[:, 0:2 * r:2], order[:, 1:2 * r:2], order[:, 2 * r:]
         n = sim.shape[-1]
         sim_ab = sim.gather(1, a.unsqueeze(-1).expand(B, r, n)).gather(2, b.unsqueeze(1).expand(B, r, r))
