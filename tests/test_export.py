@@ -299,6 +299,32 @@ def test_inductor_compiles_amod_and_matches_eager():
         assert (compiled(x) - model(x)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("method", ["fold", "mod", "pitome"])
+def test_a_dial_turned_after_compiling_recompiles_with_constants_not_symbols(method):
+    """amod.set_capacity (amod.pitome.set_keep) on a compiled model: the next call recompiles with the new setting as
+    a constant. A symbolic capacity made dynamo reason about nested ceilings for over 10 minutes on a 12-block fold
+    model; here every graph's inputs are tensors only, and the outputs follow the dial."""
+    model = make_model("vit", depth=2)
+    model = amod.pitome.apply(model, keep=0.8) if method == "pitome" else \
+        amod.convert(model, capacity=0.8, **({"skipped": "fold", "protect": 0.0} if method == "fold" else {}))
+    turn = (lambda v: amod.pitome.set_keep(model, v)) if method == "pitome" else \
+        (lambda v: amod.set_capacity(model, v))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([type(v).__name__ for v in example_inputs if not isinstance(v, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = images(model, 2)
+    with torch.no_grad():
+        for value in (0.8, 0.6, 0.9):
+            turn(value)
+            assert (compiled(x) - model(x)).abs().max() < 1e-5
+    assert len(graphs) == 3 and graphs == [[], [], []]  # one graph per setting, no symbolic number among the inputs
+
+
 def test_bench_compile_times_compiled_and_eager(monkeypatch):
     small_bench_models(monkeypatch)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))

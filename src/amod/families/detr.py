@@ -145,7 +145,7 @@ class DetrMoDLayer(RoutedForward):
     def _route(self, x: torch.Tensor, scores_in: Optional[torch.Tensor], draws: Optional[int], replay: bool,
                pos: Optional[torch.Tensor], kwargs: dict) -> torch.Tensor:
         B, N, D = x.shape
-        k = num_kept(self.amod.config.capacity, N)
+        k = num_kept(self.amod.config.static("capacity"), N)  # (a compile-time constant: amod.static)
         if k == N and not self._gated:  # every position processed: the layer as it was
             if not replay:
                 self._record(torch.arange(N, device=x.device).expand(B, N))

@@ -211,7 +211,7 @@ class MoDBlock(RoutedForward, Block):
         B, N, D = x.shape
         p = self.amod.num_prefix
         n = N - p
-        k = num_kept(self.amod.config.capacity, n)
+        k = num_kept(self.amod.config.static("capacity"), n)  # (a compile-time constant: amod.static)
         if k == n and not self._gated:  # capacity 1.0: every token is processed, nothing to route
             self._publish_scores(prev_scores, None, N)
             if not replay:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..static import StaticNumbers
 from .modes import skipped_mode, skipped_mode_names
 from .routers import ROUTER_CLASSES, router_class
 
@@ -15,10 +16,11 @@ DEFAULT_PROTECT = 0.25  # fold: share of a block's patch tokens the router prote
 
 
 @dataclass
-class MoDConfig:
+class MoDConfig(StaticNumbers):
     """How a ViT was converted to Mixture-of-Depths.
 
-    Stored on the converted model (``model.amod_config``) and inside every checkpoint.
+    Stored on the converted model (``model.amod_config``) and inside every checkpoint. A forward reads its numbers
+    with ``static(name)`` (``amod.static``: a changed capacity recompiles a compiled model quickly).
     """
 
     router: str = "attention"  # which router ranks tokens: one of ROUTERS

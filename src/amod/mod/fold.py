@@ -93,15 +93,16 @@ class FoldBlock(SizedTokensBlock):
     def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
         if not self.amod.fold:
             return 0
-        config = self.amod.config
-        capacity = block_capacity(config.capacity if capacity is None else capacity, config.shape, self.amod.index)
-        return fold_count(capacity, tokens, config.protect)
+        config = self.amod.config  # (its numbers read as compile-time constants: amod.static)
+        capacity = config.static("capacity") if capacity is None else capacity
+        return fold_count(block_capacity(capacity, config.static("shape"), self.amod.index), tokens,
+                          config.static("protect"))
 
     def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.amod.num_prefix
         scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
-        q = protected_count(self.amod.config.protect, x.shape[1] - p)
+        q = protected_count(self.amod.config.static("protect"), x.shape[1] - p)
         protected = None
         if q > 0:
             top = top_indices(scores, q)
