@@ -9,11 +9,14 @@ import os
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 
 import amod
-from amod.mod.calibrate import COST_TOLERANCE, tilt_shape
+from amod.cost import COST_TOLERANCE
+from amod.experiments.calibration import CalibrateConfig
+from amod.mod.calibrate import tilt_shape
 from amod.mod.fold import fold_count
 from amod.train.config import RunConfig
 from amod.train.models import build_model
@@ -99,8 +102,14 @@ def test_the_cli_writes_a_calibrated_file_that_a_finetune_starts_from(backbone_p
     res = cli_in_process(argv, capsys)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("| chosen |") == 1 and "on 4 fashion-mnist images" in res.stdout
-    config = amod.get_config(amod.load(out))
+    calibrated = amod.load(out)
+    config = amod.get_config(calibrated)
     assert config.skipped == "fold" and config.shape is not None and len(config.shape) == 4
+    # the RGB backbone stays RGB (the gray images were given to it as gray RGB), and the output says so
+    assert calibrated.patch_embed.proj.in_channels == 3 and calibrated.patch_embed.img_size == (28, 28)
+    assert "the saved model keeps its 3 input channels" in res.stdout
+    with torch.no_grad():
+        assert calibrated(torch.randn(2, 3, 28, 28)).shape == (2, 64)
     # a finetune from the file keeps its schedule (the run records it as its settings)
     cfg = RunConfig(checkpoint=str(out), img_size=28).validate()
     model = build_model(cfg, num_classes=10, in_chans=1, img_size=28)
@@ -109,3 +118,63 @@ def test_the_cli_writes_a_calibrated_file_that_a_finetune_starts_from(backbone_p
     again = cli_in_process(["calibrate", "--checkpoint", str(out), "--out", str(tmp_path / "twice.safetensors")],
                            capsys)
     assert again.returncode == 2 and "give a dense one" in again.stderr and again.stderr.count("\n") == 1
+    # an existing --out is refused in one line and left as it is; --force replaces it
+    before = out.read_bytes()
+    res = cli_in_process([*argv[:-4], "--cost", "0.8", "--images", "4"], capsys)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert f"--out {out} already exists; add --force to replace it" in res.stderr and out.read_bytes() == before
+    CalibrateConfig(checkpoint=str(backbone_path), out=str(out), force=True).validate()  # (--force: taken)
+
+
+def test_hugging_face_models_calibrate_and_detr_gets_folds_refusal():
+    """amod.calibrate takes the families amod.convert(skipped="fold") takes, Hugging Face ones included, and
+    refuses in one line what fold refuses (DETR, whose decoder reads every encoder position)."""
+    transformers = pytest.importorskip("transformers")
+    from amod.detect.models import small_detr
+    from amod.hf import from_timm
+
+    tm = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=56, patch_size=7, depth=4,
+                           embed_dim=64, num_heads=2, num_classes=0).eval()
+    for name in ("Dinov2Model", "ViTModel"):
+        hf = from_timm(tm, name) if name == "Dinov2Model" else transformers.ViTModel(transformers.ViTConfig(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=2, intermediate_size=128, image_size=56,
+            patch_size=7)).eval()
+        x = torch.randn(4, 3, 56, 56, generator=torch.Generator().manual_seed(0))
+        amod.calibrate(hf, x, cost=0.6, tilts=(0.0, 1.0), protects=(0.0,))
+        assert amod.get_config(hf).skipped == "fold" and abs(amod.flops(hf).ratio - 0.6) <= COST_TOLERANCE * 0.6
+        with torch.no_grad():
+            assert torch.isfinite(hf(pixel_values=x).last_hidden_state).all()
+    detr = small_detr(d_model=64, ffn=128, heads=4, encoder_layers=2, decoder_layers=1, num_queries=4).eval()
+    with pytest.raises(ValueError, match="decoder reads every position"):
+        amod.calibrate(detr, torch.rand(2, 3, 64, 64))
+    assert getattr(detr, "amod_config", None) is None
+
+
+def test_calibrate_refuses_what_it_cannot_do_before_any_work():
+    """A cost no schedule reaches names the lowest one; the grid and the images are checked in one line each; a
+    refused call leaves the model dense. (PiToMe at an unreachable cost is refused the same way.)"""
+    model = make_model("vit", depth=4, img_size=64)
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    cases = [
+        (dict(cost=0.05), r"no schedule tried reaches cost 0.05 .* the lowest is 0\.\d+ \(tilt"),
+        (dict(cost=0.5, protects=(0.9,)), r"the lowest is 1\.000 \(tilt \+0, protect 0.9\).* or a lower protect"),
+        (dict(tilts=(float("nan"),)), "a tilt must be a finite number"),
+        (dict(tilts=()), "tilts must be a non-empty list"),
+        (dict(batch_size=0), "batch_size must be a positive integer, got 0"),
+        (dict(images=x[:, :, :32]), r"images are 3x32x64 \(C x H x W\); the model takes 3x64x64"),
+        (dict(images=x[:, :1]), r"the model takes 3x64x64"),
+        (dict(images=(x * 50).to(torch.uint8)), "images must be floating-point tensors"),
+        (dict(images=x.masked_fill(x > 2.5, float("nan"))), "images hold NaN or infinite values"),
+    ]
+    for kwargs, message in cases:
+        kwargs = {"images": x, "tilts": (0.0,), "protects": (0.0,), "cost": 0.6, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            amod.calibrate(model, **kwargs)
+        assert getattr(model, "amod_config", None) is None and type(model.blocks[0]).__name__ == "Block"
+    # images of another float dtype are taken as the model's
+    amod.calibrate(model, x.double(), cost=0.6, tilts=(0.0,), protects=(0.0,))
+    assert amod.get_config(model).skipped == "fold"
+    dense = make_model("vit", depth=4, img_size=64)
+    with pytest.raises(ValueError, match=r"PiToMe cannot reach 0.100 of dense on this model: the closest keep, 0.5"):
+        amod.pitome.apply(dense, cost=0.1)
+    assert getattr(dense, "amod_pitome", None) is None and type(dense.blocks[0]).__name__ == "Block"

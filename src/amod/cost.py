@@ -72,6 +72,9 @@ class CostReport(MacsRatios):
     blocks: list[BlockCost] = field(default_factory=list)
 
 
+COST_TOLERANCE = 0.02  # a method set "to a cost" must come this close to it (relative), or it is refused
+
+
 def validate_cost(cost: Any, name: str = "cost") -> float:
     """Return ``cost`` (a share of the dense model's MACs) as a float in (0, 1], or raise a ValueError."""
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or math.isnan(cost) or not 0.0 < cost <= 1.0:

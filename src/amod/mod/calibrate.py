@@ -11,8 +11,8 @@ stay closest to the dense model's on those images.
 - With each tilt, A-MoD's protection is tried too (``protects``: the share of each block's patch tokens the
   attention router keeps from folding; 0 folds by similarity alone).
 - Fidelity: the mean cosine similarity between the candidate's and the dense model's features (the class token
-  after the final norm, what a head or a linear probe reads) on the images. The most faithful candidate whose cost
-  is within 2 % of the target wins; ties go to the earlier candidate.
+  after the final norm, what a head or a linear probe reads) on the images. Only candidates whose cost comes within
+  2 % of the target (``amod.cost.COST_TOLERANCE``) are run; the most faithful wins, ties going to the earlier one.
 
 Equal MACs is taken as equal time: on the CPU (batch 32) fold models of one cost with different schedules run at
 the same speed within the timing noise (``benchmarks/bench_schedules.py``).
@@ -28,13 +28,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cost import flops, validate_cost
+from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..families import family_of
 from .config import validate_protect
 from .convert import capacity_for_cost, convert, get_config
@@ -43,7 +43,6 @@ log = logging.getLogger("amod")
 
 DEFAULT_TILTS = (-2.0, -1.0, 0.0, 1.0)
 DEFAULT_PROTECTS = (0.0, 0.1, 0.25)
-COST_TOLERANCE = 0.02  # a candidate whose closest cost misses the target by more (relative) is not chosen
 
 
 def tilt_shape(tilt: float, depth: int) -> list[float]:
@@ -90,59 +89,108 @@ def _features(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.
     return torch.cat(out)
 
 
+def _validate_tilts(tilts: Sequence[float]) -> list[float]:
+    if isinstance(tilts, (str, bytes)) or not isinstance(tilts, Sequence) or not tilts:
+        raise ValueError(f"tilts must be a non-empty list of numbers, got {tilts!r}")
+    for t in tilts:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+            raise ValueError(f"a tilt must be a finite number (the schedule's slope over the blocks), got {t!r}")
+    return [float(t) for t in tilts]
+
+
+def _validate_images(model: nn.Module, images: Any) -> torch.Tensor:
+    """``images`` as the model takes them (its device and float dtype), or a ValueError that says what it takes."""
+    channels, (h, w) = model.patch_embed.proj.in_channels, tuple(model.patch_embed.img_size)
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or len(images) < 1:
+        raise ValueError(f"images must be a (N, C, H, W) tensor of at least one image, got "
+                         f"{type(images).__name__}{'' if not isinstance(images, torch.Tensor) else tuple(images.shape)}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be floating-point tensors, preprocessed (normalised) as for the model, got "
+                         f"{images.dtype}")
+    if tuple(images.shape[1:]) != (channels, h, w):
+        raise ValueError(f"images are {'x'.join(map(str, images.shape[1:]))} (C x H x W); the model takes "
+                         f"{channels}x{h}x{w}: calibrate at the size the model runs at (amod.arch.set_input_size "
+                         "changes a timm model's)")
+    if not torch.isfinite(images).all():
+        raise ValueError("images hold NaN or infinite values; the calibration compares features on them")
+    weight = next(model.parameters())
+    return images.to(weight.device, weight.dtype)
+
+
 def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router: str = "attention",
               tilts: Sequence[float] = DEFAULT_TILTS, protects: Sequence[float] = DEFAULT_PROTECTS,
               batch_size: int = 64) -> nn.Module:
     """Turn the dense ``model`` into A-MoD fold with the schedule that keeps its features closest on ``images``.
 
     Args:
-        model: a dense model of a family that folds (``amod.convert(..., skipped="fold")`` takes it); converted in
-            place, as ``amod.convert`` does.
+        model: a dense model of a family that folds (``amod.convert(..., skipped="fold")`` takes it: timm ViTs,
+            Hugging Face ViT/DeiT/DINOv2, CLIP and SigLIP vision models); converted in place, as ``amod.convert`` does.
         images: unlabeled images (N, C, H, W) at the size the model will run at, preprocessed as for the model;
             256 are plenty (the candidates are compared on the same images).
         cost: the share of the dense MACs to run at (``amod.flops``).
         router: ``"attention"`` (A-MoD), or a control (``"random"``) whose scores decide what is protected.
-        tilts, protects: the grid tried (see the module docstring).
+        tilts, protects: the grid tried (see the module docstring); a candidate that cannot come within
+            ``COST_TOLERANCE`` of the cost is left out before any image is run.
         batch_size: images per forward.
 
     Returns:
         ``model``, converted, with ``model.amod_calibration`` (a ``Calibration``).
+
+    Raises:
+        ValueError: bad arguments, a converted model, images the model does not take, or a cost no candidate reaches
+            (naming the lowest one that does).
     """
     cost = validate_cost(cost)
-    if not isinstance(images, torch.Tensor) or images.dim() != 4 or len(images) < 1:
-        raise ValueError(f"images must be a (N, C, H, W) tensor of at least one image, got "
-                         f"{type(images).__name__}{'' if not isinstance(images, torch.Tensor) else tuple(images.shape)}")
-    if not tilts or not protects:
-        raise ValueError("give at least one tilt and one protect to try")
+    tilts = _validate_tilts(tilts)
+    if isinstance(protects, (str, bytes)) or not isinstance(protects, Sequence) or not protects:
+        raise ValueError(f"protects must be a non-empty list of shares in [0, 1), got {protects!r}")
     protects = [validate_protect(p) for p in protects]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    family = family_of(model)
+    model = family.prepare(model)  # a Hugging Face model's timm-style views (blocks, patch_embed, ...)
     if getattr(model, "amod_config", None) is not None:
         raise ValueError("calibrate takes a dense model; this one is already converted (amod.set_capacity turns "
                          "a converted model's dial)")
     start = time.perf_counter()
-    was_training = model.training
-    model.eval()
-    depth = family_of(model).layers_count(model)
-    images = images.to(next(model.parameters()).device)
-    reference = _features(model, images, batch_size)
+    depth = family.layers_count(model)
+    # the trial model refuses what cannot fold (a router, a family) before any work
     trial = convert(copy.deepcopy(model), router=router, capacity=1.0, skipped="fold", protect=protects[0],
                     shape=tilt_shape(0.0, depth))
+    images = _validate_images(model, images)
     config = get_config(trial)
-    report = Calibration(cost_target=cost, images=len(images), seconds=0.0)
+    settings = []  # (tilt, protect, capacity, cost) of every candidate, priced analytically
     for tilt in tilts:
         for protect in protects:
             config.shape, config.protect, config.capacity = tilt_shape(tilt, depth), protect, 1.0
             config.capacity = capacity_for_cost(trial, cost)
-            matched = flops(trial).ratio
-            fidelity = F.cosine_similarity(_features(trial, images, batch_size), reference, dim=1).mean().item()
-            report.candidates.append(Candidate(tilt, protect, config.capacity, matched, fidelity))
-            log.info("calibrate: tilt %+g, protect %g: capacity %.3f, cost %.3f, fidelity %.5f", tilt, protect,
-                     config.capacity, matched, fidelity)
+            settings.append((tilt, protect, config.capacity, flops(trial).ratio))
+    reachable = [s for s in settings if abs(s[3] - cost) / cost <= COST_TOLERANCE]
+    if not reachable:
+        low = min(settings, key=lambda s: s[3])
+        h, w = model.patch_embed.img_size
+        raise ValueError(f"no schedule tried reaches cost {cost:g} (within {COST_TOLERANCE:.0%}) on this model at "
+                         f"{h}x{w} px: the lowest is {low[3]:.3f} (tilt {low[0]:+g}, protect {low[1]:g}); ask for a "
+                         "cost of at least that" + (", or a lower protect" if low[1] > 0 else ""))
+    for tilt, protect, capacity, matched in settings:
+        if (tilt, protect, capacity, matched) not in reachable:
+            log.info("calibrate: tilt %+g, protect %g cannot reach cost %g (closest %.3f): not tried", tilt, protect,
+                     cost, matched)
+    was_training = model.training
+    model.eval()
+    reference = _features(model, images, batch_size)
+    if not torch.isfinite(reference).all():
+        raise ValueError("the dense model's features on these images are not finite (NaN or inf): check its weights "
+                         "and the images' preprocessing")
+    report = Calibration(cost_target=cost, images=len(images), seconds=0.0)
+    for tilt, protect, capacity, matched in reachable:
+        config.shape, config.protect, config.capacity = tilt_shape(tilt, depth), protect, capacity
+        fidelity = F.cosine_similarity(_features(trial, images, batch_size), reference, dim=1).mean().item()
+        report.candidates.append(Candidate(tilt, protect, capacity, matched, fidelity))
+        log.info("calibrate: tilt %+g, protect %g: capacity %.3f, cost %.3f, fidelity %.5f", tilt, protect,
+                 capacity, matched, fidelity)
     del trial
-    reachable = [i for i, c in enumerate(report.candidates) if abs(c.cost - cost) / cost <= COST_TOLERANCE]
-    if reachable:
-        report.chosen = max(reachable, key=lambda i: (report.candidates[i].fidelity, -i))
-    else:  # no schedule reaches the cost: the closest one
-        report.chosen = min(range(len(report.candidates)), key=lambda i: abs(report.candidates[i].cost - cost))
+    report.chosen = max(range(len(report.candidates)), key=lambda i: (report.candidates[i].fidelity, -i))
     best = report.best
     convert(model, router=router, capacity=best.capacity, skipped="fold", protect=best.protect,
             shape=tilt_shape(best.tilt, depth))
@@ -152,4 +200,3 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
     log.info("calibrate: chose tilt %+g, protect %g (capacity %.3f, cost %.3f, fidelity %.5f) in %.1f s on %d images",
              best.tilt, best.protect, best.capacity, best.cost, best.fidelity, report.seconds, len(images))
     return model
-

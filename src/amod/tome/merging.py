@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..cost import token_sizes, validate_cost
+from ..cost import COST_TOLERANCE, token_sizes, validate_cost
 from ..families import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
@@ -118,7 +118,7 @@ def _validate_schedule(model: nn.Module, r: Union[int, Sequence[int]]) -> list[i
     return schedule
 
 
-def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float = 0.02) -> list[int]:
+def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float = COST_TOLERANCE) -> list[int]:
     """The merge schedule whose analytic MACs are closest to ``cost`` x dense.
 
     Candidates: a constant r per block, with r + 1 in the first j blocks (ToMe's constant schedule,

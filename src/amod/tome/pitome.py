@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cost import BlockPrice, flops, validate_cost
+from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from ..families import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
+from ..static import StaticNumbers
 from ..tokens import TokenSizes, descending_order, flat_index, gather_tokens
 from .merging import check_mergeable
 
@@ -94,7 +95,7 @@ def energy_merge(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: i
 
 
 @dataclass(kw_only=True)
-class PiToMeSettings(SizedSettings):
+class PiToMeSettings(StaticNumbers, SizedSettings):
     """What a PiToMe block knows besides its weights, beyond every reduction block's ``SizedSettings``."""
 
     keep: float = 1.0  # the share of its patch tokens the block keeps (1: it merges nothing)
@@ -109,7 +110,7 @@ class PiToMeBlock(SizedTokensBlock):
     amod_kind = "PiToMe block"
 
     def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
-        return pitome_count(self.amod.keep, tokens)  # (a capacity does not apply to token merging)
+        return pitome_count(self.amod.static("keep"), tokens)  # (a compile-time constant: amod.static)  # (a capacity does not apply to token merging)
 
     def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,13 +159,14 @@ def apply(model: nn.Module, keep: Optional[float] = None, cost: Optional[float] 
 
 def _merging_blocks(model: nn.Module, keep: Optional[float], cost: Optional[float], family) -> nn.Module:
     check_mergeable(model, family, "PiToMe")
+    if keep is None:  # priced on a weightless copy: a cost PiToMe cannot reach leaves the model as it was
+        keep = keep_for_cost(_merging_blocks(family.prepare(family.skeleton(model)), 1.0, None, family), cost)
     sizes, depth = TokenSizes(), len(model.blocks)
     for i, blk in enumerate(model.blocks):
         family.make_sized(blk, PiToMeBlock, PiToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes,
                                                            first=i == 0, margin=margin(i, depth)))
     model.amod_pitome = PiToMeConfig(keep=1.0)
-    set_keep(model, keep if keep is not None else keep_for_cost(model, cost))
-    return model
+    return set_keep(model, keep)
 
 
 def set_keep(model: nn.Module, keep: float) -> nn.Module:
@@ -181,7 +183,9 @@ def set_keep(model: nn.Module, keep: float) -> nn.Module:
 
 def keep_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
     """The keep, on a grid of 0.001 steps in [0.5, 1], whose MACs are closest to ``cost`` x dense (``model``: a
-    PiToMe model; its own keep is restored). The MACs only grow with keep: a bisection."""
+    PiToMe model; its own keep is restored). The MACs only grow with keep: a bisection. Raises when even the
+    closest misses the cost by more than ``amod.cost.COST_TOLERANCE`` (PiToMe merges at most half of a block's
+    tokens, so its cost has a floor)."""
     cost = validate_cost(cost)
     before = model.amod_pitome.keep
 
@@ -194,6 +198,11 @@ def keep_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if ratio(mid) < cost else (lo, mid)
-        return min((lo, hi), key=lambda k: abs(ratio(k) - cost)) / 1000
+        best = min((lo, hi), key=lambda k: abs(ratio(k) - cost))
+        got = ratio(best)
     finally:
         set_keep(model, before)
+    if abs(got - cost) / cost > COST_TOLERANCE:
+        raise ValueError(f"PiToMe cannot reach {cost:.3f} of dense on this model: the closest keep, {best / 1000:g}, "
+                         f"costs {got:.3f}" + (" (each block merges at most half of its tokens)" if got > cost else ""))
+    return best / 1000
