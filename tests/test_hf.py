@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 import amod  # noqa: E402
 from amod.hf import from_timm  # noqa: E402
 from amod.mod.calibrate import tilt_shape  # noqa: E402
+from conftest import run_in_process  # noqa: E402
 
 ROUTERS = ("attention", "standard", "random", "shuffled-attention", "inverse-attention")
 SKIPPED = ("bypass", "merge", "kv", "fold")
@@ -279,9 +280,10 @@ def test_save_load_and_save_pretrained(tmp_path):
 
 
 @pytest.mark.parametrize("conversion", ["standard", "fold", "tome"])
-def test_save_pretrained_keeps_the_conversion(conversion, tmp_path):
-    """transformers' own from_pretrained reads the folder as the dense model, with no unexpected key; amod.load (and
-    the CLI) read it back converted, down to the standard router's trained weights."""
+def test_save_pretrained_keeps_the_conversion(conversion, tmp_path, capsys):
+    """transformers' own from_pretrained reads the folder as the dense model, with no unexpected key (and saving says
+    so); amod.load (and the CLI) read it back converted, down to the standard router's trained weights; the folder
+    without its amod.safetensors is refused, not read as the dense model."""
     _, hf = pair("vit", classifier=True)
     if conversion == "tome":
         amod.tome.apply(hf, r=3)
@@ -294,7 +296,9 @@ def test_save_pretrained_keeps_the_conversion(conversion, tmp_path):
     x = images(hf)
     with torch.no_grad():
         ref = hf(pixel_values=x).logits
-    hf.save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match=r"keeps the .* conversion in amod.safetensors: amod.load\(folder\) .* "
+                      "transformers' from_pretrained reads the folder as the dense model"):
+        hf.save_pretrained(tmp_path / "hf")
     assert (tmp_path / "hf" / amod.hf.SIDECAR).is_file()
     plain, info = transformers.ViTForImageClassification.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["unexpected_keys"] and not info["missing_keys"]
@@ -302,6 +306,16 @@ def test_save_pretrained_keeps_the_conversion(conversion, tmp_path):
     assert amod.method_of(back) == amod.method_of(hf) and amod.flops(back).macs == amod.flops(hf).macs
     with torch.no_grad():
         assert torch.equal(back(pixel_values=x).logits, ref)
+    # copied without its sidecar: refused in one line by the library and the CLI, not priced as the dense model
+    copy_dir = tmp_path / "copied"
+    copy_dir.mkdir()
+    for f in (tmp_path / "hf").iterdir():
+        if f.name != amod.hf.SIDECAR:
+            (copy_dir / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match=r"was saved from a converted model .*, but its amod.safetensors is missing"):
+        amod.load(copy_dir)
+    code, err = run_in_process(["flops", str(copy_dir)], capsys)
+    assert code == 2 and "amod.safetensors is missing" in err and "\n" not in err
     # a dense model's folder holds no sidecar (a stale one is removed)
     dense = pair("vit", classifier=True)[1]
     amod.flops(dense)  # (gives it amod's views, and save_pretrained)

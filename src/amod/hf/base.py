@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from types import MethodType
 from typing import Any, ClassVar, Optional, Union
@@ -44,7 +45,7 @@ from ..ops import attention_inputs, attention_output, tracing
 from ..reduce import SizedAttention
 from ..tome.merging import ToMeBlock
 from ..tome.pitome import PiToMeBlock
-from .common import SIDECAR, SIDECAR_FORMAT, attentions_requested
+from .common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT, attentions_requested
 
 IDENTITY = nn.Identity()  # timm's q_norm, k_norm, norm, proj_drop, ls1, ls2 where HF has none (no parameters)
 
@@ -289,19 +290,34 @@ def _save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], 
     """transformers' ``save_pretrained`` of an amod model: the folder it writes holds the dense model (what
     transformers' own ``from_pretrained`` reads without an unexpected key), and ``amod.safetensors`` holds the
     conversion (the method's metadata, as ``amod.save`` writes it) and amod's own tensors, which ``amod.load(folder)``
-    and the CLI read back. A dense model leaves no such file (and removes a stale one)."""
+    and the CLI read back. config.json names the conversion (``CONFIG_KEY``), so that amod refuses the folder if the
+    sidecar goes missing; a warning says that transformers' ``from_pretrained`` reads the folder as the dense model.
+    A dense model leaves no such file or key (and removes a stale one)."""
     state = kwargs.pop("state_dict", None)
     state = model.state_dict() if state is None else state
     own = amod_state_keys(model)
-    result = type(model).save_pretrained(model, save_directory, *args,
-                                         state_dict={k: v for k, v in state.items() if k not in own}, **kwargs)
+    method = method_of(model)
+    meta = method.metadata()
+    config = model.config
+    before = config.__dict__.pop(CONFIG_KEY, None)
+    if meta:
+        setattr(config, CONFIG_KEY, {"method": method.label(), "file": SIDECAR})
+    try:
+        result = type(model).save_pretrained(model, save_directory, *args,
+                                             state_dict={k: v for k, v in state.items() if k not in own}, **kwargs)
+    finally:
+        config.__dict__.pop(CONFIG_KEY, None)
+        if before is not None:
+            config.__dict__[CONFIG_KEY] = before
     if kwargs.get("is_main_process", True):
         sidecar = Path(save_directory) / SIDECAR
-        meta = method_of(model).metadata()
         if meta:
             tensors = {k: state[k].detach().contiguous().cpu() for k in sorted(own)}
             meta = {"amod.format": SIDECAR_FORMAT, "amod.model": json.dumps(family_of(model).describe(model)), **meta}
             write_bytes(sidecar, safetensors_bytes(tensors, metadata=meta))
+            warnings.warn(f"{save_directory} keeps the {method.label()} conversion in {SIDECAR}: amod.load(folder) or "
+                          "amod.hf.load_hf_model(folder) gives it back; transformers' from_pretrained reads the folder "
+                          "as the dense model", stacklevel=2)
         elif sidecar.exists():
             sidecar.unlink()
     return result

@@ -5,6 +5,9 @@ from __future__ import annotations
 # amod's own tensors (routers), which transformers' from_pretrained does not know (amod.hf.base._save_pretrained)
 SIDECAR = "amod.safetensors"
 SIDECAR_FORMAT = "1"
+# ... and names the conversion under this key of its config.json, so that a folder whose amod.safetensors went missing
+# is refused rather than read as the dense model (amod.hf.loading.load_hf_model)
+CONFIG_KEY = "amod_conversion"
 
 
 def attentions_requested() -> bool:

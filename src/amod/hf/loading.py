@@ -18,7 +18,7 @@ from torch import nn
 
 from ..methods import method_from_metadata
 from ..families import FAMILIES, family_of
-from .common import SIDECAR, SIDECAR_FORMAT
+from .common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT
 
 
 HF_PREFIX = "hf:"  # a hub id on the command line: hf:facebook/dinov2-small
@@ -200,6 +200,12 @@ def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None
                              f"({' '.join(str(e).split())[:200]})") from None
         raise _hub_error(source, e) from None
     name = _architecture(config, source, cls)
+    conversion = getattr(config, CONFIG_KEY, None)
+    if local and sidecar is None and conversion is not None:
+        label = conversion.get("method", "an amod") if isinstance(conversion, dict) else "an amod"
+        raise ValueError(f"{path} was saved from a converted model ({label}), but its {SIDECAR} is missing: as a dense "
+                         f"model its numbers would be another model's; copy {SIDECAR} along with the folder (or, for "
+                         f"the dense model, delete {CONFIG_KEY!r} from its config.json)")
     hf_logging = transformers.utils.logging
     bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # ("Loading weights" on stderr; CLI errors are one line)
