@@ -174,6 +174,10 @@ def test_calibrate_refuses_what_it_cannot_do_before_any_work():
     # images of another float dtype are taken as the model's
     amod.calibrate(model, x.double(), cost=0.6, tilts=(0.0,), protects=(0.0,))
     assert amod.get_config(model).skipped == "fold"
+    swept = amod.calibrate(make_model("vit", depth=4, img_size=64), x, cost=0.05, tilts=(0.0, 1.0), protects=(0.0,),
+                           closest=True)  # a sweep over costs takes the closest instead
+    lowest = min(c.cost for c in swept.amod_calibration.candidates)
+    assert amod.flops(swept).ratio == pytest.approx(lowest) and lowest > 0.2
     dense = make_model("vit", depth=4, img_size=64)
     with pytest.raises(ValueError, match=r"PiToMe cannot reach 0.100 of dense on this model: the closest keep, 0.5"):
         amod.pitome.apply(dense, cost=0.1)

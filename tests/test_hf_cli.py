@@ -176,3 +176,54 @@ def test_a_broken_local_folder_is_named_in_one_line_not_taken_for_the_hub(fault,
     assert main(["flops", str(folder)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words.format(d=folder) in err and "hub" not in err, err
+
+
+def test_a_converted_folder_is_priced_and_timed_as_saved_against_its_dense_architecture(vit_dir, tmp_path, capsys):
+    """`amod flops` and `amod bench` on the save_pretrained folder of a converted model (issue 48): the model as
+    saved, next to its dense architecture, not library advice ("use amod.set_capacity")."""
+    model = amod.convert(amod.hf.load_hf_model(vit_dir), skipped="fold", capacity=0.8)
+    model.save_pretrained(tmp_path / "fold")
+    capsys.readouterr()  # (its progress bar)
+    assert main(["flops", str(tmp_path / "fold"), "--capacity", "1", "0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = _table(out)
+    assert rows[(str(tmp_path / "fold"), "saved")] == pytest.approx(amod.flops(model).ratio, abs=1e-3)
+    assert amod.flops(model).ratio < 0.95
+    assert rows[(str(tmp_path / "fold"), "1.000")] == pytest.approx(1.0)  # its dense architecture
+    assert f"note: {tmp_path / 'fold'} is a converted model" in out
+    assert main(["bench", "--model", str(tmp_path / "fold"), "--batch-size", "2", "--repeats", "1", "--warmup", "0",
+                 "--device", "cpu", "--no-memory", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["label"] == "attention@0.8 skipped=fold (saved)" and r["capacity"] is None
+    assert r["mod"]["macs"] == amod.flops(model).macs and r["dense"]["macs"] == amod.flops(
+        amod.hf.load_hf_model(vit_dir)).macs
+
+
+def test_commands_that_take_timm_models_refuse_a_hf_folder_in_one_line(vit_dir, backbone_path, tmp_path, capsys):
+    """finetune (--checkpoint, --teacher), calibrate, study --teacher and demo take timm models (amod files): a Hugging
+    Face folder is named as such, not "does not exist" or "did you mean .../model.safetensors"."""
+    cases = [
+        (["finetune", "--checkpoint", str(vit_dir), "--out", str(tmp_path / "r")], "--checkpoint", "finetune"),
+        (["finetune", "--model", "vit_tiny_patch16_224", "--pretrained", "--teacher", str(vit_dir), "--out",
+          str(tmp_path / "r")], "--teacher", "finetune"),
+        (["calibrate", "--checkpoint", str(vit_dir), "--out", str(tmp_path / "c.safetensors")], "--checkpoint",
+         "calibrate"),
+        (["study", "--checkpoint", str(backbone_path), "--img-size", "28", "--teacher", str(vit_dir), "--out",
+          str(tmp_path / "s")], "--teacher", "study"),
+        (["demo", "--checkpoint", str(vit_dir), "--out", str(tmp_path / "d")], "--checkpoint", "demo"),
+    ]
+    for argv, option, command in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{option} {vit_dir} is a Hugging Face model; amod {command} takes" \
+            in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_of_a_hf_backbone_points_to_the_commands_that_take_it(tmp_path, capsys):
+    transformers.ViTModel(transformers.ViTConfig(**SMALL)).save_pretrained(tmp_path / "backbone")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "backbone"), "--val-limit", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "has no classifier (a backbone)" in err and "amod compare or amod frontier" in err
+    assert "amod finetune" not in err  # (it takes timm models)

@@ -12,7 +12,7 @@ from amod.train.config import RunConfig
 @pytest.mark.parametrize("method", [
     Dense(), MoD(), MoD(router="standard", capacity=0.25, layers=(1, 3), scale_output=False, skipped="kv"),
     MoD(skipped="fold", layers="all", protect=0.1), IsoFLOP(capacity=0.25), TokenMerging(cost=0.6),
-    TokenMerging(r=(2, 2)),
+    TokenMerging(r=(2, 2)), PiToMe(cost=0.6), PiToMe(keep=0.8),
 ], ids=lambda m: m.label())
 def test_the_run_fields_of_a_method_select_it_again(method):
     assert RunConfig(**method.run_fields()).method() == method
@@ -25,6 +25,11 @@ def test_settings_that_select_two_methods_are_refused():
         both.validate()  # what a run says first
     with pytest.raises(ValueError, match=r"the settings select 2 methods \(attention@0.5, tome@0.6\)"):
         both.method()
+    for fields, message in [(dict(router="attention", pitome_cost=0.6), r"PiToMe \(--pitome-cost\) replaces MoD"),
+                            (dict(tome_r=2, pitome_keep=0.8), "give one of token merging .* and PiToMe .*, not both"),
+                            (dict(pitome_cost=0.6, pitome_keep=0.8), "give either --pitome-cost or pitome_keep")]:
+        with pytest.raises(ValueError, match=message):
+            RunConfig(**fields).validate()
 
 
 def test_each_method_names_its_checkpoint_metadata():

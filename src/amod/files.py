@@ -12,24 +12,30 @@ become ``null``.
 
 ``load_torch`` is the one place amod reads a ``torch.save`` file (training checkpoints, caches, a user's
 ``.pth``): with ``weights_only=True``, so a crafted pickle cannot run code, and with errors that name the file.
+
+``check_output_file`` refuses, before any work, a single output file that cannot be written or, without ``force``,
+would replace one; ``read_json_lines`` reads the JSON-lines files amod appends to, naming the lines it skips.
 """
 from __future__ import annotations
 
 import errno
 import io
 import json
+import logging
 import math
 import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
 
 PathLike = Union[str, os.PathLike]
+T = TypeVar("T")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+log = logging.getLogger("amod")
 
 
 class DiskFullError(OSError):
@@ -169,6 +175,57 @@ def disk_full_error(e: BaseException, path: PathLike) -> Optional[DiskFullError]
             return DiskFullError(errno.ENOSPC, f"no space left on device while writing {path}")
         e = e.__cause__ or e.__context__
     return None
+
+
+def check_output_file(path: PathLike, what: str = "the file", force: bool = True, option: str = "--out") -> Path:
+    """Return ``path`` if ``what`` (e.g. "the .onnx file") can be written there: it is not a directory, its directory
+    exists and this process can write in it (the file is written beside it, then renamed), and, unless ``force``, no
+    file is there yet (a command's ``--out`` replaces one only with ``--force``). Creates nothing.
+
+    Raises:
+        ValueError: ``path`` is a directory.
+        FileNotFoundError: its directory does not exist.
+        PermissionError: its directory cannot be written.
+        FileExistsError: a file is there and ``force`` is False.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give {what} to write")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"the directory of {path} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {path}: {path.parent} is not writable")
+    if not force and (path.exists() or path.is_symlink()):
+        raise FileExistsError(f"{option} {path} already exists; add --force to replace it")
+    return path
+
+
+def read_json_lines(path: PathLike, parse: Callable[[Any], Optional[T]], what: str) -> list[T]:
+    """What ``parse`` makes of each line of the JSON-lines file ``path`` (none if there is no file), in order; a
+    ``None`` from ``parse`` leaves a line out silently (a row of other settings).
+
+    A line that is not JSON, or that ``parse`` refuses (ValueError, KeyError, TypeError: a torn last line after a
+    kill, an edit), is left out too, and one warning names every such line: ``what`` is one line's kind in words
+    ("an evaluation row")."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    parsed: list[T] = []
+    unreadable: list[int] = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        try:
+            value = parse(json.loads(line))
+        except (ValueError, KeyError, TypeError):
+            if line.strip():
+                unreadable.append(number)
+            continue
+        if value is not None:
+            parsed.append(value)
+    if unreadable:
+        shown = ", ".join(map(str, unreadable[:10])) + (", ..." if len(unreadable) > 10 else "")
+        log.warning("%s: %d line%s that %s not %s, skipped (line %s)", path, len(unreadable),
+                    "s" if len(unreadable) > 1 else "", "are" if len(unreadable) > 1 else "is", what, shown)
+    return parsed
 
 
 def write_bytes(path: PathLike, data: bytes) -> Path:

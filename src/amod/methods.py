@@ -271,6 +271,12 @@ class PiToMe(Method):
         return {self.metadata_key: json.dumps({"keep": self.keep})}
 
     @classmethod
+    def from_run_fields(cls, fields: Any) -> Optional["PiToMe"]:
+        if fields.pitome_cost is None and fields.pitome_keep is None:
+            return None
+        return cls(keep=fields.pitome_keep, cost=fields.pitome_cost)
+
+    @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["PiToMe"]:
         if cls.metadata_key not in meta:
             return None
@@ -283,7 +289,7 @@ class PiToMe(Method):
 
     def at_cost(self, dense: nn.Module, cost: float) -> "PiToMe":
         model = PiToMe(keep=1.0).apply(skeleton(dense))
-        return PiToMe(keep=pitome.keep_for_cost(model, cost))
+        return PiToMe(keep=pitome.keep_for_cost(model, cost, tolerance=1.0))  # closest; a miss is flagged
 
 
 def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Optional, Sequence
 
 import timm
 import torch
@@ -17,7 +18,9 @@ from torch import nn
 
 from ..cost import flops
 from ..deploy import export, onnx_session
+from ..families import family_of
 from ..hf.loading import hf_source, load_hf_source
+from ..methods import Dense, method_of
 from ..mod.convert import convert
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import autocast
@@ -73,6 +76,41 @@ def time_models(models: dict[str, nn.Module], x: torch.Tensor, repeats: int = 10
     return timed
 
 
+# ---------------------------------------------------------------- a measured speed-up checked against the MACs
+
+# At a share ``cost`` of the dense MACs the FLOP bound of a speed-up is 1 / cost; measured runs reach 0.3-1.1 of it
+# (fewer tokens also fit the caches better). A speed-up above MAX_EFFICIENCY times the bound is not the model's: the
+# timing was disturbed (other work on the machine slowed the dense runs it is a ratio to).
+MAX_EFFICIENCY = 1.5
+IMPLAUSIBLE_NOTE = (f"(?) faster than its MACs allow (measured speed-up x cost above {MAX_EFFICIENCY:g}; the FLOP "
+                    "bound is 1 / cost): other work on the machine disturbed the timing, so it is not a result; "
+                    "time again on a quiet machine")
+
+
+def implausible_speedup(speedup: float, cost: float) -> bool:
+    """Whether a measured ``speedup`` of a model at a share ``cost`` of the dense MACs is more than
+    ``MAX_EFFICIENCY`` times what its MACs allow: a timing gone wrong, to flag rather than report."""
+    return speedup * cost > MAX_EFFICIENCY
+
+
+def speedup_text(speedup: float, cost: float) -> str:
+    """A measured speed-up as a report shows it: ``1.52x``, or ``7.46x (?)`` where it is implausible
+    (``IMPLAUSIBLE_NOTE`` says why)."""
+    return f"{speedup:.2f}x" + (" (?)" if implausible_speedup(speedup, cost) else "")
+
+
+def warn_implausible(points: Sequence[tuple[str, float, float]]) -> list[str]:
+    """The names of the (name, measured speed-up, cost) ``points`` whose speed-up is implausible, after one warning
+    that names them all (none: no warning)."""
+    flagged = [(n, s, c) for n, s, c in points if implausible_speedup(s, c)]
+    if flagged:
+        shown = ", ".join(f"{n} {s:.2f}x at cost {c:.3f}" for n, s, c in flagged)
+        warnings.warn(f"{len(flagged)} measured speed-up{'s are' if len(flagged) > 1 else ' is'} faster than the MACs "
+                      f"allow (more than {MAX_EFFICIENCY:g} / cost): {shown}; the timing was disturbed (other work on "
+                      "the machine), flagged (?) in the report, not a result: time again on a quiet machine")
+    return [n for n, _, _ in flagged]
+
+
 # ---------------------------------------------------------------- peak memory
 
 def _rss_kib(field: str) -> int:
@@ -91,6 +129,7 @@ def _build_probe_target(spec: dict[str, Any], small: bool = False) -> Callable[[
     """
     if spec["kind"] == "model":
         model = make_bench_model(spec["model"], spec.get("img_size"), spec.get("convert"))
+        model = dense_twin(model) if spec.get("dense_twin") else model
         x = torch.randn(1 if small else spec["batch_size"], model.patch_embed.proj.in_channels,
                         *model.patch_embed.img_size)
         return lambda: model(x)
@@ -137,6 +176,13 @@ def peak_memory_mb(spec: dict[str, Any]) -> float:
 
 
 # ---------------------------------------------------------------- dense vs MoD, side by side
+
+def dense_twin(model: nn.Module) -> nn.Module:
+    """A dense model of ``model``'s architecture with random weights (timing and cost do not depend on them; under
+    ``torch.device("meta")``, none at all): what a converted ``save_pretrained`` folder is timed and priced against."""
+    family = family_of(model)
+    return family.rebuild(family.describe(model)).eval()
+
 
 def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optional[dict[str, Any]]) -> nn.Module:
     """A timm model with random weights (timing does not depend on them), or a Hugging Face model (a
@@ -200,7 +246,9 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
               img_size: Optional[int] = None, repeats: int = 10, warmup: int = 3, amp: str = "off",
               device: str = "auto", memory: bool = True, compile: bool = False, runtime: str = "torch"
               ) -> dict[str, Any]:
-    """Measure the unconverted timm model and its MoD conversion alternately in this process.
+    """Measure the unconverted timm model and its MoD conversion alternately in this process. A Hugging Face folder
+    of a converted model (its ``save_pretrained``) is timed as saved, against a dense model of its architecture: the
+    MoD settings are not used (``label`` says what ran).
 
     ``runtime="torch"``: eager PyTorch, or with ``compile`` both models under ``torch.compile`` (their
     eager forms are timed in the same rounds, under ``eager``). ``runtime="onnxruntime"``: both models
@@ -224,13 +272,21 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     convert_kwargs = {"router": router, "capacity": capacity, "layers": layers}
     dense = make_bench_model(model, img_size, None).to(dev)
-    mod = make_bench_model(model, img_size, convert_kwargs).to(dev)
+    saved = method_of(dense)
+    if isinstance(saved, Dense):
+        mod = make_bench_model(model, img_size, convert_kwargs).to(dev)
+        label, settings = f"{router}@{capacity:g}", convert_kwargs
+        specs = ({"convert": None}, {"convert": convert_kwargs})  # (how the memory probe builds each)
+    else:  # a converted save_pretrained folder: as saved (its settings in its label), against its dense architecture
+        dense, mod = dense_twin(dense).to(dev), dense
+        label, settings = f"{saved.label()} (saved)", dict(router=None, capacity=None, layers=None)
+        specs = ({"convert": None, "dense_twin": True}, {"convert": None})
     x = torch.randn(batch_size, dense.patch_embed.proj.in_channels, *dense.patch_embed.img_size, device=dev)
     result: dict[str, Any] = {
-        "model": model, "router": router, "capacity": capacity, "layers": layers, "batch_size": batch_size,
+        "model": model, **settings, "batch_size": batch_size,
         "img_size": list(dense.patch_embed.img_size), "device": str(dev), "amp": amp, "repeats": repeats,
         "warmup": warmup, "threads": torch.get_num_threads(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-        "runtime": runtime, "compile": compile, "hf": hf_source(model) is not None,
+        "runtime": runtime, "compile": compile, "hf": hf_source(model) is not None, "label": label,
     }
     eager = {"dense": dense, "mod": mod}
     if runtime == "onnxruntime":
@@ -263,7 +319,7 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
         result[name] = {"images_per_s": timed[name]["images_per_s"], "seconds_per_batch": timed[name]["seconds"],
                         "spread": timed[name]["spread"], "macs": flops(m).macs, "peak_mem_mb": None}
     if memory and runtime == "torch" and not compile:
-        for name, m, conv in (("dense", dense, None), ("mod", mod, convert_kwargs)):
+        for name, m, spec in (("dense", dense, specs[0]), ("mod", mod, specs[1])):
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
                 base = torch.cuda.memory_allocated(dev)
@@ -272,7 +328,7 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
                 result[name]["peak_mem_mb"] = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
             else:
                 result[name]["peak_mem_mb"] = peak_memory_mb({"kind": "model", "model": model, "img_size": img_size,
-                                                              "convert": conv, "batch_size": batch_size})
+                                                              "batch_size": batch_size, **spec})
     result["speedup"] = result["mod"]["images_per_s"] / result["dense"]["images_per_s"]
     result["paired_speedup"] = paired_ratios(timed["dense"]["times"], timed["mod"]["times"])
     result["flop_speedup"] = result["dense"]["macs"] / result["mod"]["macs"]

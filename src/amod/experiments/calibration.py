@@ -1,5 +1,8 @@
 """`amod calibrate`: a dense checkpoint made A-MoD calibrated (``amod.calibrate``) at a cost, on unlabeled images of
-the data, and saved: the file runs, finetunes (``amod finetune --checkpoint FILE``) and exports as it is."""
+the data, and saved: the file runs, finetunes (``amod finetune --checkpoint FILE``) and exports as it is.
+
+The saved model takes the images the checkpoint took: the data's images are given to it (gray images to an RGB
+model as gray RGB), not the model to the data, and only its position grid follows ``--img-size``."""
 from __future__ import annotations
 
 import logging
@@ -9,12 +12,14 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import check_dense_file, load, save
+from ..checkpoint import check_dense_file, load, save, skeleton
 from ..cost import validate_cost
+from ..files import check_output_file
 from ..mod.calibrate import calibrate
 from ..mod.routers import router_class
-from ..train.data import build_datasets
+from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
+from .presets import check_not_hugging_face
 
 log = logging.getLogger("amod")
 
@@ -28,8 +33,11 @@ class CalibrateConfig:
     cost: float = 0.5  # share of the dense MACs
     images: int = 256  # calibration images
     router: str = "attention"  # A-MoD; "random" for the control
+    force: bool = False  # replace an existing ``out``
 
     def validate(self) -> "CalibrateConfig":
+        """Check every setting, the checkpoint, the output file and the data's channels before any work; raises
+        naming the flag."""
         validate_cost(self.cost, "--cost")
         if self.images < 1:
             raise ValueError(f"--images must be a positive integer, got {self.images}")
@@ -37,11 +45,26 @@ class CalibrateConfig:
             raise ValueError(f"--out must name a .safetensors file, got {self.out!r}")
         if Path(self.out).resolve() == Path(self.checkpoint).resolve():
             raise ValueError("--out must not be the dense --checkpoint it starts from")
+        check_output_file(self.out, "the .safetensors file", self.force)
         if router_class(self.router).learnable:
             raise ValueError(f"--router {self.router} learns its scores; calibration uses no training: give "
                              "attention (A-MoD) or a control such as random")
+        check_not_hugging_face(self.checkpoint, "--checkpoint", "calibrate", "a dense amod .safetensors file")
         check_dense_file(self.checkpoint)
+        _, _, info = build_datasets(self.data, None, None, None)
+        model_channels(skeleton(self.checkpoint), info)
         return self
+
+
+def model_channels(model: torch.nn.Module, info: DataInfo) -> int:
+    """The input channels of ``model``, which the data's images are given in: as they are, or gray images repeated
+    (an RGB model sees a gray image as gray RGB, which is what summing its filters to one channel computes). Raises
+    ValueError where neither fits."""
+    chans = model.patch_embed.proj.in_channels
+    if info.in_chans not in (chans, 1):
+        raise ValueError(f"the model takes {chans}-channel images and {info.name} has {info.in_chans} channels: "
+                         f"calibrate it on {chans}-channel (or gray) images")
+    return chans
 
 
 def run_calibrate(cfg: CalibrateConfig) -> Path:
@@ -51,12 +74,17 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
     dense = load(cfg.checkpoint).eval()
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
     train, _, info = build_datasets(cfg.data, img_size, cfg.images, 1)
-    fit_to_data(dense, info.in_chans, img_size)
+    chans = model_channels(dense, info)
+    fit_to_data(dense, chans, img_size)  # the position grid only: the model keeps its channels
     images = torch.stack([train[i][0] for i in range(min(cfg.images, len(train)))])
+    images = images.expand(-1, chans, -1, -1).contiguous()  # gray images as gray RGB for an RGB model
     model = calibrate(dense, images, cfg.cost, router=cfg.router)
     report = model.amod_calibration
     print(f"calibrated {cfg.checkpoint} at {img_size} px, cost {cfg.cost:g}, on {len(images)} {info.name} images "
           f"in {report.seconds:.1f} s:")
+    if chans != info.in_chans:
+        print(f"{info.name} is gray: each image was given to the {chans}-channel model in all {chans} channels (gray "
+              f"RGB); the saved model keeps its {chans} input channels")
     print("| tilt | protect | capacity | cost | fidelity | |\n|---|---|---|---|---|---|")
     for i, c in enumerate(report.candidates):
         print(f"| {c.tilt:+g} | {c.protect:g} | {c.capacity:.3f} | {c.cost:.3f} | {c.fidelity:.5f} | "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..cost import flops, validate_cost
-from ..files import UnreadableFileError, dumps, load_torch, torch_save, write_json, write_text
+from ..files import UnreadableFileError, dumps, load_torch, read_json_lines, torch_save, write_json, write_text
 from ..families import family_of
 from ..hf.loading import hf_source, load_hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of
@@ -42,10 +41,10 @@ from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
 from ..train.rundir import check_output_dir, run_dir_name
-from .bench import time_models
+from .bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
-from .probe import LinearProbe, features, fit_probe_cached, mean_cosine
+from .probe import LinearProbe, features, fit_probe_cached, mean_cosine, probe_images
 
 log = logging.getLogger("amod")
 COST_TOLERANCE = 0.02  # a method whose closest cost is further off than this is flagged in the report
@@ -150,9 +149,10 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
 
     A model with a classifier is compared on the data it was trained for, at its own input size
     (its head and the finetunes take that data as it is); a backbone without one (probe protocol) is
-    resampled to ``--img-size``, which must be a multiple of its patch size.
+    resampled to ``--img-size``, which must be a multiple of its patch size, and its linear probe needs enough
+    training images (``probe_images``).
     """
-    _, _, info = build_datasets(cfg.data, None, None, None)
+    train, _, info = build_datasets(cfg.data, None, None, None)
     if cfg.checkpoint is None:  # the demo's model, pretrained on this data at the data's own size
         if cfg.img_size is not None and cfg.img_size != info.img_size:
             raise ValueError(f"--img-size {cfg.img_size}: the demo's model has a classifier and is compared at its own "
@@ -169,6 +169,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
         if model.patch_embed.proj.in_channels != info.in_chans:
             raise ValueError(f"{cfg.checkpoint} takes {model.patch_embed.proj.in_channels}-channel images and "
                              f"{cfg.data} has {info.in_chans} channels")
+        probe_images(len(train), cfg.probe_train, cfg.data)
         return info
     model = skeleton(cfg.checkpoint)
     h, w = model.patch_embed.img_size
@@ -178,6 +179,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
         if cfg.img_size is not None and (cfg.img_size % ph or cfg.img_size % pw):
             raise ValueError(f"--img-size {cfg.img_size} is not a multiple of the patch size {ph}x{pw} of "
                              f"{cfg.checkpoint}")
+        probe_images(len(train), cfg.probe_train, cfg.data)
         return info
     if cfg.img_size is not None and (cfg.img_size, cfg.img_size) != (h, w):
         raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} has a classifier and is compared at its own "
@@ -357,16 +359,10 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
 
 
 def _finished_probe_rows(path: Path) -> dict[tuple[str, float, str], dict[str, Any]]:
-    """The measurements a previous, killed comparison finished (a torn last line is ignored)."""
-    finished: dict[tuple[str, float, str], dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-                finished[(r["method"], float(r["cost_target"]), r["method_repr"])] = r
-            except (ValueError, KeyError, TypeError):
-                continue
-    return finished
+    """The measurements a previous, killed comparison finished (a torn last line is skipped with a warning, and
+    measured again)."""
+    return dict(read_json_lines(path, lambda r: ((r["method"], float(r["cost_target"]), r["method_repr"]), r),
+                                "a measurement"))
 
 
 def _setting_text(s: dict[str, Any]) -> str:
@@ -402,6 +398,7 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
                 f"{dense_ips:.0f} images/s. Finetune: {cfg.epochs} epoch(s) on {cfg.train_limit or 'all'} training "
                 f"images, lr {cfg.lr:g}, the same for every method.")
         columns = "| cost target | method | setting | cost vs dense | zero-training top-1 | finetuned top-1 | images/s | speed-up | efficiency |"
+    flagged = warn_implausible([(_key(r), r["speedup"], r["cost"]) for r in rows])
     lines = [f"# amod compare: MoD vs token merging at matched cost on {data_name}" + (" (quick)" if cfg.quick else ""),
              "", f"{head} {speed}", "", columns, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -409,8 +406,10 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
         second = f"{r['cosine']:.4f}" if probe_mode else f"{100 * r['top1']:.2f}"
         lines.append(f"| {r['cost_target']:g} | {r['method']} | {_setting_text(r['setting'])} | {r['cost']:.3f}{miss} | "
                      f"{100 * r['zero_top1']:.2f} | {second} | {r['images_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['flop_bound_efficiency']:.2f} |")
+                     f"{speedup_text(r['speedup'], r['cost'])} | {r['flop_bound_efficiency']:.2f} |")
     lines.append("")
+    if flagged:
+        lines += [IMPLAUSIBLE_NOTE + ".", ""]
     if any(abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE for r in rows):
         lines += ["(!) the method cannot reach the target cost within 2 % on this model; its closest cost is shown.", ""]
     zero: dict[str, list[tuple[float, float]]] = {}
@@ -430,7 +429,8 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
     write_json(root / "compare.json",
                {"protocol": "probe" if probe_mode else "finetune", "img_size": img_size,
                 "dense": {"top1": dense_acc, "images_per_s": dense_ips, "checkpoint": str(pretrained)},
-                "rows": [{k: v for k, v in r.items() if k != "method_obj"} for r in rows]})
-    print("\n".join(lines[4:4 + 2 + len(rows)]))
+                "rows": [{k: v for k, v in r.items() if k != "method_obj"} | {"implausible_speedup": _key(r) in flagged}
+                         for r in rows]})
+    print("\n".join(lines[4:4 + 2 + len(rows)] + ([IMPLAUSIBLE_NOTE + "."] if flagged else [])))
     log.info("report written to %s", report)
     return report

@@ -12,12 +12,13 @@ from torch import nn
 
 from ..cost import CostReport, flops, img_size_of
 from ..hf.loading import hf_source, load_hf_source
-from ..methods import Dense, Method, MoD, TokenMerging
+from ..methods import Dense, Method, MoD, TokenMerging, method_of
 from ..mod.config import validate_capacity
 from ..mod.convert import lowest_capacity
 from ..mod.routers import router_class
 from ..tome import schedule_for_cost
 from ..train.models import check_vit_name
+from .bench import dense_twin
 
 
 def flops_methods(capacities: Sequence[float], router: str = "attention", layers=None, skipped: str = "bypass",
@@ -33,30 +34,40 @@ def flops_methods(capacities: Sequence[float], router: str = "attention", layers
     return rows
 
 
-def dense_models(models: Sequence[str]) -> list[tuple[str, Callable[[], nn.Module]]]:
-    """(name, a function making a fresh dense copy) of every model, checked before any is priced: a timm name
-    (made on the ``meta`` device: costs need shapes only), or a Hugging Face model (loaded once)."""
+def dense_models(models: Sequence[str]) -> list[tuple[str, Callable[[], nn.Module], Optional[nn.Module]]]:
+    """(name, a function making a fresh dense copy, the model as saved where it runs a method) of every model,
+    checked before any is priced: a timm name (made on the ``meta`` device: costs need shapes only), or a Hugging
+    Face model (loaded once; a converted ``save_pretrained`` folder's dense copies are of its architecture)."""
     makers = []
     for name in models:
         source = hf_source(name)
         if source is not None:
             hf_model = load_hf_source(source)
-            makers.append((name, lambda m=hf_model: copy.deepcopy(m)))
+            if isinstance(method_of(hf_model), Dense):
+                makers.append((name, lambda m=hf_model: copy.deepcopy(m), None))
+            else:
+                makers.append((name, lambda m=hf_model: dense_twin(m), hf_model))
             continue
         if name not in timm.list_models():
             raise ValueError(f"unknown timm model {name!r} (a Hugging Face model: its save_pretrained directory, "
                              "with config.json, or hf:ID)")
         check_vit_name(name)
-        makers.append((name, lambda n=name: timm.create_model(n, pretrained=False)))
+        makers.append((name, lambda n=name: timm.create_model(n, pretrained=False), None))
     return makers
+
+
+SAVED = "saved"  # the label of a converted model's row: the model as it was saved
 
 
 def flops_table(models: Sequence[str], methods: Sequence[tuple[str, Method]],
                 img_size: Optional[int] = None) -> list[tuple[str, str, CostReport]]:
     """(model, label, cost) for every model and method; costs need shapes only, so no weights are made (but a
-    Hugging Face model's, loaded from its directory or the hub)."""
+    Hugging Face model's, loaded from its directory or the hub). A converted model (a ``save_pretrained`` folder)
+    gets a first row, ``SAVED``: itself as saved; its other rows price its dense architecture."""
     rows = []
-    for name, make in dense_models(models):
+    for name, make, saved in dense_models(models):
+        if saved is not None:
+            rows.append((name, SAVED, flops(saved, img_size)))
         for label, method in methods:
             with torch.device("meta"), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a fold capacity below its floor: floor_notes says so, at this size
@@ -75,7 +86,7 @@ def floor_notes(models: Sequence[str], methods: Sequence[tuple[str, Method]], im
     (``amod.lowest_capacity``): those rows cost what that capacity costs."""
     folds = [m for _, m in methods if isinstance(m, MoD) and m.skipped == "fold"]
     notes = []
-    for name, make in dense_models(models) if folds else ():
+    for name, make, _ in dense_models(models) if folds else ():
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = folds[0].apply(make())
@@ -88,6 +99,13 @@ def floor_notes(models: Sequence[str], methods: Sequence[tuple[str, Method]], im
                          f"protects); capacity {', '.join(f'{c:.3f}' for c in below)} "
                          f"cost{'s' if len(below) == 1 else ''} what {lowest:.3f} costs")
     return notes
+
+
+def saved_notes(rows: Sequence[tuple[str, str, CostReport]]) -> list[str]:
+    """One line per converted model of ``flops_table``'s rows (a ``save_pretrained`` folder of a converted model):
+    its ``SAVED`` row prices it as saved, its other rows its dense architecture."""
+    return [f"note: {name} is a converted model: the {SAVED!r} row prices it as saved, the others its dense "
+            "architecture at these settings" for name, label, _ in rows if label == SAVED]
 
 
 def format_flops_table(rows: Sequence[tuple[str, str, CostReport]]) -> list[str]:

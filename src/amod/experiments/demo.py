@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from ..files import write_json, write_text
-from .finetune import finetune_run, prepare, speeds_of, zero_training
+from .bench import IMPLAUSIBLE_NOTE, speedup_text, warn_implausible
+from .finetune import check_study_inputs, finetune_run, prepare, speeds_of, zero_training
 from .finetune_plan import ARMS, DENSE, REFERENCE, FinetuneConfig, Planned, label, plan
 from .presets import run_in_directory
 
@@ -56,6 +57,8 @@ class DemoConfig:
 def run_demo(cfg: DemoConfig) -> Path:
     """Run every step (reusing finished measurements), print the table and the wall time; returns report.md."""
     started = time.perf_counter()
+    if cfg.checkpoint is not None:  # (the default backbone is fetched once the directory is held)
+        check_study_inputs(cfg.study_config(cfg.checkpoint), "demo")
     return run_in_directory(cfg.out, "fashion-mnist", lambda root: _run_demo(cfg, root, started))
 
 
@@ -87,6 +90,7 @@ def _run_demo(cfg: DemoConfig, root: Path, started: float) -> Path:
 def write_report(root: Path, study: FinetuneConfig, planned: list[Planned], zero: dict[str, float],
                  speeds: dict[str, float], best: Planned, tuned: list[dict], n_test: int, seconds: float) -> Path:
     dense_ips = speeds[DENSE]
+    flagged = warn_implausible([(label(p), speeds[label(p)] / dense_ips, p.cost) for p in planned])
     lines = [f"# amod demo: a real pretrained ViT made cheaper ({Path(study.checkpoint).name}, "
              f"{study.img_size} px, Fashion-MNIST)" + (" (quick)" if study.img_size != 112 else ""), "",
              f"Every model has the backbone's weights and one linear head (a probe fitted on the dense features of "
@@ -97,7 +101,9 @@ def write_report(root: Path, study: FinetuneConfig, planned: list[Planned], zero
     for p in planned:
         key = label(p)
         lines.append(f"| {p.cost_target:g} | {p.arm.name} | {p.setting} | {p.cost:.3f} | "
-                     f"{100 * zero[key]:.2f} | {speeds[key]:.1f} | {speeds[key] / dense_ips:.2f}x |")
+                     f"{100 * zero[key]:.2f} | {speeds[key]:.1f} | {speedup_text(speeds[key] / dense_ips, p.cost)} |")
+    if flagged:
+        lines += ["", IMPLAUSIBLE_NOTE + "."]
     curve = ", ".join(f"step {r['step']}: {100 * r['top1']:.2f} %" for r in tuned)
     lines += ["", f"Finetune of the best reduced model at cost {best.cost_target:g}, **{best.arm.name}** "
                   f"({best.cost:.3f} of dense MACs): zero training {100 * zero[label(best)]:.2f} %, {curve} "
@@ -107,7 +113,8 @@ def write_report(root: Path, study: FinetuneConfig, planned: list[Planned], zero
     report = root / "report.md"
     write_text(report, "\n".join(lines))
     write_json(root / "report.json", {"rows": [{"cost_target": p.cost_target, "method": p.arm.name, "cost": p.cost,
-                                                "zero_top1": zero[label(p)], "images_per_s": speeds[label(p)]}
+                                                "zero_top1": zero[label(p)], "images_per_s": speeds[label(p)],
+                                                "implausible_speedup": label(p) in flagged}
                                                for p in planned],
                                       "finetune": {"method": best.arm.name, "cost_target": best.cost_target,
                                                    "evals": [{"step": r["step"], "top1": r["top1"]} for r in tuned]},

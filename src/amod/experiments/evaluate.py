@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from ..cost import flops
+from ..methods import MoD, method_of
 from ..mod.convert import set_capacity
 from ..checkpoint import load
 from ..families import family_of
@@ -33,6 +34,10 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     source = hf_source(cfg.checkpoint)
     model = load_hf_source(source).to(device) if source is not None else load(cfg.checkpoint, device)
     if cfg.capacity is not None:
+        running = method_of(model)
+        if not isinstance(running, MoD):
+            raise ValueError(f"--capacity turns the dial of an MoD model (a router, or fold); {cfg.checkpoint} runs "
+                             f"{running.label()}, which has none: drop --capacity")
         set_capacity(model, cfg.capacity)
     counted = model  # what amod.flops prices
     family = family_of(model)
@@ -42,9 +47,10 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     if cfg.img_size is not None and cfg.img_size != native:
         raise ValueError(f"{cfg.checkpoint} takes {native}-px images, not {cfg.img_size}: drop --img-size, "
                          "or finetune the model at that size first")
-    if num_classes == 0:
-        raise ValueError(f"{cfg.checkpoint} has no classifier (a backbone): finetune it with amod finetune, "
-                         "or compare reduced versions of it with amod compare's linear probe")
+    if num_classes == 0:  # (amod finetune takes timm models; compare and frontier take Hugging Face ones too)
+        finetune = "finetune it with amod finetune, or " if source is None else ""
+        raise ValueError(f"{cfg.checkpoint} has no classifier (a backbone): {finetune}compare reduced versions of it "
+                         "with the linear probe of amod compare or amod frontier")
     _, val, info = build_datasets(cfg.data, native, None, cfg.val_limit)
     if info.num_classes > num_classes or info.in_chans != model.patch_embed.proj.in_channels:
         raise ValueError(f"the model ({num_classes} classes, {model.patch_embed.proj.in_channels} channels) "

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..arch import pair
 from ..checkpoint import load
-from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, check_output_file, export
+from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, export
+from ..files import check_output_file
 from ..train.data import TensorImages, load_fashion_mnist
 
 log = logging.getLogger("amod")
@@ -50,12 +51,11 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[in
     Fashion-MNIST model (``fashion_mnist_images``; the report's ``check.inputs`` says
     ``"fashion-mnist"``), random ones otherwise.
     """
-    out = check_output_file(out)
+    out = Path(out)
     if out.resolve() == Path(checkpoint).resolve() or (out.exists() and Path(checkpoint).exists()
                                                          and os.path.samefile(out, checkpoint)):
         raise ValueError(f"--out {out} is the checkpoint being exported; write the ONNX file elsewhere")
-    if out.exists() and not force:
-        raise FileExistsError(f"--out {out} already exists; add --force to replace it")
+    check_output_file(out, "the .onnx file", force)
     model = load(checkpoint)
     n = CHECK_IMAGES if batch == "dynamic" else batch
     images = fashion_mnist_images(model, n, img_size) if isinstance(n, int) and n >= 1 else None

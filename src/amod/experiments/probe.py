@@ -22,6 +22,19 @@ from ..files import load_torch, torch_save
 
 log = logging.getLogger("amod")
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
+MIN_PROBE_IMAGES = 10  # fit_probe holds a fifth of its images out to choose the penalty: fewer leave it nothing
+
+
+def probe_images(available: int, probe_train: int, data: str) -> int:
+    """How many training images a linear probe is fitted on: ``--probe-train``, or all ``available`` images of
+    ``data`` where there are fewer. Raises ValueError, naming the flag or the data, where that is fewer than
+    ``MIN_PROBE_IMAGES`` (to refuse before the dense features are computed)."""
+    n = min(probe_train, available)
+    if n < MIN_PROBE_IMAGES:
+        why = f"--probe-train is {probe_train}" if probe_train < MIN_PROBE_IMAGES else \
+            f"{data} has {available} training image{'' if available == 1 else 's'}"
+        raise ValueError(f"the linear probe needs at least {MIN_PROBE_IMAGES} training images and {why}")
+    return n
 
 
 @torch.no_grad()
@@ -82,9 +95,9 @@ def fit_probe(feats: torch.Tensor, labels: torch.Tensor, held_out: float = 0.2, 
     The L2 penalty is chosen from ``l2_grid`` by accuracy on a random ``held_out`` share of the
     samples (the rest fit), then the probe is refitted on all of them with that penalty.
     """
-    if feats.ndim != 2 or len(feats) != len(labels) or len(feats) < 10:
-        raise ValueError(f"fit_probe needs (N, D) features and N labels, N >= 10; got {tuple(feats.shape)}, "
-                         f"{tuple(labels.shape)}")
+    if feats.ndim != 2 or len(feats) != len(labels) or len(feats) < MIN_PROBE_IMAGES:
+        raise ValueError(f"fit_probe needs (N, D) features and N labels, N >= {MIN_PROBE_IMAGES}; got "
+                         f"{tuple(feats.shape)}, {tuple(labels.shape)}")
     if not 0 < held_out < 1:
         raise ValueError(f"held_out must be in (0, 1), got {held_out}")
     x = feats.double()

@@ -119,7 +119,7 @@ def _validate_images(model: nn.Module, images: Any) -> torch.Tensor:
 
 def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router: str = "attention",
               tilts: Sequence[float] = DEFAULT_TILTS, protects: Sequence[float] = DEFAULT_PROTECTS,
-              batch_size: int = 64) -> nn.Module:
+              batch_size: int = 64, closest: bool = False) -> nn.Module:
     """Turn the dense ``model`` into A-MoD fold with the schedule that keeps its features closest on ``images``.
 
     Args:
@@ -132,13 +132,15 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
         tilts, protects: the grid tried (see the module docstring); a candidate that cannot come within
             ``COST_TOLERANCE`` of the cost is left out before any image is run.
         batch_size: images per forward.
+        closest: where no candidate comes within the tolerance, run those whose cost is closest instead of refusing
+            (a sweep over a grid of costs, whose report flags the miss).
 
     Returns:
         ``model``, converted, with ``model.amod_calibration`` (a ``Calibration``).
 
     Raises:
-        ValueError: bad arguments, a converted model, images the model does not take, or a cost no candidate reaches
-            (naming the lowest one that does).
+        ValueError: bad arguments, a converted model, images the model does not take, or (unless ``closest``) a cost
+            no candidate reaches (naming the lowest one that does).
     """
     cost = validate_cost(cost)
     tilts = _validate_tilts(tilts)
@@ -166,6 +168,9 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
             config.capacity = capacity_for_cost(trial, cost)
             settings.append((tilt, protect, config.capacity, flops(trial).ratio))
     reachable = [s for s in settings if abs(s[3] - cost) / cost <= COST_TOLERANCE]
+    if not reachable and closest:
+        miss = min(abs(s[3] - cost) for s in settings)
+        reachable = [s for s in settings if abs(s[3] - cost) == miss]
     if not reachable:
         low = min(settings, key=lambda s: s[3])
         h, w = model.patch_embed.img_size

@@ -181,11 +181,11 @@ def set_keep(model: nn.Module, keep: float) -> nn.Module:
     return model
 
 
-def keep_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
+def keep_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float = COST_TOLERANCE) -> float:
     """The keep, on a grid of 0.001 steps in [0.5, 1], whose MACs are closest to ``cost`` x dense (``model``: a
     PiToMe model; its own keep is restored). The MACs only grow with keep: a bisection. Raises when even the
-    closest misses the cost by more than ``amod.cost.COST_TOLERANCE`` (PiToMe merges at most half of a block's
-    tokens, so its cost has a floor)."""
+    closest misses the cost by more than ``tolerance`` (relative; PiToMe merges at most half of a block's tokens, so
+    its cost has a floor)."""
     cost = validate_cost(cost)
     before = model.amod_pitome.keep
 
@@ -202,7 +202,7 @@ def keep_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
         got = ratio(best)
     finally:
         set_keep(model, before)
-    if abs(got - cost) / cost > COST_TOLERANCE:
+    if abs(got - cost) / cost > tolerance:
         raise ValueError(f"PiToMe cannot reach {cost:.3f} of dense on this model: the closest keep, {best / 1000:g}, "
                          f"costs {got:.3f}" + (" (each block merges at most half of its tokens)" if got > cost else ""))
     return best / 1000

@@ -17,15 +17,18 @@ from typing import Any, Optional, Union
 import yaml
 
 from ..cost import validate_cost
-from ..methods import Method, method_from_run_fields
+from ..methods import Dense, Method, MoD, method_from_run_fields
 from ..mod.config import DEFAULT_PROTECT, validate_capacity, validate_protect, validate_skipped
 from ..mod.modes import skipped_mode
 from . import engine
+from .any_cost import NEEDS_MOD
 from .distill import Distillation
 from .models import checkpoint_architecture
 
 # Fields that only mean something for an MoD model (a router given).
 MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect", "shape")
+# Fields that only mean something for a distilled run (--distill or --teacher given).
+DISTILL_ONLY = ("distill_logits", "distill_temperature", "distill_features")
 
 
 @dataclass
@@ -55,6 +58,9 @@ class RunConfig:
     # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
     tome_cost: Optional[float] = None
     tome_r: Optional[Union[int, list[int]]] = None
+    # PiToMe instead of MoD: a share of dense MACs to match, or the share of its patch tokens every block keeps
+    pitome_cost: Optional[float] = None
+    pitome_keep: Optional[float] = None  # (no flag: a PiToMe checkpoint's own, or a YAML file's)
     # distillation from a dense teacher (amod.train.distill): off unless --distill or --teacher
     distill: bool = False
     teacher: Optional[str] = None  # a dense model file with the data's classes (default: the starting weights)
@@ -120,12 +126,20 @@ class RunConfig:
         if not (0 <= self.warmup_epochs < math.inf and 0 <= self.weight_decay < math.inf) \
                 or not 0 <= self.label_smoothing < 1:
             raise ValueError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
-        if (self.tome_cost is not None or self.tome_r is not None) and (self.router is not None or self.isoflop):
-            raise ValueError("token merging (--tome-cost/--tome-r) replaces MoD: drop --router/--isoflop")
+        merging = [name for name, given in (("token merging (--tome-cost/--tome-r)", (self.tome_cost, self.tome_r)),
+                                            ("PiToMe (--pitome-cost)", (self.pitome_cost, self.pitome_keep)))
+                   if given != (None, None)]
+        if len(merging) > 1:
+            raise ValueError(f"give one of {' and '.join(merging)}, not both")
+        if merging and (self.router is not None or self.isoflop):
+            raise ValueError(f"{merging[0]} replaces MoD: drop --router/--isoflop")
         if self.tome_cost is not None and self.tome_r is not None:
             raise ValueError("give either --tome-cost or --tome-r, not both")
-        if self.tome_cost is not None:
-            validate_cost(self.tome_cost, "--tome-cost")
+        if self.pitome_cost is not None and self.pitome_keep is not None:
+            raise ValueError("give either --pitome-cost or pitome_keep, not both")
+        for name in ("tome_cost", "pitome_cost"):
+            if getattr(self, name) is not None:
+                validate_cost(getattr(self, name), f"--{_flag(name)}")
         if self.isoflop and self.router is None:
             raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
         if self.pretrained and self.checkpoint:
@@ -138,9 +152,9 @@ class RunConfig:
             if len(self.any_cost) != 2 or not 0 < self.any_cost[0] < self.any_cost[1] <= 1:
                 raise ValueError(f"--any-cost takes LOW HIGH, shares of the dense MACs with 0 < LOW < HIGH <= 1, got "
                                  f"{self.any_cost}")
-            if self.router is None or self.isoflop:
-                raise ValueError("--any-cost turns an MoD model's capacity per step: give --router (and --skipped "
-                                 "fold for the dial that serves every cost)")
+            method = self.method()  # Dense with a --checkpoint: the file decides (``AnyCost`` checks the model)
+            if not isinstance(method, MoD) and not (isinstance(method, Dense) and self.checkpoint):
+                raise ValueError(NEEDS_MOD)
         return self
 
     def distillation(self) -> Distillation:
@@ -204,13 +218,25 @@ def check_types(values: Any, source: str) -> None:
             raise ValueError(f"{source}: {name} must be {_type_name(hints[name])}, got {value!r}")
 
 
+def _refuse_ignored(given: dict[str, Any], names: tuple[str, ...], needs: str) -> None:
+    """Refuse the options among ``names`` that ``given`` (by field name) holds, which the run would ignore without a
+    word; ``needs``: what they apply to and what to do, in words."""
+    ignored = [f"--{_flag(k)}" for k in names if k in given]
+    if ignored:
+        raise ValueError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to {needs}")
+
+
 def mod_options_without_router(given: dict[str, Any], router: Optional[str], isoflop: bool) -> None:
     """Refuse MoD options given for a dense run, where they would be ignored without a word."""
     if router is None and not isoflop:
-        ignored = [f"--{_flag(k)}" for k in MOD_ONLY if k in given]
-        if ignored:
-            raise ValueError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to an "
-                             "MoD model; add --router (attention, standard, ...) or leave it out")
+        _refuse_ignored(given, MOD_ONLY, "an MoD model; add --router (attention, standard, ...) or leave it out")
+
+
+def distill_options_without_distill(given: dict[str, Any], distill: bool, teacher: Optional[str]) -> None:
+    """Refuse distillation's weights given for a run that does not distil, where they would be ignored without a
+    word (``--teacher`` turns distillation on, ``--distill-logits`` and the others do not)."""
+    if not distill and teacher is None:
+        _refuse_ignored(given, DISTILL_ONLY, "a distilled run; add --distill (or --teacher FILE) or leave it out")
 
 
 def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resume: bool = False,
@@ -231,6 +257,7 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
         raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
     mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
+    distill_options_without_distill({**yaml_values, **flags}, cfg.distill, cfg.teacher)
     if not resume and "model" in {**yaml_values, **flags} and cfg.checkpoint:
         # (RunConfig.model has a default, so only here can a given --model be told from it)
         arch = checkpoint_architecture(cfg.checkpoint)

@@ -7,9 +7,10 @@ on the same images:
            + logits · T² · KL(softmax(teacher / T) ‖ softmax(student / T))
            + features · (1 − cos(student features, teacher features))
 
-where the features are what the classifier reads (timm's pre-logits: the class token after the final norm). The
-teacher runs without gradients in eval mode; it is the dense model a user finetuned (``--teacher FILE``) or the
-dense starting weights, frozen.
+where the features are what the classifier reads (timm's pre-logits: the class token after the final norm; for a
+distilled DeiT, whose two heads read its class and distillation tokens and whose logits are the mean of theirs, the
+mean of the two tokens). The teacher runs without gradients in eval mode; it is the dense model a user finetuned
+(``--teacher FILE``) or the dense starting weights, frozen.
 
 On data without random augmentation the teacher's outputs for an image never change, so ``TeacherOutputs`` keeps
 them per image index on disk: every later run (of any method, any seed) that reads the image pays nothing for the
@@ -75,26 +76,30 @@ class Distillation:
         return loss
 
 
-def classifier_of(model: nn.Module) -> nn.Module:
-    """The module that turns features into logits (timm's ``get_classifier()``)."""
+def classifiers_of(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules that turn features into logits (timm's ``get_classifier()``): one, or a distilled DeiT's two (on
+    its class and distillation tokens; the model averages their logits)."""
     inner = getattr(model, "module", model)  # DistributedDataParallel
     get = getattr(inner, "get_classifier", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Module) or isinstance(head, nn.Identity):
-        raise ValueError(f"{type(inner).__name__} has no classifier to distill into: distillation trains a model with "
-                         "a head (give --num-classes, or finetune a model that has one)")
-    return head
+    heads = get() if callable(get) else None
+    heads = tuple(heads) if isinstance(heads, (tuple, list)) else (heads,)
+    if not all(isinstance(head, nn.Module) and not isinstance(head, nn.Identity) for head in heads):
+        raise ValueError(f"{type(inner).__name__} has no classifier (timm's get_classifier) to distill into: "
+                         "distillation trains a model with a classification head")
+    return heads
 
 
 @contextlib.contextmanager
 def head_inputs(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Inside, every forward of ``model`` appends what its classifier read (the features) to the yielded list."""
+    """Inside, every forward of ``model`` appends what each of its classifiers read to the yielded list."""
     seen: list[torch.Tensor] = []
-    handle = classifier_of(model).register_forward_hook(lambda module, args, output: seen.append(args[0]))
+    handles = [head.register_forward_hook(lambda module, args, output: seen.append(args[0]))
+               for head in classifiers_of(model)]
     try:
         yield seen
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def training_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, distillation: Optional[Distillation],
@@ -111,14 +116,17 @@ def training_loss(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, disti
 
 def forward_with_features(model: nn.Module, x: torch.Tensor, want_features: bool
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``model(x)`` and, when asked, the features its classifier read in that forward."""
+    """``model(x)`` and, when asked, the features its classifier read in that forward (a distilled DeiT's: the mean
+    of what its two heads read, timm's pre-logits)."""
     if not want_features:
         return model(x), None
+    heads = len(classifiers_of(model))
     with head_inputs(model) as seen:
         logits = model(x)
-    if len(seen) != 1:
-        raise RuntimeError(f"the classifier ran {len(seen)} times in one forward; distilling features needs one")
-    return logits, seen[0]
+    if len(seen) != heads:
+        raise RuntimeError(f"the model's {heads} classifier{'s' if heads > 1 else ''} ran {len(seen)} times in one "
+                           f"forward; distilling features needs each to run once")
+    return logits, sum(seen) / heads
 
 
 class Teacher:
@@ -128,7 +136,7 @@ class Teacher:
         self.model = copy.deepcopy(model).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        classifier_of(self.model)
+        classifiers_of(self.model)
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

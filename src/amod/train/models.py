@@ -55,12 +55,17 @@ def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in ckpt.items()}
 
 
-def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> bool:
+STUDENT_HINT = "set --model, --embed-dim, --depth and --num-heads to the checkpoint's architecture"
+# a .pth teacher has no architecture of its own: it is read into the run's (the student's) model
+TEACHER_HINT = ("a .pth teacher is read into the student's architecture (--model, --embed-dim, --depth, --num-heads): "
+                "give a teacher of that architecture, or an amod .safetensors teacher, which keeps its own")
+
+
+def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path, hint: str = STUDENT_HINT) -> bool:
     """Load a foreign (timm/DeiT) state dict: resample pos_embed, adapt input channels, drop a head of
-    another size. Anything else that does not fit is an error. Returns whether the model's classifier came from
-    the file (False: it was dropped for another size, or the model has none)."""
+    another size. Anything else that does not fit is an error (ending in ``hint``: what to change). Returns whether
+    the model's classifier came from the file (False: it was dropped for another size, or the model has none)."""
     own = model.state_dict()
-    hint = "set --model, --embed-dim, --depth and --num-heads to the checkpoint's architecture"
     try:
         state = checkpoint_filter_fn(state, model)
     except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
@@ -81,7 +86,8 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> 
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in dropped]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                         f"{hint}")
     if dropped:
         log.info("checkpoint head has another number of classes: new head initialised")
     return not dropped and "head.weight" in own and "head.weight" in state
@@ -194,7 +200,7 @@ def checkpoint_architecture(path: Any) -> Optional[tuple[str, dict[str, Any]]]:
 def checkpoint_settings(cfg: Any) -> dict[str, Any]:
     """The run-config fields that a model saved by amod (``cfg.checkpoint``) decides, with its values:
     the architecture (model, patch_size, depth, embed_dim, num_heads) and, when ``cfg`` selects no
-    method, the file's method (MoD, token merging). Empty for any other starting point.
+    method, the file's method (MoD, ToMe, PiToMe). Empty for any other starting point.
 
     Raises:
         ValueError: ``cfg`` asks for another architecture, or for stochastic depth, which such a file
@@ -268,7 +274,7 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
         if _is_amod_file(path):
             teacher = fit_to_data(load_amod(path), in_chans, img_size)
         else:
-            teacher, head_loaded = _from_weights_file(cfg, path, num_classes, in_chans, img_size)
+            teacher, head_loaded = _from_weights_file(cfg, path, num_classes, in_chans, img_size, TEACHER_HINT)
             if not head_loaded and cfg.distill_logits > 0:
                 raise ValueError(f"the teacher {path} has no classifier for the data's {num_classes} classes, so its "
                                  "logits would teach nothing: give a teacher finetuned on this data, or distil "
@@ -279,7 +285,8 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
         if cfg.checkpoint and not _is_amod_file(Path(cfg.checkpoint)):  # a state dict file: loading it tells
             teacher, trained_head = _from_weights_file(cfg, Path(cfg.checkpoint), num_classes, in_chans, img_size)
         else:
-            dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, any_cost=None)
+            dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, pitome_cost=None,
+                                        pitome_keep=None, any_cost=None)
             teacher = build_model(dense, num_classes, in_chans, img_size)
             trained_head = _trained_head(cfg, num_classes)
         if cfg.distill_logits > 0 and not trained_head:
@@ -294,12 +301,12 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
     return teacher
 
 
-def _from_weights_file(cfg: Any, path: Path, num_classes: int, in_chans: int,
-                       img_size: int) -> tuple[nn.Module, bool]:
+def _from_weights_file(cfg: Any, path: Path, num_classes: int, in_chans: int, img_size: int,
+                       hint: str = STUDENT_HINT) -> tuple[nn.Module, bool]:
     """``cfg.model`` with a timm/DeiT state dict file's weights (a head of another size is dropped), and whether
-    its classifier came from the file."""
+    its classifier came from the file; ``hint``: what to change where it does not fit."""
     model = _create(cfg.model, False, model_overrides(cfg, num_classes, in_chans, img_size))
-    head_loaded = _load_into(model, load_state_dict_file(path), path)
+    head_loaded = _load_into(model, load_state_dict_file(path), path, hint)
     return model, head_loaded
 
 

@@ -70,6 +70,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         engine.seed_everything(cfg.seed)
         img_size = cfg.img_size or info.img_size
         model = build_model(cfg, num_classes, info.in_chans, img_size)
+        any_cost = AnyCost(model, *cfg.any_cost).check_reachable() if cfg.any_cost else None
         teacher = Teacher(build_teacher(cfg, num_classes, info.in_chans, img_size)) if cfg.distill else None
         if teacher is not None:
             teacher.check_student(model, train_ds[0][0][None], cfg.distill_features > 0)
@@ -81,7 +82,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         with RunDirectory(out, lock=dist_info.main):
             if state is None and ckpt_path.exists():  # another run finished here while we were getting ready
                 raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it")
-            return _train(cfg, model, state, train_ds, val_ds, info, dist_info, teacher)
+            return _train(cfg, model, state, train_ds, val_ds, info, dist_info, teacher, any_cost)
     finally:
         engine.teardown_distributed()
 
@@ -104,15 +105,15 @@ def _num_classes(cfg: RunConfig, info: DataInfo) -> int:
     return cfg.num_classes
 
 
-def _any_cost_dial(cfg: RunConfig, model: torch.nn.Module, scheduler: Any) -> Callable[[], None]:
+def _any_cost_dial(cfg: RunConfig, model: torch.nn.Module, any_cost: AnyCost, scheduler: Any) -> Callable[[], None]:
     """Before each step of an ``--any-cost`` run: set the capacity drawn for (seed, step) (``AnyCost``)."""
-    dial = AnyCost(model, *cfg.any_cost)
-    return lambda: set_capacity(model, dial.capacity(cfg.seed, scheduler.last_epoch))
+    return lambda: set_capacity(model, any_cost.capacity(cfg.seed, scheduler.last_epoch))
 
 
 def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any]], train_ds, val_ds,
-           info: DataInfo, dist_info: engine.Dist, teacher: Optional[Teacher] = None) -> dict[str, Any]:
-    """The loop, once the run directory is held."""
+           info: DataInfo, dist_info: engine.Dist, teacher: Optional[Teacher] = None,
+           any_cost: Optional[AnyCost] = None) -> dict[str, Any]:
+    """The loop, once the run directory is held; ``any_cost``: the dial of an ``--any-cost`` run."""
     out = Path(cfg.out)
     ckpt_path = out / "checkpoint.pt"
     start_epoch = 1 if state is None else state["epoch"] + 1
@@ -129,7 +130,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         engine.set_router_state(model, state.get("routers", {}))
         log.info("resumed %s after epoch %d", out, state["epoch"])
     train_model = DistributedDataParallel(model) if dist_info.world > 1 else model
-    dial = _any_cost_dial(cfg, model, scheduler) if cfg.any_cost else None
+    dial = _any_cost_dial(cfg, model, any_cost, scheduler) if any_cost is not None else None
 
     writer = engine.MetricsWriter(out, dist_info.main)
     if dist_info.main:
