@@ -51,7 +51,8 @@ def test_the_merge_is_the_papers_rule():
     B, p, n, D = 3, 2, 11, 6
     x = torch.randn(B, p + n, D, generator=g)
     size = torch.randint(1, 4, (B, p + n, 1), generator=g).float()
-    metric = torch.randn(B, p + n, 5, generator=g)
+    size[:, :p] = 1  # prefix tokens never merge
+    metric = F.normalize(torch.randn(B, p + n, 5, generator=g), dim=-1)  # (the attention's unit vectors)
     for r in (1, 3, 5):
         out, new_size = energy_merge(x, size, metric, r, p, margin(2, 12))
         assert out.shape == (B, p + n - r, D) and new_size.shape == (B, p + n - r, 1)
@@ -68,7 +69,7 @@ def test_an_isolated_token_is_protected_and_near_duplicates_merge():
     keys = torch.cat([centres[0] + 0.01 * torch.randn(5, 8, generator=g), centres[1] + 0.01 * torch.randn(5, 8, generator=g),
                       centres[2:3]])
     x = torch.cat([torch.zeros(1, 8), keys]).unsqueeze(0)  # one prefix token, then the 11 patch tokens
-    out, size = energy_merge(x, torch.ones(1, 12, 1), x, 5, 1, 0.5)
+    out, size = energy_merge(x, torch.ones(1, 12, 1), F.normalize(x, dim=-1), 5, 1, 0.5)
     kept = [i for i, row in enumerate(out[0]) if torch.equal(row, centres[2])]
     assert len(kept) == 1 and size[0, kept[0]].item() == 1  # kept as it was, on its own
     assert out.shape[1] == 1 + 6 and size[0, 1:].sum().item() == 11  # five merges among the ten clustered tokens

@@ -33,13 +33,7 @@ from torch import nn
 
 from .cost import BlockPrice, attention_macs, linear_macs_per_token
 from .ops import attention_inputs, attention_output, attention_probs, recomputing
-from .tokens import ForwardMemo, TokenSizes
-
-
-def proportional_bias(size: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """Proportional attention as an additive mask: log(size) (B, N, 1) -> (B, 1, 1, N); None while every
-    token stands for itself."""
-    return None if size is None else size.log().to(dtype).transpose(1, 2).unsqueeze(1)
+from .tokens import ForwardMemo, TokenSizes, proportional_bias
 
 
 ALL_ROWS = -1  # ``class_rows`` of a model without a class token: every token's row (the attention it receives)
@@ -64,16 +58,18 @@ def reduction_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int, class_r
 
 
 class SizedAttention(Attention):
-    """timm ``Attention`` that, when its block asks (``amod_want``), also keeps the keys' mean over heads
-    (``amod_metric``: what tokens are matched on) and the mean attention of its first ``amod_class_rows``
-    query rows (``amod_importance``: the attention each token receives from the class tokens; with ``ALL_ROWS``,
-    from every token, A-MoD's own score, for a model without a class token).
+    """timm ``Attention`` that, when its block asks (``amod_want``), also keeps what the block's reduction is decided
+    on: the keys' mean over heads, normalised (``amod_metric``: what tokens are matched on) and, where the block asks
+    for it (``amod_want_importance``), the mean attention of the first ``amod_class_rows`` query rows
+    (``amod_importance``: the attention each token receives from the class tokens; with ``ALL_ROWS``, from every
+    token, A-MoD's own score, for a model without a class token).
 
     The output is timm's attention, fused or explicit, with the proportional-attention bias as its mask;
     the class rows are computed again on their own (rows x N products), so nothing forms the N x N matrix.
     """
 
-    amod_want: bool  # set by the block: keep the metric (and the importance) of this forward
+    amod_want: bool  # set by the block: keep the metric of this forward
+    amod_want_importance: bool  # set by the block: keep the importance too
     amod_class_rows: int  # class-token rows whose attention is the importance; 0: none; ALL_ROWS: every row
     amod_metric: Optional[torch.Tensor]
     amod_importance: Optional[torch.Tensor]
@@ -87,13 +83,13 @@ class SizedAttention(Attention):
         else:
             o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
         if self.amod_want:
-            rows = importance_rows(self.amod_class_rows, x.shape[1])
-            if rows > 0:
-                with torch.no_grad():  # the importance ranks tokens, a discrete choice: no gradient through it
+            with torch.no_grad():  # what is merged, and what protected, is a discrete choice: no gradient through it
+                rows = importance_rows(self.amod_class_rows, x.shape[1])
+                if self.amod_want_importance and rows > 0:
                     # the class tokens' rows of the attention, (B, H, rows, N), averaged over heads and rows
-                    probs = attention_probs(q[:, :, :rows] * self.scale, k, 1.0, attn_mask)
-                    self.amod_importance = probs.mean(dim=(1, 2))  # (B, N)
-            self.amod_metric = k.mean(1)  # (B, N, hd): what the tokens are matched on
+                    self.amod_importance = attention_probs(q[:, :, :rows], k, self.scale, attn_mask).mean(dim=(1, 2))
+                metric = k.mean(1)  # (B, N, hd): what the tokens are matched on, as unit vectors
+                self.amod_metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         return attention_output(self, o, gate)
 
     def amod_take(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -132,11 +128,15 @@ class SizedTokensBlock(Block):
         to price at instead of the model's, where the block has one)."""
         raise NotImplementedError
 
-    def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
+    def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens (B, N, D) with sizes (B, N, 1) -> the N - r tokens left and their sizes; ``metric`` (B, N, hd)
-        and ``importance`` (B, N; with class rows only) from this block's attention."""
+        """Tokens (B, N, D) with sizes (B, N, 1; None: all 1) -> the N - r tokens left and their sizes; ``metric``
+        (B, N, hd, unit vectors) and ``importance`` (B, N; where ``_wants_importance``) from this block's attention."""
         raise NotImplementedError
+
+    def _wants_importance(self) -> bool:
+        """Whether ``_reduce`` reads the importance (the attention the class tokens give), which costs its rows."""
+        return False
 
     def _read_state(self) -> Any:
         """What else a forward reads from outside its input, remembered for a recompute (e.g. random draws)."""
@@ -153,26 +153,27 @@ class SizedTokensBlock(Block):
         if attn_mask is not None or is_causal:
             raise NotImplementedError(f"{self.amod_kind}s do not support attention masks or causal attention")
         settings = self.amod
+        sizes = settings.sizes
         # gradient checkpointing's recompute takes the sizes and state of its forward and leaves the shared sizes alone
         replay = recomputing()
         if replay:
             size, state = settings.memo.recall(x, self.amod_kind)
+            bias = proportional_bias(size)
         else:
             if settings.first:
-                settings.sizes.size = None  # a new forward: every token stands for itself
-            size, state = settings.sizes.size, self._read_state()
+                sizes.set(None)  # a new forward: every token stands for itself
+            size, bias, state = sizes.size, sizes.bias, self._read_state()
             settings.memo.remember(x, (size, state))
         r = self._removed(x.shape[1] - settings.num_prefix)
         self.attn.amod_want = r > 0
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=proportional_bias(size, x.dtype))))
+        self.attn.amod_want_importance = r > 0 and self._wants_importance()
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=bias)))
         if r > 0:
             metric, importance = self.attn.amod_take()
-            if size is None:
-                size = x.new_ones(x.shape[0], x.shape[1], 1)
             with self._replay(state) if replay else contextlib.nullcontext():
                 x, size = self._reduce(x, size, metric, importance, r)  # (B, N - r, D), (B, N - r, 1)
             if not replay:
-                settings.sizes.size = size
+                sizes.set(size)
         if not replay:
             self.amod_last_tokens = x.shape[1]
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -193,7 +194,7 @@ def make_sized(blk: nn.Module, block_cls: type[SizedTokensBlock], settings: Size
     """
     blk.__class__ = block_cls
     blk.attn.__class__ = SizedAttention
-    blk.attn.amod_want = False
+    blk.attn.amod_want = blk.attn.amod_want_importance = False
     blk.attn.amod_class_rows = class_rows
     blk.attn.amod_metric = blk.attn.amod_importance = None
     blk.amod = settings

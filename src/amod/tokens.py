@@ -66,73 +66,98 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 # ---------------------------------------------------------------- sized tokens
 
 class TokenSizes:
-    """Token sizes (B, N, 1), the patches each token stands for, shared by the blocks of one model that
-    reduces tokens (fold, ToMe: ``amod.reduce``) during one forward; None while every size is 1."""
+    """The state of one forward that every block of a model that reduces tokens (fold, ToMe, PiToMe: ``amod.reduce``)
+    shares: the token sizes (B, N, 1), the patches each token stands for, and the proportional-attention bias made of
+    them, log(size) as (B, 1, 1, N) (``proportional_bias``); both None while every size is 1."""
 
     def __init__(self) -> None:
         self.size: Optional[torch.Tensor] = None
+        self.bias: Optional[torch.Tensor] = None
+
+    def set(self, size: Optional[torch.Tensor]) -> None:
+        """The sizes after a reduction, and their bias (made once here, read by every later block)."""
+        self.size, self.bias = size, proportional_bias(size)
 
     def __repr__(self) -> str:
         return f"TokenSizes(tokens={None if self.size is None else self.size.shape[1]})"
 
 
-def bipartite_soft_matching(metric: torch.Tensor, r: int, protected: Optional[torch.Tensor] = None
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ToMe's matching on patch tokens only.
+def proportional_bias(size: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Proportional attention as an additive mask: log(size) (B, N, 1) -> (B, 1, 1, N); None while every token
+    stands for itself. A token then counts in every query's softmax as many times as the patches it holds."""
+    return None if size is None else size.log().view(size.shape[0], 1, 1, size.shape[1])
+
+
+def with_sizes(x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:
+    """Tokens (B, N, D) and their sizes (B, N, 1; None: every size 1) as one (B, N, D + 1) tensor: each token times
+    its size, then the size. Averages by size are then sums of its rows, and one gather or scatter moves a token's
+    features and its size together (``without_sizes`` divides them out again)."""
+    if size is None:
+        return torch.cat([x, x.new_ones(x.shape[0], x.shape[1], 1)], dim=-1)
+    return torch.cat([x * size, size], dim=-1)
+
+
+def without_sizes(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``with_sizes``'s (B, N, D + 1) sums -> the tokens' size-weighted averages (B, N, D) and their sizes (B, N, 1).
+
+    The sizes are counts, not activations: they carry no gradient (detached where the sums carry one), so the
+    proportional bias made of them is not part of any block's autograd graph (gradient checkpointing recomputes it).
+    """
+    size = xs[..., -1:]
+    if size.requires_grad:
+        size = size.detach()
+    return xs[..., :-1] / size, size
+
+
+def bipartite_matching(metric: torch.Tensor, num_prefix: int, protected: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ToMe's bipartite soft matching of the patch tokens: they alternate into set A (even patch positions) and set
+    B (odd ones), and each A token's partner is its most similar B token.
 
     Args:
-        metric: (B, n, c) features to compare (keys averaged over heads).
-        r: pairs to merge, at most n // 2 (with ``protected``: at most the unprotected A tokens).
-        protected: optional (B, n) bool; a protected token is neither merged away (as an A token) nor
-            merged into (as a B token).
+        metric: (B, N, c) unit vectors to compare (``SizedAttention``'s: the keys averaged over heads, normalised);
+            the first ``num_prefix`` (prefix tokens) take no part.
+        protected: optional (B, N - num_prefix) bool over the patch tokens; a protected token is neither merged
+            away (as an A token: it ranks last) nor merged into (as a B token: no A token takes it as a partner).
 
     Returns:
-        (unmerged, src, dst): indices into set A (even positions) of the A tokens kept, (B, a - r, 1),
-        and of those merged, (B, r, 1); and, for each merged A token, its partner's index in set B
-        (odd positions), (B, r, 1).
+        ``order`` (B, |A|): the A tokens from the most similar partner down (ties by position), so that merging r
+        pairs merges the first r; ``partner`` (B, |A|): each A token's partner, an index into set B.
     """
-    metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    a, b = metric[:, ::2], metric[:, 1::2]
-    scores = a @ b.transpose(-1, -2)  # (B, |A|, |B|) cosine similarities
+    a, b = metric[:, num_prefix::2], metric[:, num_prefix + 1::2]
+    scores = torch.bmm(a, b.transpose(1, 2))  # (B, |A|, |B|) cosine similarities
     if protected is not None:
-        scores = scores.masked_fill(protected[:, 1::2].unsqueeze(1), -math.inf)  # never into a protected B
-    node_max, node_idx = scores.max(dim=-1)
+        scores = scores.masked_fill(protected[:, None, 1::2], -math.inf)  # never into a protected B
+    best, partner = scores.max(dim=-1)
     if protected is not None:
-        node_max = node_max.masked_fill(protected[:, ::2], -math.inf)  # a protected A token stays
-    edge_idx = descending_order(node_max)[..., None]  # ties (protected tokens: all -inf) by position
-    unmerged, src = edge_idx[:, r:], edge_idx[:, :r]
-    dst = node_idx[..., None].gather(1, src)
-    return unmerged, src, dst
+        best = best.masked_fill(protected[:, ::2], -math.inf)  # a protected A token stays
+    return descending_order(best), partner  # ties (protected tokens: all -inf) by position
 
 
-def _pair_sum(x: torch.Tensor, unmerged: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """Set A's unmerged tokens, then set B with A's merged tokens added to their partners.
+def merge_matched(xs: torch.Tensor, order: torch.Tensor, partner: torch.Tensor, r: int, num_prefix: int
+                  ) -> torch.Tensor:
+    """Merge the first r A tokens of ``order`` into their partners (``bipartite_matching``) in ``with_sizes``'s
+    (B, N, C) sums: (B, N - r, C), in ToMe's order: the prefix tokens, set A's unmerged tokens (in ``order``), set B.
+    A handful of operations with static shapes: one gather puts set A in order, one scatter-add merges."""
+    C = xs.shape[-1]
+    p = num_prefix
+    a = xs[:, p::2].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # set A in matching order: the merged first
+    into = partner.gather(1, order[:, :r]).unsqueeze(-1).expand(-1, -1, C)  # (B, r, C): each merged one's partner
+    b = xs[:, p + 1::2].scatter_add(1, into, a[:, :r])
+    return torch.cat([xs[:, :p], a[:, r:], b], dim=1)
 
-    ``x``: (B, n, c) patch tokens, contiguous; set A = even positions, set B = odd positions.
-    """
-    B, n, c = x.shape
-    kept = gather_tokens(x, 2 * unmerged.squeeze(-1))  # A's index i is position 2i: no copy of A first
-    moved = gather_tokens(x, 2 * src.squeeze(-1))
-    b = x[:, 1::2].reshape(B * (n // 2), c)
-    b = b.index_add(0, flat_index(dst.squeeze(-1), n // 2), moved.reshape(-1, c)).view(B, n // 2, c)
-    return torch.cat([kept, b], dim=1)
 
+def reduce_weighted(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, r: int, num_prefix: int,
+                    protected: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Remove r patch tokens of ``x`` (B, N, D) with sizes ``size`` (B, N, 1; None: all 1): the r best pairs of
+    ``bipartite_matching`` on ``metric`` (B, N, c), each A token averaged into its B partner by size; prefix tokens
+    stay. ``protected``: see ``bipartite_matching``.
 
-def reduce_weighted(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int,
-                    num_prefix: int, protected: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Remove r patch tokens of ``x`` (B, N, D): the r best pairs of ``bipartite_soft_matching`` on ``metric``
-    (B, N, c), each A token averaged into its B partner by size; prefix tokens stay.
-
-    ``protected``: optional (B, N - num_prefix) bool over the patch tokens (see ``bipartite_soft_matching``).
-    Returns the tokens left (B, N - r, D) in ToMe's order (set A's unmatched tokens, then set B) and their
+    Returns the tokens left (B, N - r, D) in ToMe's order (prefix, set A's unmerged tokens, then set B) and their
     sizes (B, N - r, 1).
     """
-    p = num_prefix
-    unmerged, src, dst = bipartite_soft_matching(metric[:, p:], r, protected)
-    weighted = _pair_sum(x[:, p:] * size[:, p:], unmerged, src, dst)
-    new_size = _pair_sum(size[:, p:].contiguous(), unmerged, src, dst)
-    merged = weighted / new_size
-    return torch.cat([x[:, :p], merged.to(x.dtype)], 1), torch.cat([size[:, :p], new_size], 1)
+    order, partner = bipartite_matching(metric, num_prefix, protected)
+    return without_sizes(merge_matched(with_sizes(x, size), order, partner, r, num_prefix))
 
 
 # ---------------------------------------------------------------- gradient checkpointing

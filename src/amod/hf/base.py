@@ -469,7 +469,7 @@ class HFFamily(HFCheckpoints, ViTFamily):
     def make_sized(self, block: nn.Module, block_cls: type, settings: Any, class_rows: int = 0) -> None:
         self._swap(block, block_cls, layer=True)
         self._swap(block.attn, SizedAttention, layer=False)
-        block.attn.amod_want = False
+        block.attn.amod_want = block.attn.amod_want_importance = False
         block.attn.amod_class_rows = class_rows
         block.attn.amod_metric = block.attn.amod_importance = None
         block.amod = settings

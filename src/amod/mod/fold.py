@@ -98,16 +98,18 @@ class FoldBlock(SizedTokensBlock):
         return fold_count(block_capacity(capacity, config.static("shape"), self.amod.index), tokens,
                           config.static("protect"))
 
-    def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
+    def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.amod.num_prefix
-        scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
         q = protected_count(self.amod.config.static("protect"), x.shape[1] - p)
         protected = None
         if q > 0:
-            top = top_indices(scores, q)
-            protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+            scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
+            protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top_indices(scores, q), True)
         return reduce_weighted(x, size, metric, r, p, protected=protected)
+
+    def _wants_importance(self) -> bool:
+        return self.amod.config.static("protect") > 0  # the router ranks by it only to protect
 
     def _read_state(self) -> Optional[int]:
         return self.router.draw_state()  # the random router's draws: a recompute protects what its forward did

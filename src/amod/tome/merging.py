@@ -55,7 +55,7 @@ class ToMeBlock(SizedTokensBlock):
     def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
         return min(self.amod.r, tokens // 2)  # (a capacity does not apply to token merging)
 
-    def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
+    def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         return reduce_weighted(x, size, metric, r, self.amod.num_prefix)
 

@@ -39,7 +39,7 @@ from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from ..families import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
-from ..tokens import TokenSizes, descending_order, flat_index, gather_tokens
+from ..tokens import TokenSizes, descending_order, with_sizes, without_sizes
 from .merging import check_mergeable
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
@@ -55,12 +55,13 @@ def pitome_count(keep: float, tokens: int) -> int:
     return max(0, min(math.floor(tokens - keep * tokens + 1e-9), tokens // 2))
 
 
-def energy_merge(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: int, num_prefix: int,
+def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, r: int, num_prefix: int,
                  block_margin: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Remove r patch tokens of ``x`` (B, N, D) by PiToMe's rule (see the module docstring); prefix tokens stay.
 
     Args:
-        x: tokens, prefix first; size: their sizes (B, N, 1); metric: (B, N, c) keys averaged over heads.
+        x: tokens, prefix first; size: their sizes (B, N, 1; None: all 1); metric: (B, N, c) keys averaged over
+            heads, as unit vectors.
         r: tokens removed, at most half of the patch tokens.
         block_margin: the energy's margin in this block.
 
@@ -69,29 +70,20 @@ def energy_merge(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r: i
         set A merged in; and their sizes (B, N - r, 1).
     """
     p = num_prefix
-    B, N, D = x.shape
     with torch.no_grad():  # which tokens merge is a discrete choice: no gradient through it
-        m = F.normalize(metric[:, p:].float(), dim=-1)
-        sim = m @ m.transpose(-1, -2)  # (B, n, n) cosine similarities of the patch tokens
+        m = metric[:, p:].float()
+        sim = torch.bmm(m, m.transpose(1, 2))  # (B, n, n) cosine similarities of the patch tokens
         energy = F.elu(sim - block_margin, alpha=ALPHA).mean(-1)  # (B, n)
         order = descending_order(energy)  # highest energy first, ties by position
-        a, b, protected = order[:, 0:2 * r:2], order[:, 1:2 * r:2], order[:, 2 * r:]
+        a, b = order[:, 0:2 * r:2], order[:, 1:2 * r:2]
         n = sim.shape[-1]
-        sim_ab = sim.gather(1, a.unsqueeze(-1).expand(B, r, n)).gather(2, b.unsqueeze(1).expand(B, r, r))
-        dst = sim_ab.argmax(-1)  # (B, r): each A token's partner, an index into b
-    patches, sizes = x[:, p:], size[:, p:].contiguous()
-    weighted = patches * sizes
-
-    def merged_b(values: torch.Tensor) -> torch.Tensor:
-        """Set B's rows of ``values`` (B, n, c) with set A's added to their partners: (B, r, c)."""
-        c = values.shape[-1]
-        into = gather_tokens(values, b).reshape(B * r, c)
-        return into.index_add(0, flat_index(dst, r), gather_tokens(values, a).reshape(B * r, c)).view(B, r, c)
-
-    new_size = merged_b(sizes)
-    merged = merged_b(weighted) / new_size
-    out = torch.cat([x[:, :p], gather_tokens(patches.contiguous(), protected), merged.to(x.dtype)], 1)
-    return out, torch.cat([size[:, :p], gather_tokens(sizes, protected), new_size], 1)
+        sim_ab = sim.gather(1, a.unsqueeze(-1).expand(-1, -1, n)).gather(2, b.unsqueeze(1).expand(-1, r, -1))
+        into = sim_ab.argmax(-1)  # (B, r): each A token's partner, an index into b
+    xs = with_sizes(x, size)  # (B, N, D + 1): one gather and one scatter-add move features and sizes together
+    C = xs.shape[-1]
+    patches = xs[:, p:].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # in energy order
+    merged = patches[:, 1:2 * r:2].scatter_add(1, into.unsqueeze(-1).expand(-1, -1, C), patches[:, 0:2 * r:2])
+    return without_sizes(torch.cat([xs[:, :p], patches[:, 2 * r:], merged], dim=1))
 
 
 @dataclass(kw_only=True)
@@ -112,7 +104,7 @@ class PiToMeBlock(SizedTokensBlock):
     def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
         return pitome_count(self.amod.static("keep"), tokens)  # (a compile-time constant: amod.static)  # (a capacity does not apply to token merging)
 
-    def _reduce(self, x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor,
+    def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         return energy_merge(x, size, metric, r, self.amod.num_prefix, self.amod.margin)
 
