@@ -25,7 +25,7 @@ from amod.experiments.probe import features, fit_probe, mean_cosine
 from amod.methods import MoD, TokenMerging
 from amod.mod import fold as fold_module
 from amod.weights import weights_path
-from amod.tokens import bipartite_soft_matching, gather_tokens, reduce_weighted
+from amod.tokens import bipartite_matching, gather_tokens, reduce_weighted
 from amod.train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, load_fashion_mnist
 from amod.train.models import fit_to_data
 
@@ -37,10 +37,10 @@ def reduce_in_order(x: torch.Tensor, size: torch.Tensor, metric: torch.Tensor, r
     fold, so the next block's sets A and B alternate over neighbouring tokens again."""
     out, new_size = reduce_weighted(x, size, metric, r, num_prefix, protected=protected)
     p = num_prefix
-    unmerged, _, _ = bipartite_soft_matching(metric[:, p:], r, protected)  # the library's matching, again
+    unmerged = bipartite_matching(metric, p, protected)[0][:, r:]  # the library's matching, again
     B, n = x.shape[0], x.shape[1] - p
     odd = torch.arange(1, n, 2, device=x.device).expand(B, -1)
-    order = torch.cat([2 * unmerged.squeeze(-1), odd], dim=1).argsort(dim=1)  # by position before the fold
+    order = torch.cat([2 * unmerged, odd], dim=1).argsort(dim=1)  # by position before the fold
     return (torch.cat([out[:, :p], gather_tokens(out[:, p:], order)], 1),
             torch.cat([new_size[:, :p], gather_tokens(new_size[:, p:], order)], 1))
 
