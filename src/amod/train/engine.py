@@ -181,7 +181,11 @@ def load_training_checkpoint(path: Path, needed: frozenset[str] = TRAINING_CHECK
 
 # ---------------------------------------------------------------- loops
 
+AMP_MODES = ("off", "bf16")  # what --amp takes
+
+
 def autocast(amp: str, device: torch.device):
+    """``--amp``: bf16 autocast on ``device``, or nothing."""
     if amp == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
