@@ -5,7 +5,7 @@ Run from a plain checkout (nothing to install, no network):
     PYTHONPATH=src python benchmarks/gpu_check.py --out DIR             # the GPU run, sized for < 6 minutes
     PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --quick --out DIR   # the same code on a CPU
 
-Sections (``--sections 1,2,3,4``):
+Sections (``--sections 1,2,3,4,5``):
 1. correctness: ``attention_with_scores`` against the explicit formula (float64 reference) over shapes
    that are not multiples of the kernel tiles; the Triton score kernel on its own (CUDA, or the CPU
    under ``TRITON_INTERPRET=1``); a converted model's CUDA forward against its CPU forward.
@@ -15,6 +15,11 @@ Sections (``--sections 1,2,3,4``):
    ``F.scaled_dot_product_attention`` alone: time at N = 197 and 4097, peak memory on CUDA.
 4. training: AdamW steps on random data (bf16 autocast on CUDA) for dense, A-MoD and standard MoD,
    interleaved; finite losses, gradients in the routed blocks and the router; a one-process DDP run.
+5. frontier: every training-free method (ToMe, PiToMe, fold, calibrated, the paper's MoD) at costs 0.4, 0.5, 0.56
+   and 0.7 against dense on DeiT-S, ViT-B/16 and DINOv2 ViT-S/14 at 224 px, batch 256 and 1: eager, as CUDA graphs
+   (``amod.compile(mode="cuda-graphs")``) and, as the budget allows, compiled (``amod.compile``), with the compile
+   time; on DINOv2 each point is the CPU frontier's own setting, joined with its accuracy
+   (docs/frontier_dinov2_224.json).
 
 Each item of a section is recorded as ok / failed (with the error) / skipped (with the reason), and
 the JSON and Markdown reports are rewritten after every section, so a killed run keeps what it had.
@@ -52,9 +57,9 @@ from amod.experiments.bench import time_callables, time_models  # noqa: E402
 from amod.files import dumps, write_json, write_text  # noqa: E402
 from amod.ops import attention_scores_explicit, attention_with_scores  # noqa: E402
 
-TITLES = {1: "correctness", 2: "speed", 3: "score kernels", 4: "training"}
+TITLES = {1: "correctness", 2: "speed", 3: "score kernels", 4: "training", 5: "frontier"}
 # Seconds per section on the full run: with start-up (~15 s) the run stays under 6 minutes.
-SECTION_BUDGET_S = {1: 80, 2: 150, 3: 30, 4: 60}
+SECTION_BUDGET_S = {1: 60, 2: 70, 3: 25, 4: 45, 5: 130}
 TOTAL_BUDGET_S = 330
 # attention output and scores, relative; float64 inputs too are computed in float32 inside the op
 TOLERANCE = {"float64": 1e-5, "float32": 1e-5, "bfloat16": 1e-2}
@@ -81,6 +86,7 @@ def make_plan(device: torch.device, quick: bool) -> dict[int, dict[str, Any]]:
     size = "quick" if quick else ("cuda" if cuda else "cpu")
     deit_s, vit_b, vit_l = (model_spec(n) for n in ("deit_small_patch16_224", "vit_base_patch16_224",
                                                      "vit_large_patch16_224"))
+    dinov2 = {"name": "vit_small_patch14_dinov2", "kwargs": {"img_size": 224, "num_classes": 0}}
     # (B, H, Nq, Nk, D): the models' N, tile remainders (70, 100, 300), Nq != Nk, D = 80
     full_shapes = [[4, 6, 197, 197, 64], [2, 12, 257, 257, 64], [2, 12, 1025, 1025, 64], [1, 16, 4097, 4097, 64],
                    [2, 3, 70, 70, 64], [2, 4, 100, 300, 64], [3, 4, 197, 197, 80]]
@@ -126,6 +132,27 @@ def make_plan(device: torch.device, quick: bool) -> dict[int, dict[str, Any]]:
             "capacity": 0.125, "layers": "alternate", "amp": "bf16" if cuda else "off",
             "data": "one fixed batch of random images and labels", "ddp_steps": 2 if quick else 3,
             "ddp_backend": "nccl" if cuda else "gloo"},
+        5: {"models": {"quick": [QUICK_MODEL], "cuda": [deit_s, vit_b, dinov2], "cpu": [deit_s]}[size],
+            "methods": list(FRONTIER_METHODS), "costs": {"quick": [0.7], "cuda": [0.4, 0.5, 0.56, 0.7],
+                                                         "cpu": [0.5]}[size],
+            "batches": {"quick": [4, 1], "cuda": [256, 1], "cpu": [32, 1]}[size], "amp": "bf16" if cuda else "off",
+            "repeats": {"quick": 3, "cuda": 10, "cpu": 5}[size], "repeats_batch1": {"quick": 3, "cuda": 20, "cpu": 10}[size],
+            "warmup": {"quick": 1, "cuda": 3, "cpu": 2}[size],
+            # compiled (amod.compile): dense and these points, in this order, while the budget lasts
+            "compile": {"quick": [{"model": QUICK_MODEL["name"], "batch": 4, "points": ["A-MoD calibrated @ 0.7"]}],
+                        "cuda": [{"model": "deit_small_patch16_224", "batch": 256,
+                                  "points": ["A-MoD calibrated @ 0.5", "ToMe @ 0.5"]},
+                                 {"model": "vit_base_patch16_224", "batch": 256,
+                                  "points": ["A-MoD calibrated @ 0.5", "ToMe @ 0.5"]},
+                                 {"model": "vit_base_patch16_224", "batch": 1, "points": ["A-MoD calibrated @ 0.5"]},
+                                 {"model": "vit_small_patch14_dinov2", "batch": 256,
+                                  "points": ["A-MoD calibrated @ 0.5", "calibrated, nothing protected @ 0.5"]}],
+                        "cpu": [{"model": "deit_small_patch16_224", "batch": 32,
+                                 "points": ["A-MoD calibrated @ 0.5"]}]}[size],
+            "compile_backend": "aot_eager" if quick else None, "compile_need_s": {"quick": 1, "cuda": 40, "cpu": 90}[size],
+            "eager_share": 0.4,  # of the section's budget for the eager and CUDA-graph pass; the compiles get the rest
+            "cpu_frontier_model": "vit_small_patch14_dinov2",
+            "cpu_frontier": "docs/frontier_dinov2_224.json: settings and accuracy of the same computation"},
     }
 
 
@@ -704,8 +731,182 @@ def section_training(sec: Section) -> None:
     sec.attempt("DDP, one process", lambda: ddp_check(s, sec.device), need_s=3)
 
 
+# ---------------------------------------------------------------- 5. frontier
+
+FRONTIER_METHODS = ("ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated", "calibrated, nothing protected",
+                    "A-MoD (paper)")
+CPU_FRONTIER = Path(__file__).resolve().parents[1] / "docs" / "frontier_dinov2_224.json"
+
+
+def cpu_frontier_rows() -> list[dict[str, Any]]:
+    """The rows of the CPU frontier on DINOv2 ViT-S/14 at 224 px (``amod frontier``): each point's setting and its
+    measured accuracy, the settings the GPU times again ("the same computation")."""
+    import json
+
+    return json.loads(CPU_FRONTIER.read_text())["rows"] if CPU_FRONTIER.is_file() else []
+
+
+def method_from_setting(name: str, setting: dict[str, Any]) -> amod.Method:
+    """The method of a frontier row's ``setting`` (its run fields)."""
+    if name == "ToMe":
+        return amod.TokenMerging(r=tuple(setting["tome_r"]))
+    if name == "PiToMe":
+        return amod.PiToMe(keep=setting["pitome_keep"])
+    shape = setting.get("shape")
+    return amod.MoD(router=setting["router"], capacity=setting["capacity"], layers=tuple(setting["layers"]),
+                    skipped=setting["skipped"], scale_output=setting["scale_output"],
+                    protect=setting.get("protect", amod.MoD.protect), shape=None if shape is None else tuple(shape))
+
+
+def frontier_method(name: str, dense: nn.Module, cost: float, rows: list[dict[str, Any]], same_model: bool
+                    ) -> tuple[amod.Method, str]:
+    """``name`` at ``cost`` on ``dense`` and where its setting comes from. On the CPU frontier's own model
+    (``same_model``) at one of its costs: that point's setting. Elsewhere ToMe, PiToMe, fold and the paper's MoD are
+    set to the cost on this model; a calibrated method takes the schedule (tilt and protect) the CPU frontier chose
+    at the nearest cost, its capacity set to the cost here (no calibration images on the GPU machine)."""
+    mine = [r for r in rows if r["method"] == name]
+    exact = next((r for r in mine if r["cost_target"] == cost), None)
+    if same_model and exact is not None:
+        return method_from_setting(name, exact["setting"]), "the CPU frontier's point"
+    depth = len(dense.blocks)
+    if name in ("A-MoD calibrated", "calibrated, nothing protected"):
+        near = min(mine, key=lambda r: abs(r["cost_target"] - cost), default=None)
+        if near is not None and len(near["setting"]["shape"]) == depth:
+            s = near["setting"]
+            base = amod.MoD(skipped="fold", protect=s["protect"], shape=tuple(s["shape"]))
+            return base.at_cost(dense, cost), f"the CPU frontier's schedule at {near['cost_target']:g}"
+        from amod.mod.calibrate import tilt_shape
+
+        base = amod.MoD(skipped="fold", protect=0.0, shape=tuple(tilt_shape(-1.0, depth)))
+        return base.at_cost(dense, cost), "tilt -1, nothing protected (no CPU frontier schedule of this depth)"
+    base = {"ToMe": amod.TokenMerging(), "PiToMe": amod.PiToMe(), "A-MoD fold": amod.MoD(skipped="fold"),
+            "A-MoD (paper)": amod.MoD()}[name]
+    return base.at_cost(dense, cost), "set to the cost on this model"
+
+
+def timed_rows(models: dict[str, Any], x: torch.Tensor, amp: str, repeats: int, warmup: int,
+               device: torch.device) -> dict[str, dict[str, float]]:
+    """ms per batch and speed-up over ``models["dense"]`` (round by round), all interleaved."""
+    def call(m: Any) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.inference_mode(), autocast(amp, x.device):
+                return m(x)
+        return run
+
+    timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, device)
+    dense = timed["dense"]["times"]
+    return {n: {"ms": 1e3 * t["seconds"], "spread": t["spread"],
+                "speedup": statistics.median(d / o for d, o in zip(dense, t["times"]))} for n, t in timed.items()}
+
+
+def frontier_models(spec: dict[str, Any], s: dict[str, Any], only: Optional[list[str]] = None
+                    ) -> tuple[dict[str, nn.Module], dict[str, dict[str, Any]]]:
+    """Dense and every (method, cost) point of section 5 on ``spec`` (``only``: these points), on the CPU, and each
+    point's record: its cost, setting, where the setting comes from, and the CPU frontier's accuracy where the point
+    is that frontier's own computation. A point whose setting repeats an earlier one of its method (a cost below its
+    floor) is recorded as such and not built twice."""
+    rows_cpu = cpu_frontier_rows()
+    same_model = spec["name"] == s["cpu_frontier_model"]
+    dense = build_model(spec)
+    points: dict[str, dict[str, Any]] = {}
+    models: dict[str, nn.Module] = {"dense": dense}
+    built: dict[str, str] = {}  # repr(method) -> the point that has it
+    for name in s["methods"]:
+        for cost in s["costs"]:
+            key = f"{name} @ {cost:g}"
+            if only is not None and key not in only:
+                continue
+            try:
+                method, source = frontier_method(name, dense, cost, rows_cpu, same_model)
+            except ValueError as e:
+                points[key] = {"method": name, "cost_target": cost, "error": str(e)}
+                continue
+            cpu = next((r for r in rows_cpu if same_model and r["method"] == name and r["cost_target"] == cost
+                        and r["method_repr"] == repr(method)), None)
+            points[key] = {"method": name, "cost_target": cost, "setting": repr(method), "source": source,
+                           "cpu_top1": None if cpu is None else cpu["top1"]}
+            if repr(method) in built:
+                points[key]["same_as"] = built[repr(method)]
+                continue
+            built[repr(method)] = key
+            models[key] = method.apply(copy.deepcopy(dense)).eval()
+            points[key]["cost"] = amod.flops(models[key]).ratio
+    return models, points
+
+
+def frontier_job(spec: dict[str, Any], s: dict[str, Any], device: torch.device, budget: Budget) -> dict[str, Any]:
+    """Every method at every cost against dense on one model, eager and as CUDA graphs (``amod.compile``'s
+    ``cuda-graphs``: eager PyTorch's kernels, their launches gone), at each batch size."""
+    models, points = frontier_models(spec, s)
+    models = {n: m.to(device) for n, m in models.items()}
+    dtype = torch.bfloat16 if s["amp"] == "bf16" else None
+    per_batch: dict[str, Any] = {}
+    for batch in s["batches"]:
+        if budget.left() < 3:
+            per_batch[str(batch)] = {"skipped": "time budget"}
+            continue
+        x = torch.randn(batch, 3, *input_size(models["dense"]), device=device)
+        repeats = s["repeats"] if batch > 1 else s["repeats_batch1"]
+        result: dict[str, Any] = {"eager": timed_rows(models, x, s["amp"], repeats, s["warmup"], device)}
+        if device.type == "cuda":
+            graphs, seconds = {}, {}
+            for n, m in models.items():
+                try:
+                    graphs[n] = amod.compile(m, x, mode="cuda-graphs", dtype=dtype)
+                    seconds[n] = graphs[n].amod_compile_seconds
+                except Exception as e:  # noqa: BLE001 - recorded per model
+                    result.setdefault("graph_errors", {})[n] = f"{type(e).__name__}: {str(e)[:300]}"
+            if "dense" in graphs:
+                result["cuda_graphs"] = timed_rows(graphs, x, "off", repeats, s["warmup"], device)
+                result["capture_s"] = seconds
+            del graphs
+        del x
+        free_memory(device)
+        per_batch[str(batch)] = result
+    del models
+    free_memory(device)
+    return {"model": spec, "points": points, "batches": per_batch,
+            "summary": f"{sum('cost' in p for p in points.values())} points, batches {', '.join(per_batch)}"}
+
+
+def compiled_job(job: dict[str, Any], s: dict[str, Any], device: torch.device, budget: Budget) -> dict[str, Any]:
+    """Dense and a few points compiled by ``amod.compile`` (one graph, static shapes; CUDA graphs on a GPU) at one
+    batch size, each compile timed, then all timed interleaved (compiled against compiled)."""
+    spec = next(m for m in s["models"] if m["name"] == job["model"])
+    models, points = frontier_models(spec, s, only=job["points"])
+    dtype = torch.bfloat16 if s["amp"] == "bf16" else None
+    x = torch.randn(job["batch"], 3, *input_size(models["dense"]), device=device)
+    compiled, seconds, skipped = {}, {}, None
+    for n, m in models.items():
+        if budget.left() < s["compile_need_s"]:
+            skipped = f"time budget: {max(0.0, budget.left()):.0f} s left before compiling {n}"
+            break
+        compiled[n] = amod.compile(m.to(device), x, dtype=dtype, backend=s["compile_backend"])
+        seconds[n] = compiled[n].amod_compile_seconds
+    if len(compiled) < 2:
+        raise Skipped(skipped or "nothing to compare")
+    repeats = s["repeats"] if job["batch"] > 1 else s["repeats_batch1"]
+    timed = timed_rows(compiled, x, "off", repeats, s["warmup"], device)
+    del compiled, models, x
+    torch._dynamo.reset()
+    free_memory(device)
+    return {"model": spec, "batch": job["batch"], "points": points, "compiled": timed, "compile_s": seconds,
+            "skipped": skipped, "summary": ", ".join(f"{n} x{t['speedup']:.2f} (compiled in {seconds[n]:.0f} s)"
+                                                       for n, t in timed.items() if n != "dense")}
+
+
+def section_frontier(sec: Section) -> None:
+    s = sec.settings
+    eager_end = time.monotonic() + s["eager_share"] * sec.budget.left()
+    for i, spec in enumerate(s["models"]):
+        share = Budget((eager_end - time.monotonic()) / (len(s["models"]) - i), sec.budget.end)
+        sec.attempt(f"frontier {spec['name']}", lambda: frontier_job(spec, s, sec.device, share), need_s=5)
+    for job in s["compile"]:  # what is left, in this order
+        sec.attempt(f"compiled {job['model']} batch {job['batch']}",
+                    lambda: compiled_job(job, s, sec.device, sec.budget), need_s=2 * s["compile_need_s"])
+
 SECTIONS: dict[int, Callable[[Section], None]] = {1: section_correctness, 2: section_speed, 3: section_scores,
-                                                  4: section_training}
+                                                  4: section_training, 5: section_frontier}
 
 
 # ---------------------------------------------------------------- targets and report
@@ -729,10 +930,47 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     ov = None if timing is None else timing["overhead"]
     out.append({"target": "score kernels add <= 10 % to sdpa at N = 197", "value": ov,
                 "met": None if why or ov is None else ov <= 0.10, "note": why or ("" if timing else "not measured")})
+    out += frontier_targets(report, why)
     mem = find_item(report, 3, "peak memory")
     out.append({"target": "sdpa + scores O(N) in memory at N = 4097", "value": None if mem is None else mem["growth"],
                 "met": None if why or mem is None else mem["linear"],
                 "note": why or ("peak growth from N = 2049 to 4097" if mem else "not measured")})
+    return out
+
+
+def frontier_targets(report: dict[str, Any], why: Optional[str]) -> list[dict[str, Any]]:
+    """The GPU-speed issue's targets read off section 5 (each method against dense run the same way)."""
+    out = []
+
+    def speedup(model: str, batch: int, way: str, key: str) -> Optional[float]:
+        if way == "compiled":
+            got = (find_item(report, 5, f"compiled {model} batch {batch}") or {}).get("compiled", {}).get(key)
+        else:
+            item = find_item(report, 5, f"frontier {model}")
+            got = (item or {}).get("batches", {}).get(str(batch), {}).get(way, {}).get(key)
+        return None if got is None else got["speedup"]
+
+    checks = [("A-MoD calibrated @ 0.5, DeiT-S, batch 256, eager: >= 1.5x dense", "deit_small_patch16_224", 256,
+               "eager", 1.5),
+              ("A-MoD calibrated @ 0.5, DeiT-S, batch 256, compiled: >= 1.5x dense", "deit_small_patch16_224", 256,
+               "compiled", 1.5),
+              ("A-MoD calibrated @ 0.5, ViT-B/16, batch 256, eager: >= 1.7x dense", "vit_base_patch16_224", 256,
+               "eager", 1.7),
+              ("A-MoD calibrated @ 0.5, ViT-B/16, batch 256, compiled: >= 1.7x dense", "vit_base_patch16_224", 256,
+               "compiled", 1.7),
+              ("A-MoD calibrated @ 0.5, ViT-B/16, batch 1, CUDA graphs: >= 1.2x dense", "vit_base_patch16_224", 1,
+               "cuda_graphs", 1.2)]
+    for target, model, batch, way, bound in checks:
+        value = speedup(model, batch, way, "A-MoD calibrated @ 0.5")
+        out.append({"target": target, "value": value, "met": None if why or value is None else value >= bound,
+                    "note": why or ("" if value is not None else "not measured")})
+    item = find_item(report, 5, "compiled deit_small_patch16_224 batch 256")
+    seconds = (item or {}).get("compile_s", {}).get("A-MoD calibrated @ 0.5")
+    out.append({"target": "compiling a reduced DeiT-S (calibrated @ 0.5, batch 256) <= 90 s", "value": seconds,
+                "met": None if why or seconds is None else seconds <= 90,
+                "note": why or ("" if seconds is not None else "not measured")})
+    out.append({"target": "ToMe at least as fast as the public ToMe's merge at the same r", "value": None,
+                "met": None, "note": "not measured here: the public ToMe's code is not part of this repository"})
     return out
 
 
@@ -831,10 +1069,50 @@ def markdown(report: dict[str, Any]) -> str:
                 lines += md_table(item["rows"], [("variant", "variant", ""), ("steps/s", "steps_per_s", ".2f"),
                                                  ("images/s", "images_per_s", ".1f"), ("speed-up", "speedup", ".3f"),
                                                  ("first loss", "first_loss", ".3f"), ("last loss", "last_loss", ".3f")])
+            if n == "5" and item.get("points"):
+                lines += frontier_markdown(item, sec["settings"])
     settings = {k: v for k, v in report["settings"].items() if k != "per_section"}
     lines += ["", "## Settings", "", f"- run: `{dumps(settings)}`"]
     lines += [f"- section {n}: `{dumps(v)}`" for n, v in report["settings"]["per_section"].items()] + [""]
     return "\n".join(lines)
+
+
+def frontier_markdown(item: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """Section 5's tables: per batch size, every point's speed-up over dense run the same way (eager, CUDA graphs), with
+    the CPU frontier's accuracy where the point is its computation; a compiled item's speed-ups and compile times."""
+    lines = []
+    how = f"{amp_label(settings['amp'])}; speed-up: dense time / method time, each run the same way, median of " \
+          "interleaved rounds"
+    if "compiled" in item:
+        lines += ["", f"**{item['model']['name']}, batch {item['batch']}, compiled** ({how})", ""]
+        lines += md_table([{"point": n, "speedup": t["speedup"], "ms": t["ms"], "compile_s": item["compile_s"][n]}
+                           for n, t in item["compiled"].items()],
+                          [("point", "point", ""), ("ms", "ms", ".2f"), ("speed-up", "speedup", ".3f"),
+                           ("compile s", "compile_s", ".1f")])
+        return lines + ([f"- {item['skipped']}"] if item.get("skipped") else [])
+    for batch, res in item["batches"].items():
+        lines += ["", f"**{item['model']['name']}, batch {batch}** ({how})", ""]
+        if "skipped" in res:
+            lines += [f"skipped: {res['skipped']}"]
+            continue
+        table = []
+        for key in ["dense", *item["points"]]:
+            p = item["points"].get(key, {"cost": 1.0, "cpu_top1": None, "source": ""})
+            row = {"point": key, "cost": p.get("cost"), "cpu_top1": p.get("cpu_top1"),
+                   "source": p.get("error", "")[:80] or (f"same setting as {p['same_as']}" if "same_as" in p
+                                                          else p.get("source", ""))}
+            for way in ("eager", "cuda_graphs"):
+                got = res.get(way, {}).get(key)
+                row[way] = None if got is None else got["speedup"]
+            row["eager_ms"] = res["eager"].get(key, {}).get("ms")
+            table.append(row)
+        lines += md_table(table, [("point", "point", ""), ("cost", "cost", ".3f"), ("CPU top-1", "cpu_top1", ".4f"),
+                                  ("eager ms", "eager_ms", ".2f"), ("eager", "eager", ".3f"),
+                                  ("CUDA graphs", "cuda_graphs", ".3f"), ("setting from", "source", "")])
+        for what in ("graph_errors",):
+            if res.get(what):
+                lines += [f"- {what.replace('_', ' ')}: {res[what]}"]
+    return lines
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:
@@ -849,7 +1127,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--quick", action="store_true", help="tiny shapes and models, few repeats (CI, the CPU)")
-    p.add_argument("--sections", default="1,2,3,4", help="comma-separated section numbers (default 1,2,3,4)")
+    p.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers (default 1,2,3,4,5)")
     p.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="time for the whole run, in seconds")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; 1 with --quick on the CPU)")
     p.add_argument("--fail-section", type=int, default=None, help=argparse.SUPPRESS)  # tests the failure report
@@ -857,9 +1135,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     try:
         args.sections = sorted({int(n) for n in args.sections.split(",") if n.strip()})
     except ValueError:
-        p.error(f"--sections takes numbers from 1 to 4 separated by commas, got {args.sections!r}")
+        p.error(f"--sections takes numbers from 1 to 5 separated by commas, got {args.sections!r}")
     if not args.sections or not set(args.sections) <= set(SECTIONS):
-        p.error(f"--sections takes numbers from 1 to 4 separated by commas, got {args.sections}")
+        p.error(f"--sections takes numbers from 1 to 5 separated by commas, got {args.sections}")
     return args
 
 

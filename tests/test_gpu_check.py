@@ -41,7 +41,7 @@ def test_quick_cpu_run_writes_both_reports(tmp_path):
     assert {"tool", "started", "ok", "wall_s", "machine", "settings", "sections", "targets"} <= set(report)
     assert {"device", "name", "torch", "triton", "timm", "python"} <= set(report["machine"])
     assert report["ok"] is True and report["machine"]["device"] == "cpu"
-    assert report["settings"]["quick"] is True and set(report["settings"]["per_section"]) == {"1", "2", "3", "4"}
+    assert report["settings"]["quick"] is True and set(report["settings"]["per_section"]) == {"1", "2", "3", "4", "5"}
     for n, sec in report["sections"].items():
         assert SECTION_KEYS <= set(sec) and sec["status"] == "ok" and sec["error"] is None, (n, sec)
         for item in sec["items"]:
@@ -62,6 +62,22 @@ def test_quick_cpu_run_writes_both_reports(tmp_path):
     standard = next(r for r in train["rows"] if r["variant"].startswith("standard"))
     assert any("router" in n and ok for n, ok in standard["grads_reached"].items())
     assert items["4"]["DDP, one process"]["status"] == "ok"
+    # the frontier: every method at the cost, eager against dense at both batch sizes (CUDA graphs need CUDA); then
+    # dense and the calibrated point compiled, with their compile time
+    front = items["5"]["frontier vit_tiny_patch16_224"]
+    assert {p["method"] for p in front["points"].values()} == {"ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated",
+                                                             "calibrated, nothing protected", "A-MoD (paper)"}
+    for batch in ("4", "1"):
+        res = front["batches"][batch]
+        built = {k for k, p in front["points"].items() if "cost" in p}  # (a setting repeated is timed once)
+        assert set(res["eager"]) == {"dense", *built} and res["eager"]["dense"]["speedup"] == 1.0
+        assert "cuda_graphs" not in res
+    # (with no CPU frontier schedule of its depth, both calibrated methods fall back to one setting)
+    assert front["points"]["calibrated, nothing protected @ 0.7"]["same_as"] == "A-MoD calibrated @ 0.7"
+    compiled = items["5"]["compiled vit_tiny_patch16_224 batch 4"]
+    assert set(compiled["compiled"]) == {"dense", "A-MoD calibrated @ 0.7"}
+    assert all(v > 0 for v in compiled["compile_s"].values())
+    assert "**vit_tiny_patch16_224, batch 4**" in md and "| eager | CUDA graphs |" in md and "compile s" in md
     assert all(t["met"] is None for t in report["targets"])  # the targets are for the GPU run
     assert report["machine"]["name"] in md and "CPU" in md
     assert "## 2. speed: ok" in md and "| FLOP bound | efficiency |" in md
@@ -150,8 +166,33 @@ def test_targets_and_markdown_of_a_cuda_report():
                        "dtype": "bfloat16", "peak_mb": {"2049": {"sdpa": 6.0, "sdpa+scores": 7.0, "explicit": 900.0,
                                                                  "fp32_matrix": 384.0}}}]}},
     }
+    calibrated = "A-MoD calibrated @ 0.5"
+
+    def frontier(name: str, eager: float, graphed: float) -> dict:
+        return {"name": f"frontier {name}", "status": "ok", "model": {"name": name},
+                "points": {calibrated: {"method": "A-MoD calibrated", "cost_target": 0.5, "cost": 0.5,
+                                        "cpu_top1": None, "source": "x"}},
+                "batches": {"256": {"eager": {"dense": {"speedup": 1.0, "ms": 2.0}, calibrated: {"speedup": eager,
+                                                                                                "ms": 1.0}}},
+                            "1": {"eager": {"dense": {"speedup": 1.0, "ms": 2.0}},
+                                  "cuda_graphs": {"dense": {"speedup": 1.0}, calibrated: {"speedup": graphed}}}}}
+
+    def compiled(name: str, speedup: float, seconds: float) -> dict:
+        return {"name": f"compiled {name} batch 256", "status": "ok", "model": {"name": name}, "batch": 256,
+                "points": {}, "compiled": {"dense": {"speedup": 1.0, "ms": 2.0}, calibrated: {"speedup": speedup,
+                                                                                             "ms": 1.0}},
+                "compile_s": {"dense": 20.0, calibrated: seconds}}
+
+    report["sections"]["5"] = {"title": "frontier", "status": "ok", "seconds": 1.0, "budget_s": 130, "error": None,
+                               "settings": {"amp": "bf16"},
+                               "items": [frontier("deit_small_patch16_224", 1.2, 1.0),
+                                         frontier("vit_base_patch16_224", 1.8, 1.3),
+                                         compiled("deit_small_patch16_224", 1.6, 60.0),
+                                         compiled("vit_base_patch16_224", 1.9, 70.0)]}
     report["targets"] = gpu_check.targets(report)
-    assert [t["met"] for t in report["targets"]] == [True, False, True]
-    assert report["targets"][0]["value"] == 0.93
+    met = {t["target"]: t["met"] for t in report["targets"]}
+    assert [t["met"] for t in report["targets"]] == [True, False, False, True, True, True, True, True, None, True]
+    assert report["targets"][0]["value"] == 0.93 and "public ToMe" in report["targets"][8]["target"]
+    assert met["compiling a reduced DeiT-S (calibrated @ 0.5, batch 256) <= 90 s"] is True
     md = gpu_check.markdown(report)
     assert "NVIDIA H200" in md and "Peak memory" in md and "| 2049 | 6.0 | 7.0 | 900.0 | 384.0 |" in md
