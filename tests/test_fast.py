@@ -41,3 +41,28 @@ def test_bench_json_has_the_promised_keys(capsys):
     assert out["speedup"] == pytest.approx(out["mod"]["images_per_s"] / out["dense"]["images_per_s"])
     assert out["efficiency"] == pytest.approx(out["speedup"] / out["flop_speedup"])
     assert out["flop_speedup"] > 1.1
+
+
+# a reducing block's operations beyond a dense block's (amod.experiments.opcount; batch 1): the matching, one gather
+# and one scatter-add of features and sizes, the bias; PiToMe adds its energy, fold's protection the class row
+EXTRA_OPS = {"tome": 31, "fold, nothing protected": 31, "pitome": 39, "fold": 54}
+
+
+@pytest.mark.parametrize("family", ["vit", "dinov2_reg"])
+def test_a_reducing_block_dispatches_a_handful_of_operations_more_than_a_dense_one(family):
+    from amod.experiments.opcount import count_ops
+
+    def make():
+        return make_model(family, depth=4, img_size=64 if family == "vit" else 56)
+
+    x = images(make(), 1)
+    dense = count_ops(make(), x)
+    assert len(dense.per_block) == 4 and sum(dense.per_block) < dense.total and 0 < dense.views < dense.total
+    models = {"tome": amod.tome.apply(make(), r=4), "pitome": amod.pitome.apply(make(), keep=0.9),
+              "fold, nothing protected": amod.convert(make(), skipped="fold", capacity=0.9, protect=0.0),
+              "fold": amod.convert(make(), skipped="fold", capacity=0.9)}
+    for name, model in models.items():
+        ops = count_ops(model, x)
+        extra = [m - d for m, d in zip(ops.per_block, dense.per_block)]
+        assert all(0 < e <= EXTRA_OPS[name] for e in extra), (name, extra)
+        assert ops.total - dense.total == sum(extra)  # all of it inside the blocks: nothing per forward outside
