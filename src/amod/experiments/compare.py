@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..cost import flops, validate_cost
+from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..files import UnreadableFileError, dumps, load_torch, read_json_lines, torch_save, write_json, write_text
 from ..families import family_of
 from ..hf.loading import hf_source, load_hf_source
@@ -47,7 +47,6 @@ from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, st
 from .probe import LinearProbe, features, fit_probe_cached, mean_cosine, probe_images
 
 log = logging.getLogger("amod")
-COST_TOLERANCE = 0.02  # a method whose closest cost is further off than this is flagged in the report
 
 
 @dataclass(frozen=True)

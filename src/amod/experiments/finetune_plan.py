@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 from torch import nn
 
-from ..cost import flops, validate_cost
+from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..families import skeleton
 from ..methods import Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
@@ -21,7 +21,6 @@ from ..train.distill import Distillation
 if TYPE_CHECKING:
     from .finetune_rows import EvalRows
 
-COST_TOLERANCE = 0.02  # a method further than this from the target cost is named in the report
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..checkpoint import check_dense_file, load
-from ..cost import flops, validate_cost
+from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..files import dumps, read_json_lines, write_json, write_text
 from ..hf.loading import hf_source, load_hf_source
 from ..methods import MoD, PiToMe, TokenMerging
@@ -43,7 +43,7 @@ from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES, autocast
 from .bench import IMPLAUSIBLE_NOTE, resolve_device, speedup_text, sync_device, warn_implausible
-from .compare import (COST_TOLERANCE, Entry, _dense_features, _dense_probe, _feature_model, _features_key,
+from .compare import (Entry, _dense_features, _dense_probe, _feature_model, _features_key,
                       _finished_probe_rows, _setting_text, check_inputs, select_methods)
 from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
