@@ -746,16 +746,12 @@ def cpu_frontier_rows() -> list[dict[str, Any]]:
     return json.loads(CPU_FRONTIER.read_text())["rows"] if CPU_FRONTIER.is_file() else []
 
 
-def method_from_setting(name: str, setting: dict[str, Any]) -> amod.Method:
-    """The method of a frontier row's ``setting`` (its run fields)."""
-    if name == "ToMe":
-        return amod.TokenMerging(r=tuple(setting["tome_r"]))
-    if name == "PiToMe":
-        return amod.PiToMe(keep=setting["pitome_keep"])
-    shape = setting.get("shape")
-    return amod.MoD(router=setting["router"], capacity=setting["capacity"], layers=tuple(setting["layers"]),
-                    skipped=setting["skipped"], scale_output=setting["scale_output"],
-                    protect=setting.get("protect", amod.MoD.protect), shape=None if shape is None else tuple(shape))
+def method_from_setting(setting: dict[str, Any]) -> amod.Method:
+    """The method of a frontier row's ``setting`` (its ``run_fields``)."""
+    from amod.methods import method_from_run_fields
+    from amod.train.config import RunConfig
+
+    return method_from_run_fields(RunConfig(**setting))
 
 
 def frontier_method(name: str, dense: nn.Module, cost: float, rows: list[dict[str, Any]], same_model: bool
@@ -767,7 +763,7 @@ def frontier_method(name: str, dense: nn.Module, cost: float, rows: list[dict[st
     mine = [r for r in rows if r["method"] == name]
     exact = next((r for r in mine if r["cost_target"] == cost), None)
     if same_model and exact is not None:
-        return method_from_setting(name, exact["setting"]), "the CPU frontier's point"
+        return method_from_setting(exact["setting"]), "the CPU frontier's point"
     depth = len(dense.blocks)
     if name in ("A-MoD calibrated", "calibrated, nothing protected"):
         near = min(mine, key=lambda r: abs(r["cost_target"] - cost), default=None)
