@@ -30,16 +30,16 @@ from .hf_clip import CLIPAttentionViews, CLIPLayerViews
 
 class SizedPoolingHead:
     """Mixin of ``SiglipMultiheadAttentionPoolingHead``: its attention adds log(size) of the tokens it reads (the
-    model's ``TokenSizes``, ``amod_sizes``) to the logits (proportional attention, as fold and ToMe blocks do)."""
+    proportional bias of the model's ``TokenSizes``, ``amod_sizes``) to the logits (proportional attention, as fold and ToMe blocks do)."""
 
     amod_sizes: TokenSizes
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
-        size = self.amod_sizes.size  # (B, N, 1), None while every token stands for itself
+        bias = self.amod_sizes.bias  # log(size) (B, 1, 1, N) from the last reduction; None while every size is 1
         mask = None
-        if size is not None:
+        if bias is not None:
             heads = self.attention.num_heads
-            mask = size.log().to(hidden_state.dtype).transpose(1, 2).repeat_interleave(heads, 0)  # (B * heads, 1, N)
+            mask = bias.squeeze(1).to(hidden_state.dtype).repeat_interleave(heads, 0)  # (B * heads, 1, N)
         probe = self.probe.repeat(hidden_state.shape[0], 1, 1)
         out = self.attention(probe, hidden_state, hidden_state, attn_mask=mask, need_weights=False)[0]
         out = out + self.mlp(self.layernorm(out))
