@@ -66,6 +66,8 @@ class FeatureNormRouter(Router):
     norms: Optional["FeatureNorms"] = None
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        """(B, n) scores: the encoder-input norms, which ``DetrMoDLayer`` hands in as ``attention_scores`` (the
+        argument carries norms for this router, not attention)."""
         if attention_scores is None:
             raise RuntimeError("the feature-norm router found no encoder-input norms; run the DETR's own forward")
         return attention_scores

@@ -133,7 +133,7 @@ class MoDSettings:
 
 
 class RoutedForward:
-    """The forward every MoD layer shares, timm's ``MoDBlock`` and DETR's ``DetrMoDEncoderLayer``: read the
+    """The forward every MoD layer shares, timm's ``MoDBlock`` and DETR's ``DetrMoDLayer``: read the
     incoming scores and the router's draw state and remember them; in gradient checkpointing's recompute,
     route as the forward did and hand nothing on.
 

@@ -3,8 +3,9 @@
 Each router maps the block input's patch tokens (and, for the attention routers, the previous
 block's received-attention scores, handed over in an ``amod.mod.block.ScoreHandoff``) to one score
 per patch token; top-k on those scores (``amod.mod.routing``) picks the tokens the block processes.
-Five routers: ``attention`` (A-MoD), ``standard`` (learned linear), and the controls ``random``,
-``shuffled-attention`` and ``inverse-attention``.
+Five routers here: ``attention`` (A-MoD), ``standard`` (learned linear), and the controls ``random``,
+``shuffled-attention`` and ``inverse-attention``; a sixth, ``feature-norm`` (DETR only), is registered in
+``amod.families.detr``.
 
 A router is one ``Router`` subclass registered under its name with ``@register_router(name)``: that
 registry, ``ROUTER_CLASSES``, is where ``amod.convert``, ``MoDConfig``'s check, the CLI's ``--router``
