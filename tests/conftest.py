@@ -1,4 +1,4 @@
-"""Small registered timm models, one per supported family, cheap enough for the CPU."""
+"""Small registered timm models, one per variant of the timm ViT family amod supports, cheap enough for the CPU."""
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +7,10 @@ import pytest
 import timm
 import torch
 
-# (timm name, overrides): every family amod supports, shrunk to a few ms per forward.
-FAMILIES = {
+# variant -> (timm name, overrides): the variants of timm's VisionTransformer amod supports (distillation token, layer
+# scale, registers, qk norm), shrunk to a few ms per forward. They are one family (amod.families); the contract every
+# family keeps is tests/test_families.py's.
+TIMM_VARIANTS = {
     "vit": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=4)),
     "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=32, patch_size=8, depth=4)),
     "deit3_layerscale": ("deit3_small_patch16_224", dict(img_size=32, patch_size=8, depth=4, embed_dim=96, num_heads=3)),
@@ -18,8 +20,8 @@ FAMILIES = {
 }
 
 
-def make_model(family: str = "vit", seed: int = 0, **extra) -> torch.nn.Module:
-    name, kwargs = FAMILIES[family]
+def make_model(variant: str = "vit", seed: int = 0, **extra) -> torch.nn.Module:
+    name, kwargs = TIMM_VARIANTS[variant]
     torch.manual_seed(seed)
     model = timm.create_model(name, pretrained=False, num_classes=10, **{**kwargs, **extra})
     return model.eval()

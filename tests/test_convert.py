@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAMILIES, images, make_model
+from conftest import TIMM_VARIANTS, images, make_model
 from hypothesis import given, settings, strategies as st
 
 import amod
@@ -15,7 +15,7 @@ from amod.mod.routing import num_kept
 from amod.ops import received_attention
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(TIMM_VARIANTS))
 @pytest.mark.parametrize("router", ["attention", "random", "standard"])
 def test_capacity_one_unscaled_equals_timm(family, router):
     dense = make_model(family)

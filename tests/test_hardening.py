@@ -119,6 +119,15 @@ BAD_INVOCATIONS = [
     *[([*argv, "--router", "feature-norm"], "argument --router: invalid choice: 'feature-norm'") for argv in (
         ["flops", "vit_tiny_patch16_224"], ["bench"], ["train", *TINY, "--out", "{t}/r"],
         ["calibrate", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/x.safetensors"])],
+    # data, config files and checkpoints that are not there; settings no run can use (were tests/test_pipeline.py's)
+    (["train", "--data", "imagefolder:/no/such/dir", "--out", "{t}/r"], "imagefolder:/no/such/dir needs /no/such/dir/train"),
+    (["train", "--data", "mnist-digits", "--out", "{t}/r"], "unknown data 'mnist-digits'; use one of: fashion-mnist"),
+    (["train", "--capacity", "2", "--router", "attention", "--out", "{t}/r"], "capacity must be in (0, 1]"),
+    (["train", "--epochs", "0", "--out", "{t}/r"], "--epochs must be at least 1"),
+    (["finetune", "--router", "attention"], "give --pretrained or --checkpoint FILE"),
+    (["eval", "--checkpoint", "/no/such/model.safetensors"], "checkpoint /no/such/model.safetensors does not exist"),
+    (["train", "--config", "/no/such.yaml", "--out", "{t}/r"], "config file /no/such.yaml does not exist"),
+    (["train", "--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
 ]
 
 
@@ -209,7 +218,7 @@ def test_an_empty_batch_gives_an_empty_output_like_timm(skipped):
 
 # ---------------------------------------------------------------- one run per directory
 
-def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(tmp_path, capsys):
+def test_a_second_run_into_a_busy_directory_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["train", *TINY, "--train-limit", "6000", "--epochs", "2", "--out", str(out)]  # seconds of training
     first = subprocess.Popen([sys.executable, "-m", "amod", *args, "--seed", "1"], stdout=subprocess.PIPE,
@@ -231,23 +240,8 @@ def test_a_second_run_into_a_busy_directory_is_refused_and_a_stale_lock_is_not(t
     import yaml
 
     assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == 1
-    # a lock file left by a process that no longer exists does not block a new run
-    stale = tmp_path / "stale"
-    stale.mkdir()
-    (stale / ".amod.lock").write_text("999999\n")
-    code, err = run_in_process(["train", *TINY, "--train-limit", "256", "--epochs", "1", "--out", str(stale)], capsys)
-    assert code == 0, err
-
-
-def test_resuming_with_more_epochs_is_refused_and_changes_nothing(tmp_path, capsys):
-    out = tmp_path / "r"
-    code, err = run_in_process(["train", *TINY, "--train-limit", "128", "--epochs", "1", "--out", str(out)], capsys)
-    assert code == 0, err
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"}
-    code, err = run_in_process(["train", "--resume", "--epochs", "2", "--out", str(out)], capsys)
-    assert code == 2 and len(err.splitlines()) == 1, err
-    assert "cannot resume with --epochs 2" in err and "made for 1 epoch" in err
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"} == before
+    # (a stale lock, left by a process that no longer exists, does not block a new run:
+    # test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architecture, whose run starts on one)
 
 
 # ---------------------------------------------------------------- full disks
@@ -496,27 +490,25 @@ def test_skipping_every_training_image_gives_one_line(image_folder, tmp_path, ca
     assert last.startswith("amod train: error:") and "no training image could be read" in last, err
 
 
-# ---------------------------------------------------------------- permissions
-
-def test_run_files_get_the_umask_permissions(tmp_path):
-    old = os.umask(0o022)
-    try:
-        train(RunConfig(**TINY_CFG, train_limit=128, epochs=1, out=str(tmp_path / "r")))
-    finally:
-        os.umask(old)
-    for name in ("model.safetensors", "checkpoint.pt", "summary.json", "metrics.jsonl", "config.yaml"):
-        assert (tmp_path / "r" / name).stat().st_mode & 0o777 == 0o644, name
-
-
-# ---------------------------------------------------------------- runs from a checkpoint
+# ---------------------------------------------------------------- runs from a checkpoint; permissions, locks, resume
 
 def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architecture(checkpoints, tmp_path, capsys):
+    """One short run, checked for what every run must do: it starts in a directory holding a stale lock, its files get
+    the umask's permissions, resuming it changes nothing and resuming it with more epochs is refused."""
     import yaml
 
     out = tmp_path / "ft"
-    code, err = run_in_process(["finetune", "--checkpoint", str(checkpoints / "mod.safetensors"), *SHORT,
-                                "--batch-size", "32", "--out", str(out)], capsys)
+    out.mkdir()
+    (out / ".amod.lock").write_text("999999\n")  # left by a process that no longer exists: it does not block the run
+    old = os.umask(0o022)
+    try:
+        code, err = run_in_process(["finetune", "--checkpoint", str(checkpoints / "mod.safetensors"), *SHORT,
+                                    "--batch-size", "32", "--out", str(out)], capsys)
+    finally:
+        os.umask(old)
     assert code == 0, err
+    for name in ("model.safetensors", "checkpoint.pt", "summary.json", "metrics.jsonl", "config.yaml"):
+        assert (out / name).stat().st_mode & 0o777 == 0o644, name  # the umask's permissions, not mkstemp's 0600
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert (config["router"], config["capacity"], config["layers"]) == ("attention", 0.5, [1])
     assert (config["model"], config["patch_size"], config["depth"], config["embed_dim"], config["num_heads"]) == \
@@ -527,6 +519,12 @@ def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architect
     # the same method given again is the checkpoint's own; resuming the run changes nothing
     code, err = run_in_process(["train", "--resume", "--out", str(out)], capsys)
     assert code == 0, err
+    # resuming with more epochs than the run was made for is refused, and changes nothing
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"}
+    code, err = run_in_process(["train", "--resume", "--epochs", "2", "--out", str(out)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "cannot resume with --epochs 2" in err and "made for 1 epoch" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"} == before
 
 
 # ---------------------------------------------------------------- no network

@@ -243,13 +243,14 @@ def test_refusals():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # (gradient_checkpointing_enable's v6 rename)
-@pytest.mark.parametrize("kwargs", [dict(router="attention", scale_output=True), dict(skipped="fold", capacity=0.8)])
-def test_training_with_hugging_face_gradient_checkpointing(kwargs):
-    """HF's own gradient checkpointing recomputes amod's layers as their forward ran: the same gradients."""
+def test_training_with_hugging_face_gradient_checkpointing():
+    """HF's own gradient checkpointing recomputes amod's layers as their forward ran: the same gradients, here where
+    they flow through the gate into the attention scores a dense layer handed on (A-MoD's router with scaled outputs).
+    Every other router and mode of every Hugging Face family: the contract (tests/test_families.py)."""
     grads = []
     for checkpointing in (False, True):
         _, hf = pair("dinov2")
-        amod.convert(hf, **kwargs)
+        amod.convert(hf, router="attention", scale_output=True)
         hf.train()
         if checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -263,14 +264,9 @@ def test_training_with_hugging_face_gradient_checkpointing(kwargs):
 def test_save_load_and_save_pretrained(tmp_path):
     _, hf = pair("deit", classifier=True)
     amod.convert(hf, router="standard", capacity=0.5, skipped="merge")
-    x = images(hf)
-    with torch.no_grad():
-        ref = hf(x).logits
     amod.save(hf, tmp_path / "m.safetensors")
-    back = amod.load(tmp_path / "m.safetensors")
+    back = amod.load(tmp_path / "m.safetensors")  # (its outputs: the contract, tests/test_families.py)
     assert type(back) is type(hf) and amod.get_config(back) == amod.get_config(hf)
-    with torch.no_grad():
-        assert (back(x).logits - ref).abs().max().item() == 0.0
     _, hf = pair("dinov2")
     amod.tome.apply(hf, r=2)
     amod.save(hf, tmp_path / "t.safetensors")
@@ -363,7 +359,15 @@ def test_real_dinov2_weights_match_timm_dense_at_518_px():
     assert_same(tm, hf, images(hf, batch=1))
 
 
-@pytest.mark.parametrize("router, skipped", ACCEPTED)
+# The real weights under every router and in every skipped mode, each once (A-MoD's router with the dense check; the
+# score readers where a near-tie of real scores could pick other tokens): every router x mode is matched with timm on
+# DINOv2 by test_every_router_and_mode_matches_timm, which runs without the file too, and checks more (the next draws,
+# another capacity).
+REAL_CASES = [("attention", "bypass"), ("standard", "kv"), ("random", "merge"), ("shuffled-attention", "fold"),
+              ("inverse-attention", "merge")]
+
+
+@pytest.mark.parametrize("router, skipped", REAL_CASES)
 def test_real_dinov2_weights_match_timm(real_pair, router, skipped):
     tm, hf = real_pair()
     x = images(hf)

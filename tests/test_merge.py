@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAMILIES, cli_in_process, images, make_model
+from conftest import TIMM_VARIANTS, cli_in_process, images, make_model
 from timm.models.vision_transformer import Block
 
 import amod
@@ -16,7 +16,7 @@ from amod.mod.block import ScoreHandoff
 from amod.cost import count_flops
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(TIMM_VARIANTS))
 def test_merging_nothing_is_the_dense_model(family):
     model = make_model(family)
     x = images(model, 3)
