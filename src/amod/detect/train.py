@@ -141,10 +141,7 @@ def _resumable_state(cfg: DetectConfig, out: Path) -> Optional[dict[str, Any]]:
 def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[str, Any]], train: DetectionCanvases,
            val: DetectionCanvases, device: torch.device) -> dict[str, Any]:
     ground_truth = coco_ground_truth(val)
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(cfg.steps, cfg.warmup))
     ckpt_path, metrics_path = out / "checkpoint.pt", out / "metrics.jsonl"
     step, rows = 0, []
@@ -163,38 +160,39 @@ def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[
         rows = [{"step": 0, "images_seen": 0, **evaluate(model, val, ground_truth, amp=cfg.amp)}]
         log.info("step 0: AP %.4f AP50 %.4f", rows[0]["AP"], rows[0]["AP50"])
         files.write_text(metrics_path, "".join(files.dumps(r) + "\n" for r in rows))
-    model.train()
     losses, images, started = [], 0, time.perf_counter()
-    batches = _batches(cfg, train, step)
-    while step < cfg.steps:
-        images_cpu, targets = collate([train[i] for i in next(batches)])
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, list[dict[str, Any]]], done: int) -> engine.StepLoss:
+        """DETR's set loss (``transformers``': Hungarian matching; cross-entropy, L1 and GIoU terms)."""
+        images_cpu, targets = batch
         labels = [{"class_labels": t["class_labels"].to(device), "boxes": t["boxes"].to(device)} for t in targets]
-        with engine.autocast(cfg.amp, device):
-            loss = model(pixel_values=normalise(images_cpu.to(device)), labels=labels).loss
-        if not torch.isfinite(loss):
-            raise engine.NonFiniteError(f"the loss is {loss.item()} at step {step}; lower lr (now {cfg.lr:g})")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        losses.append(loss.item())
-        images += len(targets)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            speed = images / (time.perf_counter() - started)
-            row = {"step": step, "images_seen": step * cfg.batch_size, "train_loss": sum(losses) / len(losses),
-                   "train_images_per_s": speed, **evaluate(model, val, ground_truth, amp=cfg.amp)}
-            rows.append(row)
-            log.info("step %d/%d: loss %.3f, AP %.4f AP50 %.4f (%.1f training images/s)", step, cfg.steps,
-                     row["train_loss"], row["AP"], row["AP50"], speed)
-            state = {"format": FORMAT, "config": cfg.to_dict(), "model": model.state_dict(),
-                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                     "rng": engine.rng_state(), "routers": engine.router_state(model), "rows": rows}
-            weights = to_bytes(model, metadata={"amod.detect.step": str(step)})
-            files.write_together([
-                (ckpt_path, lambda f: torch.save(state, f)),
-                (metrics_path, lambda f: f.write("".join(files.dumps(r) + "\n" for r in rows).encode())),
-                (out / "model.safetensors", lambda f: f.write(weights))])
-            losses, images, started = [], 0, time.perf_counter()
+        return engine.StepLoss(model(pixel_values=normalise(images_cpu.to(device)), labels=labels).loss, len(targets))
+
+    def on_step(done: int, step_loss: engine.StepLoss) -> None:
+        """Every ``eval_every`` steps and at the last: a row, then checkpoint, metrics and weights together."""
+        nonlocal losses, images, started
+        losses.append(step_loss.loss.item())
+        images += step_loss.images
+        if done % cfg.eval_every and done != cfg.steps:
+            return
+        speed = images / (time.perf_counter() - started)
+        row = {"step": done, "images_seen": done * cfg.batch_size, "train_loss": sum(losses) / len(losses),
+               "train_images_per_s": speed, **evaluate(model, val, ground_truth, amp=cfg.amp)}
+        rows.append(row)
+        log.info("step %d/%d: loss %.3f, AP %.4f AP50 %.4f (%.1f training images/s)", done, cfg.steps,
+                 row["train_loss"], row["AP"], row["AP50"], speed)
+        state = {"format": FORMAT, "config": cfg.to_dict(), "model": model.state_dict(),
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": done,
+                 "rng": engine.rng_state(), "routers": engine.router_state(model), "rows": rows}
+        weights = to_bytes(model, metadata={"amod.detect.step": str(done)})
+        files.write_together([
+            (ckpt_path, lambda f: torch.save(state, f)),
+            (metrics_path, lambda f: f.write("".join(files.dumps(r) + "\n" for r in rows).encode())),
+            (out / "model.safetensors", lambda f: f.write(weights))])
+        losses, images, started = [], 0, time.perf_counter()
+
+    canvases = (collate([train[i] for i in indices]) for indices in _batches(cfg, train, step))
+    engine.train_steps(model, canvases, optimizer, scheduler, loss_fn, device=device, amp=cfg.amp,
+                       clip_grad=cfg.clip, step=step, steps=cfg.steps, on_step=on_step,
+                       non_finite_message=lambda value, n: f"the loss is {value} at step {n}; lower lr (now {cfg.lr:g})")
     return rows[-1]

@@ -135,7 +135,7 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         return
     model = planned.method.apply(copy.deepcopy(start)).to(device)
     dial = AnyCost(model, *planned.arm.any_cost) if planned.arm.any_cost else None
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay), lr=cfg.lr)
     warmup = max(1, round(cfg.warmup * steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(steps, warmup))
     step = 0
@@ -162,65 +162,56 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
     extra = {"distillation": distilled.text} if distilled else {}
     if planned.arm.best_of:
         extra["of"] = planned.arm.best_of[0]
-    started, seen = time.perf_counter(), 0
-    model.train()
-    for x, y in engine.image_batches(_train_batches(train, order, step, cfg.batch_size)):
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], done: int) -> engine.StepLoss:
+        x, y = batch
         x, y = x.to(device), y.to(device)
-        if dial is not None:
-            set_capacity(model, dial.capacity(seed, step))
-        with engine.autocast(amp, device):
-            teacher = None
-            if distilled is not None:
-                indices = order[step * cfg.batch_size:step * cfg.batch_size + len(y)]
-                teacher = functools.partial(distilled.outputs, distilled.teacher, indices=indices) \
-                    if distilled.outputs else distilled.teacher
-            loss, _ = training_loss(model, x, y, distilled.loss if distilled else None, teacher)
-        if not torch.isfinite(loss):
-            raise engine.NonFiniteError(f"{name} at cost {cost:g}, seed {seed}: the training loss is {loss.item()} "
-                                        f"at step {step + 1}; lower --lr")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        seen += len(y)
-        if step in eval_steps:
-            train_s = time.perf_counter() - started
-            for p in evaluated:
-                if dial is not None:
-                    set_capacity(model, p.method.capacity)
-                correct = correctness(model, test_loader, device, amp)
-                rows.add({"seed": seed, "cost_target": p.cost_target, "method": name, "amp": amp, "step": step,
-                          "images_seen": step * cfg.batch_size, "top1": correct.double().mean().item(),
-                          "correct": pack(correct), "train_loss": loss.item(),
-                          "train_images_per_s": seen / max(train_s, 1e-9), **extra})
-                log.info("    step %d/%d%s: top-1 %.4f (%.1f training images/s)", step, steps,
-                         f" at cost {p.cost_target:g}" if also else "", correct.double().mean().item(),
-                         seen / max(train_s, 1e-9))
-            if distilled is not None and distilled.outputs is not None:
-                distilled.outputs.flush()
-            if step < steps:
-                torch_save({"fingerprint": rows.fingerprint, "step": step, "model": model.state_dict(),
-                            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                            "router": engine.router_state(model), "rng": engine.rng_state()}, state_path)
-            model.train()
-            started, seen = time.perf_counter(), 0
-        if step >= steps:
-            break
+        teacher = None
+        if distilled is not None:  # kept outputs are read by the images' places in the training set
+            indices = order[done * cfg.batch_size:done * cfg.batch_size + len(y)]
+            teacher = functools.partial(distilled.outputs, distilled.teacher, indices=indices) \
+                if distilled.outputs else distilled.teacher
+        loss, _ = training_loss(model, x, y, distilled.loss if distilled else None, teacher)
+        return engine.StepLoss(loss, len(y))
+
+    started, seen = time.perf_counter(), 0
+
+    def on_step(done: int, out: engine.StepLoss) -> None:
+        """At an evaluation step: a row per evaluated cost, then the run's state (kill-safe: rows first)."""
+        nonlocal started, seen
+        seen += out.images
+        if done not in eval_steps:
+            return
+        train_s = time.perf_counter() - started
+        for p in evaluated:
+            if dial is not None:
+                set_capacity(model, p.method.capacity)
+            correct = correctness(model, test_loader, device, amp)
+            rows.add({"seed": seed, "cost_target": p.cost_target, "method": name, "amp": amp, "step": done,
+                      "images_seen": done * cfg.batch_size, "top1": correct.double().mean().item(),
+                      "correct": pack(correct), "train_loss": out.loss.item(),
+                      "train_images_per_s": seen / max(train_s, 1e-9), **extra})
+            log.info("    step %d/%d%s: top-1 %.4f (%.1f training images/s)", done, steps,
+                     f" at cost {p.cost_target:g}" if also else "", correct.double().mean().item(),
+                     seen / max(train_s, 1e-9))
+        if distilled is not None and distilled.outputs is not None:
+            distilled.outputs.flush()
+        if done < steps:
+            torch_save({"fingerprint": rows.fingerprint, "step": done, "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                        "router": engine.router_state(model), "rng": engine.rng_state()}, state_path)
+        model.train()
+        started, seen = time.perf_counter(), 0
+
+    engine.train_steps(model, engine.image_batches(_train_batches(train, order, step, cfg.batch_size)), optimizer,
+                       scheduler, loss_fn, device=device, amp=amp, clip_grad=1.0, step=step, steps=steps,
+                       before_step=dial.before_step(model, seed) if dial else None,
+                       on_step=on_step,
+                       non_finite_message=lambda value, n: f"{name} at cost {cost:g}, seed {seed}: the training loss "
+                                                           f"is {value} at step {n}; lower --lr")
     if keep is not None:
         save(model.eval(), keep)
     state_path.unlink(missing_ok=True)
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on biases, norms, position embeddings and tokens (the usual ViT recipe)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "reg_token"))
-            (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 # ---------------------------------------------------------------- the study

@@ -2,12 +2,14 @@
 weights serves the whole capacity dial (``amod.set_capacity``) at inference."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from ..cost import COST_TOLERANCE, flops
 from ..methods import MoD, method_of
-from ..mod.convert import capacity_for_cost
+from ..mod.convert import capacity_for_cost, set_capacity
 
 GRID = 12  # costs drawn from, evenly spaced over the range
 # What --any-cost needs, said by the run's settings (``RunConfig.validate``) and by the model (``AnyCost``).
@@ -45,3 +47,8 @@ class AnyCost:
     def capacity(self, seed: int, step: int) -> float:
         g = torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
         return self.capacities[int(torch.randint(len(self.capacities), (1,), generator=g))]
+
+    def before_step(self, model: nn.Module, seed: int) -> Callable[[int], None]:
+        """``engine.train_steps``' ``before_step`` of an any-cost run: set ``model`` to the capacity drawn for
+        (``seed``, the steps done)."""
+        return lambda step: set_capacity(model, self.capacity(seed, step))

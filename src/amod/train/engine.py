@@ -1,5 +1,6 @@
-"""Training engine: AdamW, warm-up + cosine schedule, label smoothing, clipping, bf16 autocast,
-DDP, per-epoch metrics and atomic, resumable checkpoints.
+"""Training engine: the one training loop (``train_steps``) and AdamW's parameter groups (``param_groups``) that
+``amod train``/``finetune``, the finetune study and ``amod detect train`` share; warm-up + cosine schedule, label
+smoothing, clipping, bf16 autocast, DDP, per-epoch metrics and atomic, resumable checkpoints.
 
 One process or many (``torchrun``): everything rank-dependent goes through ``Dist``.
 """
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from .. import files
 from ..mod.routers import SeededDraws
 from .data import BadSample, DataError, collate_checked
-from .distill import Teacher, training_loss
+from .distill import Distillation, Teacher, training_loss
 
 log = logging.getLogger("amod")
 
@@ -258,45 +259,131 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
             "images_per_s": n / max(model_time, 1e-9)}
 
 
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's two parameter groups for every training run (``amod train``/``finetune``, the finetune study, ``amod
+    detect train``): ``weight_decay`` on the weight matrices, none on biases, norms, position embeddings and tokens
+    (the usual ViT recipe), each group in ``named_parameters`` order; frozen parameters are left out."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "reg_token"))
+            (no_decay if skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class StepLoss:
+    """What a loss function gives ``train_steps`` for one batch."""
+
+    loss: torch.Tensor  # the scalar the step minimises
+    images: int  # the batch's size
+    correct: Optional[torch.Tensor] = None  # a classifier's right top-1 answers in the batch (0-dim), else None
+
+
+# loss_fn(model, batch, step) -> StepLoss; ``step``: how many steps the run has done before this one
+LossFn = Callable[[nn.Module, Any, int], StepLoss]
+
+
+def classification_loss(device: torch.device, distillation: Optional[Distillation] = None,
+                        teacher: Optional[Callable] = None, label_smoothing: float = 0.0) -> LossFn:
+    """The loss function of (x, y) batches: the labels' cross-entropy, or with ``distillation`` its loss against
+    ``teacher`` (``distill.training_loss``); it moves the batch to ``device`` and counts the right answers."""
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> StepLoss:
+        x, y = batch
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss, logits = training_loss(model, x, y, distillation, teacher, label_smoothing)
+        return StepLoss(loss, len(y), (logits.argmax(1) == y).sum())
+
+    return loss_fn
+
+
+def train_steps(model: nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler, loss_fn: LossFn, *, device: torch.device,
+                amp: str = "off", clip_grad: float = 0.0, step: int = 0, steps: Optional[int] = None,
+                before_step: Optional[Callable[[int], None]] = None,
+                on_step: Optional[Callable[[int, StepLoss], None]] = None,
+                non_finite_message: Optional[Callable[[float, int], str]] = None) -> int:
+    """The training loop of every run: one optimizer step per batch of ``batches``, until they end or the run has
+    done ``steps``; returns how many steps the run has done.
+
+    A step: ``before_step(step)``; ``loss_fn(model, batch, step)`` under ``amp``'s autocast; a non-finite loss
+    raises ``NonFiniteError`` (``non_finite_message(loss, step number)`` says where); zero the gradients,
+    backward, clip their norm to ``clip_grad`` (0: no clipping), ``optimizer.step()``, ``scheduler.step()``; then
+    ``on_step(steps done, the StepLoss)``, where a run evaluates, logs and saves. The order is fixed: a resumed run
+    (the states restored, ``step`` = the steps done) consumes the random numbers and steps as an unbroken one.
+
+    Args:
+        model: the model in training (a ``DistributedDataParallel`` under torchrun; gradient checkpointing is the
+            model's own, ``set_grad_checkpointing``). Set to train mode here.
+        batches: what ``loss_fn`` takes, one per step; drawn only while a step is left to run.
+        loss_fn: the batch's loss (``classification_loss``, the finetune study's, DETR's set loss).
+        step: the steps the run has done before this call (the learning-rate schedule's position).
+        steps: the run's last step (None: as many as ``batches`` holds).
+        before_step: called with the steps done before each step (an any-cost run sets the step's capacity).
+    """
+    model.train()
+    pending = iter(batches)
+    while steps is None or step < steps:
+        batch = next(pending, _END)
+        if batch is _END:
+            break
+        if before_step is not None:
+            before_step(step)
+        with autocast(amp, device):
+            out = loss_fn(model, batch, step)
+        if not torch.isfinite(out.loss):
+            message = non_finite_message or (lambda value, n: f"the training loss is {value} at step {n}")
+            raise NonFiniteError(message(out.loss.item(), step + 1))
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if clip_grad:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        if on_step is not None:
+            on_step(step, out)
+    return step
+
+
+_END = object()  # what next() returns at the end of the batches
+
+
 def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Any, dist_info: Dist,
                     epoch: int, bad_images: Optional[BadImages] = None, teacher: Optional[Teacher] = None,
-                    dial: Optional[Callable[[], None]] = None) -> dict[str, float]:
-    """One epoch of ``loader``. ``teacher``: distil from it with ``cfg.distillation()``; ``dial``: called before
-    each step (an any-cost run sets the step's capacity)."""
-    model.train()
+                    dial: Optional[Callable[[int], None]] = None) -> dict[str, float]:
+    """One epoch of ``loader`` (a ``make_loader``) through ``train_steps``, with progress, and its metrics summed
+    over the processes. ``teacher``: distil from it with ``cfg.distillation()``; ``dial``: called with the run's
+    step before each step (an any-cost run sets the step's capacity)."""
     distillation = cfg.distillation() if teacher is not None else None
-    device = dist_info.device
+    loss_fn = classification_loss(dist_info.device, distillation, teacher, cfg.label_smoothing)
+    first = scheduler.last_epoch  # the steps of earlier epochs: one scheduler step per training step
     loss_sum = correct = n = 0.0
     start = time.perf_counter()
     batches = _progress(image_batches(loader, bad_images), len(loader), f"epoch {epoch}/{cfg.epochs}", dist_info.main)
     log_every = max(1, len(loader) // 4)
-    for step, (x, y) in enumerate(batches):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if dial is not None:
-            dial()
-        with autocast(cfg.amp, device):
-            loss, logits = training_loss(model, x, y, distillation, teacher, cfg.label_smoothing)
-        if not torch.isfinite(loss):
-            raise NonFiniteError(f"the training loss is {loss.item()} at epoch {epoch}, step {step + 1}; "
-                                 "lower --lr, or check the data")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.clip_grad:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-        optimizer.step()
-        scheduler.step()
-        loss_sum += loss.item() * len(y)
-        correct += (logits.argmax(1) == y).sum().item()
-        n += len(y)
+
+    def on_step(done: int, out: StepLoss) -> None:
+        nonlocal loss_sum, correct, n
+        loss_sum += out.loss.item() * out.images
+        correct += out.correct.item()
+        n += out.images
+        k = done - first  # steps of this epoch
         if hasattr(batches, "set_postfix"):
             elapsed = time.perf_counter() - start
             batches.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{correct / n:.3f}", img_s=f"{n * dist_info.world / elapsed:.0f}")
-        elif dist_info.main and (step + 1) % log_every == 0 and step + 1 < len(loader):
+        elif dist_info.main and k % log_every == 0 and k < len(loader):
             elapsed = time.perf_counter() - start
-            left = elapsed / (step + 1) * (len(loader) - step - 1)
-            log.info("epoch %d step %d/%d loss %.4f acc %.4f %.0f img/s, %.0fs left in epoch", epoch, step + 1,
+            left = elapsed / k * (len(loader) - k)
+            log.info("epoch %d step %d/%d loss %.4f acc %.4f %.0f img/s, %.0fs left in epoch", epoch, k,
                      len(loader), loss_sum / n, correct / n, n * dist_info.world / elapsed, left)
+
+    train_steps(model, batches, optimizer, scheduler, loss_fn, device=dist_info.device, amp=cfg.amp,
+                clip_grad=cfg.clip_grad, step=first, before_step=dial, on_step=on_step,
+                non_finite_message=lambda value, done: f"the training loss is {value} at epoch {epoch}, step "
+                                                       f"{done - first}; lower --lr, or check the data")
     elapsed = time.perf_counter() - start
     loss_sum, correct, n = dist_info.sum([loss_sum, correct, n])
     if n == 0:

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import yaml
@@ -105,11 +105,6 @@ def _num_classes(cfg: RunConfig, info: DataInfo) -> int:
     return cfg.num_classes
 
 
-def _any_cost_dial(cfg: RunConfig, model: torch.nn.Module, any_cost: AnyCost, scheduler: Any) -> Callable[[], None]:
-    """Before each step of an ``--any-cost`` run: set the capacity drawn for (seed, step) (``AnyCost``)."""
-    return lambda: set_capacity(model, any_cost.capacity(cfg.seed, scheduler.last_epoch))
-
-
 def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any]], train_ds, val_ds,
            info: DataInfo, dist_info: engine.Dist, teacher: Optional[Teacher] = None,
            any_cost: Optional[AnyCost] = None) -> dict[str, Any]:
@@ -118,7 +113,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
     ckpt_path = out / "checkpoint.pt"
     start_epoch = 1 if state is None else state["epoch"] + 1
     cost = flops(model)
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay), lr=cfg.lr)
     steps_per_epoch = len(engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, 0, dist_info))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(
         cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio))
@@ -130,7 +125,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         engine.set_router_state(model, state.get("routers", {}))
         log.info("resumed %s after epoch %d", out, state["epoch"])
     train_model = DistributedDataParallel(model) if dist_info.world > 1 else model
-    dial = _any_cost_dial(cfg, model, any_cost, scheduler) if any_cost is not None else None
+    dial = any_cost.before_step(model, cfg.seed) if any_cost is not None else None
 
     writer = engine.MetricsWriter(out, dist_info.main)
     if dist_info.main:
@@ -231,14 +226,3 @@ def _check_resumable(saved: RunConfig, now: RunConfig) -> None:
     if diffs:
         detail = ", ".join(f"{k}: {saved.to_dict()[k]!r} -> {now.to_dict()[k]!r}" for k in diffs)
         raise ValueError(f"cannot resume: the checkpoint was made with other settings ({detail})")
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on biases, norms, embeddings and tokens (the usual ViT recipe)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "reg_token"))
-        (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
