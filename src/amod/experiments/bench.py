@@ -12,14 +12,14 @@ import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
-import timm
 import torch
 from torch import nn
 
 from ..cost import flops
 from ..deploy import export, onnx_session
 from ..families import family_of
-from ..hf.loading import hf_source, load_hf_source
+from ..checkpoint import open_model
+from ..hf.loading import hf_source
 from ..methods import Dense, method_of
 from ..mod.convert import convert
 from ..fast import compile as fast_compile
@@ -201,9 +201,8 @@ def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optiona
     """A timm model with random weights (timing does not depend on them), or a Hugging Face model (a
     ``save_pretrained`` directory or ``hf:ID``, at its config's ``image_size``), optionally converted."""
     torch.manual_seed(0)
-    source = hf_source(name)
-    if source is not None:
-        model = load_hf_source(source)
+    model = open_model(name, timm_names=True, img_size=img_size)
+    if hf_source(name) is not None:
         native = model.patch_embed.img_size[0]
         if img_size is not None and img_size != native:
             raise ValueError(f"{name} is a Hugging Face model of {native}-px images (its config's image_size); "
@@ -212,11 +211,6 @@ def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optiona
             torch.manual_seed(0)
             convert(model, **convert_kwargs)
         return model.eval()
-    kwargs = {"img_size": img_size} if img_size else {}
-    try:
-        model = timm.create_model(name, pretrained=False, **kwargs)
-    except RuntimeError as e:
-        raise ValueError(str(e)) from None
     if convert_kwargs:
         convert(model, **convert_kwargs)
     return model.eval()

@@ -33,10 +33,10 @@ import torch
 from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..files import UnreadableFileError, dumps, load_torch, read_json_lines, torch_save, write_json, write_text
 from ..families import family_of
-from ..hf.loading import hf_source, load_hf_source
+from ..hf.loading import hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of
 from ..train import engine
-from ..checkpoint import load, skeleton
+from ..checkpoint import load, open_model, skeleton
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
@@ -160,7 +160,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
         return info
     source = hf_source(cfg.checkpoint)
     if source is not None:  # a Hugging Face model: the probe protocol, at its config's image_size
-        model = load_hf_source(source)
+        model = open_model(cfg.checkpoint)
         native = model.patch_embed.img_size[0]
         if cfg.img_size is not None and cfg.img_size != native:
             raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} is a Hugging Face model of {native}-px "
@@ -196,7 +196,7 @@ def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:
     pretrained = starting_checkpoint(cfg, root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = hf_source(pretrained) if cfg.checkpoint else None
-    dense = (load_hf_source(source) if source is not None else load(pretrained, device)).to(device).eval()
+    dense = open_model(pretrained, device)
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
     probe_mode = source is not None or dense.num_classes == 0
     train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train if probe_mode else None, cfg.val_limit)
