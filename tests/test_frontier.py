@@ -168,16 +168,16 @@ def test_a_training_runs_directory_is_refused_and_its_log_left_alone(backbone_pa
 
 
 def test_torn_lines_of_the_sweeps_files_are_named_in_a_warning(tmp_path, caplog):
-    from amod.experiments.compare import _finished_probe_rows
-    from amod.experiments.frontier import Calibrations
+    from amod.experiments.features import finished_probe_rows
+    from amod.experiments.calibration import CalibrationCache
 
     rows = tmp_path / "frontier_rows.jsonl"
     rows.write_text(json.dumps({"method": "ToMe", "cost_target": 0.5, "method_repr": "r"}) + "\n" + '{"method": "To')
     calibrations = tmp_path / "calibrations.jsonl"
     calibrations.write_text('{"method"\n' + json.dumps({"method": "c", "cost_target": 0.5, "grid": "g"}) + "\n")
     with caplog.at_level("WARNING", logger="amod"):
-        assert list(_finished_probe_rows(rows)) == [("ToMe", 0.5, "r")]
-        assert list(Calibrations(calibrations, None, 1, torch.device("cpu")).done) == [("c", 0.5, "g")]
+        assert list(finished_probe_rows(rows)) == [("ToMe", 0.5, "r")]
+        assert list(CalibrationCache(calibrations, None).done) == [("c", 0.5, "g")]
     said = [r.getMessage() for r in caplog.records]
     assert said == [f"{rows}: 1 line that is not a measurement, skipped (line 2)",
                     f"{calibrations}: 1 line that is not a calibration, skipped (line 1)"], said
