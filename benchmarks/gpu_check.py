@@ -782,17 +782,10 @@ def frontier_method(name: str, dense: nn.Module, cost: float, rows: list[dict[st
 
 def timed_rows(models: dict[str, Any], x: torch.Tensor, amp: str, repeats: int, warmup: int,
                device: torch.device) -> dict[str, dict[str, float]]:
-    """ms per batch and speed-up over ``models["dense"]`` (round by round), all interleaved."""
-    def call(m: Any) -> Callable[[], Any]:
-        def run() -> Any:
-            with torch.inference_mode(), autocast(amp, x.device):
-                return m(x)
-        return run
-
-    timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, device)
-    dense = timed["dense"]["times"]
-    return {n: {"ms": 1e3 * t["seconds"], "spread": t["spread"],
-                "speedup": statistics.median(d / o for d, o in zip(dense, t["times"]))} for n, t in timed.items()}
+    """ms per batch and speed-up over ``models["dense"]`` (round by round, against the dense runs around each call:
+    ``time_models`` with dense the reference, as ``amod frontier`` times), all interleaved on ``x``'s device."""
+    timed = time_models(models, x, repeats, warmup, amp, reference="dense")
+    return {n: {"ms": 1e3 * t["seconds"], "spread": t["spread"], "speedup": t["speedup"]} for n, t in timed.items()}
 
 
 def frontier_models(spec: dict[str, Any], s: dict[str, Any], only: Optional[list[str]] = None

@@ -191,6 +191,25 @@ def test_rows_of_other_settings_are_not_reused(tmp_path, backbone_path):
     assert EvalRows(tmp_path / "evals.jsonl", "aaa", "logits 1, T 1, features 0").get(*key) is None
 
 
+def test_calibrations_an_older_study_kept_in_calibrations_json_are_read(tmp_path):
+    """The calibration cache is one format (``CalibrationCache``, JSON lines, as `amod frontier` keeps it); an older
+    study's ``OUT/calibrations.json`` is still read for its backbone, and copied into the new file."""
+    from types import SimpleNamespace
+
+    from amod.experiments.finetune import calibrations
+
+    kept = MoD(skipped="fold", protect=0.0, capacity=0.4, layers=(0, 1, 2), shape=(1.5, 1.0, 0.5))
+    (tmp_path / "calibrations.json").write_text(json.dumps({
+        "d1:0.56": {"method": kept.metadata(), "tilt": -1.0, "fidelity": 0.9, "seconds": 3.0},
+        "d2:0.4": {"method": MoD(skipped="fold", capacity=0.9).metadata(), "tilt": 0.0, "fidelity": 1.0, "seconds": 1}}))
+    prep = SimpleNamespace(digest="d1", probe_train=[(torch.zeros(3, 8, 8), 0)] * 4, start=None)
+    calibrated = calibrations(tmp_path, prep, torch.device("cpu"))
+    assert calibrated(0.56) == MoD.from_metadata(kept.metadata())  # no calibration run: prep.start is None
+    (row,) = [json.loads(line) for line in (tmp_path / "calibrations_d1_4.jsonl").read_text().splitlines()]
+    assert row["cost_target"] == 0.56 and row["report"] == {"tilt": -1.0, "fidelity": 0.9, "seconds": 3.0}
+    assert calibrations(tmp_path, prep, torch.device("cpu"))(0.56) == calibrated(0.56)
+
+
 def test_report_only_without_evaluations_says_so_and_does_nothing(backbone_path, tmp_path, capsys):
     for out in (tmp_path / "missing", tmp_path / "empty"):
         if out.name == "empty":

@@ -100,7 +100,7 @@ def test_each_speed_up_is_taken_against_the_dense_runs_around_it(monkeypatch):
     """A fake clock and a slow spell of the machine in the middle of a round: model "a" and the dense runs on either
     side of it take twice as long. Its ratio pairs it with those dense runs, so the spell cancels out; a ratio to a
     dense run at the start of the round would halve it."""
-    from amod.experiments import frontier
+    from amod.experiments import bench
 
     clock, calls, seconds = [0.0], [], {"dense": 1.0, "a": 0.5, "b": 0.25, "c": 0.5, "d": 0.5, "e": 1.0}
 
@@ -110,14 +110,15 @@ def test_each_speed_up_is_taken_against_the_dense_runs_around_it(monkeypatch):
             clock[0] += seconds[name] * (2.0 if 13 <= len(calls) - 1 <= 15 else 1.0)  # round 1: dense, a, dense
         return run
 
-    monkeypatch.setattr(frontier.time, "perf_counter", lambda: clock[0])
-    times, ratios = frontier.interleaved_with_reference({n: fn(n) for n in seconds}, "dense", repeats=3, warmup=1,
-                                                        device=frontier.torch.device("cpu"))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    timed = bench.time_callables({n: fn(n) for n in seconds}, repeats=3, warmup=1, reference="dense")
+    times, ratios = ({n: t[k] for n, t in timed.items()} for k in ("times", "ratios"))
     assert calls[:7] == ["dense", "a", "b", "c", "d", "dense", "e"] and calls[7] == "dense"  # again after 4, and last
     assert calls[8:10] == ["dense", "b"]  # the next round starts one model later
     assert calls[13:16] == ["dense", "a", "dense"]
     assert ratios["a"] == [2.0, 2.0, 2.0] and times["a"] == [1.0, 0.5, 0.5]  # the spell shows in its seconds only
     assert ratios["b"][1:] == [4.0, 4.0] and ratios["e"][1:] == [1.0, 1.0] and ratios["dense"] == [1.0] * 3
+    assert timed["a"]["speedup"] == 2.0 and timed["dense"]["speedup"] == 1.0
 
 
 @pytest.fixture(scope="module")
@@ -167,16 +168,16 @@ def test_a_training_runs_directory_is_refused_and_its_log_left_alone(backbone_pa
 
 
 def test_torn_lines_of_the_sweeps_files_are_named_in_a_warning(tmp_path, caplog):
-    from amod.experiments.compare import _finished_probe_rows
-    from amod.experiments.frontier import Calibrations
+    from amod.experiments.features import finished_probe_rows
+    from amod.experiments.calibration import CalibrationCache
 
     rows = tmp_path / "frontier_rows.jsonl"
     rows.write_text(json.dumps({"method": "ToMe", "cost_target": 0.5, "method_repr": "r"}) + "\n" + '{"method": "To')
     calibrations = tmp_path / "calibrations.jsonl"
     calibrations.write_text('{"method"\n' + json.dumps({"method": "c", "cost_target": 0.5, "grid": "g"}) + "\n")
     with caplog.at_level("WARNING", logger="amod"):
-        assert list(_finished_probe_rows(rows)) == [("ToMe", 0.5, "r")]
-        assert list(Calibrations(calibrations, None, 1, torch.device("cpu")).done) == [("c", 0.5, "g")]
+        assert list(finished_probe_rows(rows)) == [("ToMe", 0.5, "r")]
+        assert list(CalibrationCache(calibrations, None).done) == [("c", 0.5, "g")]
     said = [r.getMessage() for r in caplog.records]
     assert said == [f"{rows}: 1 line that is not a measurement, skipped (line 2)",
                     f"{calibrations}: 1 line that is not a calibration, skipped (line 1)"], said

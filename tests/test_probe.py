@@ -34,7 +34,7 @@ def test_the_probe_separates_separable_classes_and_picks_its_penalty_on_held_out
         fit_probe(feats[:5], labels[:5])
 
 
-def test_compare_on_a_backbone_uses_the_probe_and_caches_the_dense_features(tmp_path, capsys):
+def test_compare_on_a_backbone_uses_the_probe_and_caches_thedense_features(tmp_path, capsys):
     torch.manual_seed(0)
     backbone = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=42, patch_size=7, depth=4,
                                  embed_dim=64, num_heads=2, num_classes=0)
@@ -76,7 +76,7 @@ def test_compare_on_a_backbone_uses_the_probe_and_caches_the_dense_features(tmp_
 def test_a_corrupt_or_foreign_dense_features_file_is_computed_again_with_a_warning_naming_it(tmp_path, caplog):
     import logging
 
-    from amod.experiments.compare import _dense_features
+    from amod.experiments.features import dense_features
     from amod.train.data import TensorImages
 
     torch.manual_seed(0)
@@ -86,7 +86,7 @@ def test_a_corrupt_or_foreign_dense_features_file_is_computed_again_with_a_warni
     train = TensorImages(images[:12], torch.arange(12) % 3, False, 28)
     val = TensorImages(images[12:], torch.arange(6) % 3, False, 28)
     cpu = torch.device("cpu")
-    fresh = _dense_features(tmp_path, "k", backbone, train, val, cpu)
+    fresh = dense_features(tmp_path, "k", backbone, train, val, cpu)
     path = tmp_path / "dense_features_k.pt"
     good = path.read_bytes()
     torch.save({"weights": torch.zeros(3)}, tmp_path / "foreign.pt")
@@ -100,7 +100,7 @@ def test_a_corrupt_or_foreign_dense_features_file_is_computed_again_with_a_warni
             path.write_bytes(data)
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="amod"):
-                again = _dense_features(tmp_path, "k", backbone, train, val, cpu)
+                again = dense_features(tmp_path, "k", backbone, train, val, cpu)
             assert all(torch.equal(again[k], fresh[k]) for k in fresh), what
             assert f"{path} cannot be reused" in caplog.text and "computing the dense features again" in caplog.text
             assert all(torch.equal(v, fresh[k]) for k, v in torch.load(path, weights_only=True).items()), what

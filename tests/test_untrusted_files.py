@@ -123,7 +123,7 @@ def test_detection_runs_refuse_a_crafted_checkpoint(crafted, tmp_path, capsys):
 
 
 def test_every_library_loader_refuses_a_crafted_file(crafted, tmp_path):
-    from amod.experiments.compare import _read_features
+    from amod.experiments.features import read_features
     from amod.experiments.probe import fit_probe_cached
     from amod.train.engine import load_training_checkpoint
     from amod.train.models import load_state_dict_file
@@ -137,7 +137,7 @@ def test_every_library_loader_refuses_a_crafted_file(crafted, tmp_path):
     with pytest.raises(ValueError, match="not a readable safetensors checkpoint"):
         amod.load(path)
     # caches a command wrote itself are computed again, not trusted
-    assert _read_features(path, 1, 1)[0] is None
+    assert read_features(path, 1, 1)[0] is None
     g = torch.Generator().manual_seed(0)
     feats, labels = torch.randn(40, 4, generator=g), torch.arange(40) % 2
     assert fit_probe_cached(crafted(tmp_path / "probe.pt"), feats, labels).held_out_accuracy >= 0

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import files
 from .families import family_for, family_of
-from .hf.loading import hf_source, load_hf_model
+from .hf.loading import hf_source, load_hf_model, load_hf_source
 from .methods import METADATA_KEYS, method_from_metadata, method_of
 
 PathLike = Union[str, os.PathLike]
@@ -157,3 +157,37 @@ def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
             f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
         )
     return model.to(device)
+
+
+def open_model(source: PathLike, device: Union[str, torch.device, None] = None, *, timm_names: bool = False,
+               img_size: Optional[int] = None) -> nn.Module:
+    """The model a command's model argument names, in eval mode: the one way every command opens one.
+
+    - a Hugging Face model (``hf.loading.hf_source``: a ``save_pretrained`` folder with its config.json, or
+      ``hf:ID`` from the hub): ``load_hf_source``, with amod's timm-style views;
+    - with ``timm_names`` (the commands that time or price an architecture, ``amod bench`` and ``amod flops``): a
+      timm model name, with random weights (timing and cost do not depend on them), at ``img_size`` if given;
+    - otherwise an ``amod.save`` file: ``load`` (whose errors name the file: missing, unreadable, corrupt).
+
+    Args:
+        source: the command-line text (or a path).
+        device: where the model goes; None: where it is made (the CPU, or the device in a ``torch.device``
+            context such as ``"meta"``).
+        timm_names: whether ``source`` may be a timm name; an amod file is then not taken (those commands
+            take architectures, not files).
+        img_size: a timm name's input size (default its own); a loaded model keeps its own, which the caller checks.
+    """
+    hf = hf_source(source)
+    if hf is not None:
+        model = load_hf_source(hf)
+    elif timm_names:
+        import timm
+
+        try:
+            model = timm.create_model(os.fspath(source), pretrained=False,
+                                      **({"img_size": img_size} if img_size else {}))
+        except RuntimeError as e:  # timm's "Unknown model"
+            raise ValueError(str(e)) from None
+    else:
+        model = load(source, "cpu" if device is None else device)
+    return (model if device is None else model.to(device)).eval()

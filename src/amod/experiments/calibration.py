@@ -1,21 +1,26 @@
 """`amod calibrate`: a dense checkpoint made A-MoD calibrated (``amod.calibrate``) at a cost, on unlabeled images of
 the data, and saved: the file runs, finetunes (``amod finetune --checkpoint FILE``) and exports as it is.
 
+``CalibrationCache`` keeps the calibrations a sweep makes (`amod frontier`, the finetune study) so that a resumed one
+reuses them.
+
 The saved model takes the images the checkpoint took: the data's images are given to it (gray images to an RGB
 model as gray RGB), not the model to the data, and only its position grid follows ``--img-size``."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..checkpoint import check_dense_file, load, save, skeleton
 from ..cost import validate_cost
-from ..files import check_output_file
-from ..mod.calibrate import calibrate
+from ..files import check_output_file, dumps, read_json_lines
+from ..methods import MoD
+from ..mod.calibrate import Calibration, calibrate
 from ..mod.routers import router_class
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
@@ -95,3 +100,62 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
     print(f"saved {path}: fold, tilt {best.tilt:+g}, protect {best.protect:g}, capacity {best.capacity:.3f} "
           f"(--skipped fold --protect {best.protect:g} --capacity {best.capacity:.3f} --shape {shape})")
     return path
+
+
+# ---------------------------------------------------------------- the calibrations a sweep keeps
+
+def calibration_report(report: Calibration) -> dict[str, Any]:
+    """What a sweep keeps of ``model.amod_calibration``: seconds, images, every candidate tried and the one chosen."""
+    return {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
+            "candidates": [dataclasses.asdict(c) for c in report.candidates]}
+
+
+def calibration_grid(router: str, protects: tuple[float, ...], tilts: tuple[float, ...]) -> str:
+    """The candidates a calibration chooses among, as a cache row names them."""
+    return repr((router, tuple(protects), tuple(tilts)))
+
+
+class CalibrationCache:
+    """``amod.calibrate``'s choice at each (name, cost, grid), appended to a JSON-lines file as it is made, so that a
+    resumed sweep reuses it (a calibration is deterministic, and takes up to a few minutes). `amod frontier` and the
+    finetune study keep theirs in one of these, each file named by what its calibrations depend on (the model, the
+    images).
+
+    A row: ``method`` (the name), ``cost_target``, ``grid`` (``calibration_grid``), ``setting`` (the chosen ``MoD``'s
+    fields) and ``report`` (``calibration_report``, or what ``older`` rows kept). A torn line (a killed run) is
+    skipped with a warning, and calibrated again.
+
+    Args:
+        path: the JSON-lines file.
+        images: gives the calibration images (called once, when the first calibration is made).
+        older: rows of an older file, by (name, cost, grid), taken (and appended to ``path``) where ``path`` has none.
+    """
+
+    def __init__(self, path: Path, images: Optional[Callable[[], torch.Tensor]],
+                 older: Optional[dict[tuple[str, float, str], dict[str, Any]]] = None) -> None:
+        self.path, self._images, self.older = path, images, older or {}
+        self.images: Optional[torch.Tensor] = None
+        self.done: dict[tuple, dict[str, Any]] = dict(read_json_lines(
+            path, lambda row: ((row["method"], row["cost_target"], row["grid"]), row), "a calibration"))
+
+    def get(self, name: str, cost: float, grid: str,
+            make: Callable[[torch.Tensor], tuple[MoD, dict[str, Any]]]) -> tuple[MoD, dict[str, Any]]:
+        """The method kept for (``name``, ``cost``, ``grid``) and its report; where there is none, ``make(images)``
+        calibrates (returning the method and its ``calibration_report``), and the row is appended."""
+        key = (name, cost, grid)
+        row = self.done.get(key)
+        if row is None:
+            row = self.older.get(key)
+            if row is None:
+                if self.images is None:
+                    self.images = self._images()
+                method, report = make(self.images)
+                row = {"method": name, "cost_target": cost, "grid": grid, "setting": dataclasses.asdict(method),
+                       "report": report}
+            with open(self.path, "a") as f:
+                f.write(dumps(row) + "\n")
+            self.done[key] = row
+        setting = row["setting"]
+        method = MoD(**{**setting, "layers": tuple(setting["layers"]),
+                        "shape": None if setting["shape"] is None else tuple(setting["shape"])})
+        return method, row["report"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +30,11 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..cost import COST_TOLERANCE, flops, validate_cost
-from ..files import UnreadableFileError, dumps, load_torch, read_json_lines, torch_save, write_json, write_text
-from ..families import family_of
-from ..hf.loading import hf_source, load_hf_source
+from ..files import dumps, write_json, write_text
+from ..hf.loading import hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of
 from ..train import engine
-from ..checkpoint import load, skeleton
+from ..checkpoint import load, open_model, skeleton
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
@@ -44,7 +42,8 @@ from ..train.rundir import check_output_dir, run_dir_name
 from .bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
-from .probe import LinearProbe, features, fit_probe_cached, mean_cosine, probe_images
+from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
+from .probe import features, mean_cosine, probe_images
 
 log = logging.getLogger("amod")
 
@@ -160,7 +159,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
         return info
     source = hf_source(cfg.checkpoint)
     if source is not None:  # a Hugging Face model: the probe protocol, at its config's image_size
-        model = load_hf_source(source)
+        model = open_model(cfg.checkpoint)
         native = model.patch_embed.img_size[0]
         if cfg.img_size is not None and cfg.img_size != native:
             raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} is a Hugging Face model of {native}-px "
@@ -196,7 +195,7 @@ def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:
     pretrained = starting_checkpoint(cfg, root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = hf_source(pretrained) if cfg.checkpoint else None
-    dense = (load_hf_source(source) if source is not None else load(pretrained, device)).to(device).eval()
+    dense = open_model(pretrained, device)
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
     probe_mode = source is not None or dense.num_classes == 0
     train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train if probe_mode else None, cfg.val_limit)
@@ -263,83 +262,25 @@ def _grid(cfg: CompareConfig, dense: torch.nn.Module) -> Iterator[tuple[int, int
         yield done, total, cost, entry, entry.at_cost(dense, cost)
 
 
-def _features_key(cfg: CompareConfig, dense: torch.nn.Module, pretrained: Path, train, val) -> str:
-    """What the dense features and every probe measurement depend on: weights, data, size, subsets."""
-    path = Path(pretrained)  # a file, a save_pretrained directory (its newest file), or hf:ID (no stamp)
-    stamp = max(p.stat().st_mtime_ns for p in [path, *(path.iterdir() if path.is_dir() else ())]) \
-        if path.exists() else 0
-    return hashlib.sha256(f"{Path(pretrained).resolve()}:{stamp}:{cfg.data}:"
-                          f"{dense.patch_embed.img_size}:{len(train)}:{len(val)}".encode()).hexdigest()[:16]
-
-
-def _dense_features(root: Path, key: str, dense: torch.nn.Module, train, val,
-                    device: torch.device) -> dict[str, torch.Tensor]:
-    """The dense model's features of the probe's training subset and of the test set, cached under ``root``."""
-    path = root / f"dense_features_{key}.pt"
-    if path.exists():
-        cached, problem = _read_features(path, len(train), len(val))
-        if cached is not None:
-            log.info("dense features reused from %s", path)
-            return cached
-        log.warning("%s cannot be reused (%s); computing the dense features again", path, problem)
-    log.info("dense features of %d training and %d test images (cached in %s)", len(train), len(val), path)
-    dist = engine.Dist(device=device)
-    model = _feature_model(dense)
-    train_f, train_y = features(model, engine.image_batches(engine.make_loader(train, 128, False, 0, 0, dist)), device)
-    test_f, test_y = features(model, engine.image_batches(engine.make_loader(val, 128, False, 0, 0, dist)), device)
-    cached = {"train": train_f, "train_labels": train_y, "test": test_f, "test_labels": test_y}
-    torch_save(cached, path)
-    return cached
-
-
-def _dense_probe(root: Path, key: str, cached: dict[str, torch.Tensor]) -> LinearProbe:
-    """The linear probe fitted on the cached dense training features, itself cached under ``root``."""
-    return fit_probe_cached(root / f"dense_probe_{key}.pt", cached["train"], cached["train_labels"])
-
-
-def _feature_model(model: torch.nn.Module) -> torch.nn.Module:
-    return family_of(model).feature_module(model)
-
-
-FEATURE_KEYS = ("train", "train_labels", "test", "test_labels")
-
-
-def _read_features(path: Path, n_train: int, n_test: int) -> tuple[Optional[dict[str, torch.Tensor]], str]:
-    """(the cached dense features, "") if ``path`` holds them for ``n_train`` and ``n_test`` images, else
-    (None, what is wrong with it): a torn, corrupt or foreign file is computed again, not trusted."""
-    try:
-        cached = load_torch(path)
-    except (OSError, UnreadableFileError) as e:  # a torn, foreign or crafted file alike
-        return None, f"unreadable: {e}"
-    if not isinstance(cached, dict) or not all(isinstance(cached.get(k), torch.Tensor) for k in FEATURE_KEYS):
-        return None, f"not a dense-features file: it needs the tensors {', '.join(FEATURE_KEYS)}"
-    sizes = {k: len(cached[k]) for k in FEATURE_KEYS}
-    if sizes != {"train": n_train, "train_labels": n_train, "test": n_test, "test_labels": n_test}:
-        return None, f"it holds {sizes}, not {n_train} training and {n_test} test images"
-    if cached["train"].ndim != 2 or cached["test"].shape[1:] != cached["train"].shape[1:]:
-        return None, "its features are not (images, width) tensors of one width"
-    return cached, ""
-
-
 def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrained: Path, train, val,
                 device: torch.device) -> tuple[list[dict[str, Any]], float]:
     """Zero-training probe accuracy and feature cosine of every (cost, method)."""
-    key = _features_key(cfg, dense, pretrained, train, val)
-    cached = _dense_features(root, key, dense, train, val, device)
-    probe = _dense_probe(root, key, cached)
+    key = features_key(cfg.data, dense, pretrained, train, val)
+    cached = dense_features(root, key, dense, train, val, device)
+    probe = dense_probe(root, key, cached)
     dense_acc = probe.accuracy(cached["test"], cached["test_labels"])
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images (probe fitted on %d, L2 %g)", pretrained,
              dense.patch_embed.img_size[0], dense_acc, len(val), len(train), probe.l2)
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
     # one measurement per line, appended as each finishes: a killed comparison resumes after the last one
     done_path = root / f"probe_rows_{key}_{probe.l2:g}.jsonl"
-    finished = _finished_probe_rows(done_path)
+    finished = finished_probe_rows(done_path)
     rows: list[dict[str, Any]] = []
     for done, total, cost, entry, method in _grid(cfg, dense):
         measured = finished.get((entry.name, cost, repr(method)))
         if measured is None:
             model = method.apply(copy.deepcopy(dense)).eval()
-            feats, labels = features(_feature_model(model), engine.image_batches(loader), device)
+            feats, labels = features(feature_model(model), engine.image_batches(loader), device)
             measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
                         "cost": flops(model).ratio, "zero_top1": probe.accuracy(feats, labels),
                         "cosine": mean_cosine(feats, cached["test"])}
@@ -355,13 +296,6 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
                  entry.name, cost, row["cost"], row["zero_top1"], row["cosine"], how)
         rows.append(row)
     return rows, dense_acc
-
-
-def _finished_probe_rows(path: Path) -> dict[tuple[str, float, str], dict[str, Any]]:
-    """The measurements a previous, killed comparison finished (a torn last line is skipped with a warning, and
-    measured again)."""
-    return dict(read_json_lines(path, lambda r: ((r["method"], float(r["cost_target"]), r["method_repr"]), r),
-                                "a measurement"))
 
 
 def _setting_text(s: dict[str, Any]) -> str:

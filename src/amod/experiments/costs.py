@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..cost import CostReport, flops, img_size_of
-from ..hf.loading import hf_source, load_hf_source
+from ..checkpoint import open_model
+from ..hf.loading import hf_source
 from ..methods import Dense, Method, MoD, TokenMerging, method_of
 from ..mod.config import validate_capacity
 from ..mod.convert import lowest_capacity
@@ -42,7 +43,7 @@ def dense_models(models: Sequence[str]) -> list[tuple[str, Callable[[], nn.Modul
     for name in models:
         source = hf_source(name)
         if source is not None:
-            hf_model = load_hf_source(source)
+            hf_model = open_model(name)
             if isinstance(method_of(hf_model), Dense):
                 makers.append((name, lambda m=hf_model: copy.deepcopy(m), None))
             else:
@@ -52,7 +53,7 @@ def dense_models(models: Sequence[str]) -> list[tuple[str, Callable[[], nn.Modul
             raise ValueError(f"unknown timm model {name!r} (a Hugging Face model: its save_pretrained directory, "
                              "with config.json, or hf:ID)")
         check_vit_name(name)
-        makers.append((name, lambda n=name: timm.create_model(n, pretrained=False), None))
+        makers.append((name, lambda n=name: open_model(n, timm_names=True), None))
     return makers
 
 

@@ -9,9 +9,9 @@ import torch
 from ..cost import flops
 from ..methods import MoD, method_of
 from ..mod.convert import set_capacity
-from ..checkpoint import load
+from ..checkpoint import open_model
 from ..families import family_of
-from ..hf.loading import hf_source, load_hf_source
+from ..hf.loading import hf_source
 from ..train.data import build_datasets
 from ..train.engine import BadImages, Dist, evaluate, make_loader
 
@@ -32,7 +32,7 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     """Top-1/top-5, loss, images/s, MACs per image and unreadable images skipped, for ``cfg.checkpoint``."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     source = hf_source(cfg.checkpoint)
-    model = load_hf_source(source).to(device) if source is not None else load(cfg.checkpoint, device)
+    model = open_model(cfg.checkpoint, device)
     if cfg.capacity is not None:
         running = method_of(model)
         if not isinstance(running, MoD):

@@ -23,6 +23,7 @@ This module runs the study; its arms and plan are ``finetune_plan``, its rows ``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -30,16 +31,16 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..checkpoint import check_dense_file, load, save, skeleton
-from ..files import UnreadableFileError, load_torch, torch_save, write_json
+from ..files import UnreadableFileError, load_torch, torch_save
 from ..methods import Dense, Method, MoD
-from ..mod.calibrate import calibrate
+from ..mod.calibrate import DEFAULT_TILTS, calibrate
 from ..mod.convert import set_capacity
 from ..train import engine
 from ..train.any_cost import AnyCost
@@ -48,7 +49,8 @@ from ..train.distill import Distillation, Teacher, TeacherOutputs, classifiers_o
 from ..train.models import fit_to_data
 from ..train.rundir import run_dir_name
 from .bench import time_models
-from .compare import _dense_features, _dense_probe, _features_key
+from .calibration import CalibrationCache, calibration_grid, calibration_report
+from .features import dense_features, dense_probe, features_key
 from .finetune_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
 from .finetune_report import write_report
 from .finetune_rows import EvalRows, pack
@@ -298,9 +300,9 @@ def prepare(cfg: FinetuneConfig, root: Path, device: torch.device) -> Prepared:
     probe_train, test, info = build_datasets(cfg.data, cfg.img_size, cfg.probe_train, cfg.eval_images)
     fit_to_data(backbone, info.in_chans, cfg.img_size)
     train, _, _ = build_datasets(cfg.data, cfg.img_size)
-    key = _features_key(_ProbeKey(cfg.data), backbone, checkpoint, probe_train, test)
-    cached = _dense_features(root, key, backbone, probe_train, test, device)
-    probe = _dense_probe(root, key, cached)
+    key = features_key(cfg.data, backbone, checkpoint, probe_train, test)
+    cached = dense_features(root, key, backbone, probe_train, test, device)
+    probe = dense_probe(root, key, cached)
     digest = weights_digest(checkpoint)
     rows = EvalRows(root / "evals.jsonl", cfg.fingerprint(digest))
     test_loader = DataLoader(test, batch_size=128, shuffle=False, collate_fn=collate_checked)
@@ -352,7 +354,7 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     prep = prepare(cfg, root, device)
-    calibrated = Calibrations(root, prep, device)
+    calibrated = calibrations(root, prep, device)
     distilled = None
     if cfg.report_only:  # the distilled rows of these loss settings, whichever teacher made them
         prep.rows = EvalRows(prep.rows.path, prep.rows.fingerprint, cfg.distillation.text())
@@ -452,36 +454,50 @@ def study_teacher(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch
     return Distilled(teacher, outputs, cfg.distillation, text)
 
 
-class Calibrations:
+CALIBRATION_NAME = "finetune start"  # the calibrations of the study's calibrated arms (all share them), as kept
+
+
+def calibrations(root: Path, prep: Prepared, device: torch.device) -> Callable[[float], Method]:
     """The calibrated arms' method at each cost: ``amod.calibrate`` (nothing protected) on the first
-    ``CALIBRATION_IMAGES`` of the probe's training images, chosen once and kept in ``OUT/calibrations.json``."""
+    ``CALIBRATION_IMAGES`` of the probe's training images, chosen once and kept in
+    ``OUT/calibrations_DIGEST_N.jsonl`` (``calibration.CalibrationCache``, as `amod frontier` keeps its own; a
+    study's ``OUT/calibrations.json`` of an older amod is still read)."""
+    n = min(CALIBRATION_IMAGES, len(prep.probe_train))
+    grid = calibration_grid("attention", (0.0,), DEFAULT_TILTS)
+    cache = CalibrationCache(root / f"calibrations_{prep.digest}_{n}.jsonl",
+                             lambda: torch.stack([prep.probe_train[i][0] for i in range(n)]).to(device),
+                             older=_older_calibrations(root / "calibrations.json", prep.digest, grid))
 
-    def __init__(self, root: Path, prep: Prepared, device: torch.device) -> None:
-        self.path, self.prep, self.device = root / "calibrations.json", prep, device
-        try:
-            self.saved = json.loads(self.path.read_text()) if self.path.exists() else {}
-        except ValueError:
-            log.warning("%s is not JSON: the calibrations are made again", self.path)
-            self.saved = {}
-
-    def __call__(self, cost: float) -> Method:
-        key = f"{self.prep.digest}:{cost:g}"
-        if key not in self.saved:
-            n = min(CALIBRATION_IMAGES, len(self.prep.probe_train))
-            images = torch.stack([self.prep.probe_train[i][0] for i in range(n)]).to(self.device)
-            model = calibrate(copy.deepcopy(self.prep.start), images, cost, protects=(0.0,))
+    def make(cost: float) -> Callable[[torch.Tensor], tuple[MoD, dict[str, Any]]]:
+        def run(images: torch.Tensor) -> tuple[MoD, dict[str, Any]]:
+            model = calibrate(copy.deepcopy(prep.start), images, cost, protects=(0.0,))
             c = model.amod_calibration
-            log.info("calibrated at cost %g on %d images in %.0f s: tilt %g, fidelity %.4f", cost, n, c.seconds,
-                     c.best.tilt, c.best.fidelity)
-            self.saved[key] = {"method": MoD.of_model(model).metadata(), "tilt": c.best.tilt,
-                               "fidelity": c.best.fidelity, "seconds": c.seconds}
-            write_json(self.path, self.saved)
-        return MoD.from_metadata(self.saved[key]["method"])
+            log.info("calibrated at cost %g on %d images in %.0f s: tilt %g, fidelity %.4f", cost, len(images),
+                     c.seconds, c.best.tilt, c.best.fidelity)
+            return MoD.of_model(model), calibration_report(c)
+        return run
+
+    return lambda cost: cache.get(CALIBRATION_NAME, cost, grid, make(cost))[0]
 
 
-@dataclass
-class _ProbeKey:
-    data: str
+def _older_calibrations(path: Path, digest: str, grid: str) -> dict[tuple[str, float, str], dict[str, Any]]:
+    """The calibrations an older amod kept in ``OUT/calibrations.json`` ({"DIGEST:COST": {"method": the MoD's
+    checkpoint metadata, "tilt", "fidelity", "seconds"}}) of the backbone ``digest``, as ``CalibrationCache`` rows."""
+    try:
+        saved = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        log.warning("%s is not JSON: the calibrations are made again", path)
+        return {}
+    rows = {}
+    for key, kept in saved.items() if isinstance(saved, dict) else ():
+        kept_digest, _, cost = key.rpartition(":")
+        method = MoD.from_metadata(kept["method"]) if kept_digest == digest and isinstance(kept, dict) else None
+        if method is not None:
+            report = {k: kept[k] for k in ("tilt", "fidelity", "seconds") if k in kept}
+            rows[(CALIBRATION_NAME, float(cost), grid)] = {"method": CALIBRATION_NAME, "cost_target": float(cost),
+                                                           "grid": grid, "setting": dataclasses.asdict(method),
+                                                           "report": report}
+    return rows
 
 
 def speeds_of(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned], device: torch.device) -> dict[str, float]:

@@ -22,18 +22,16 @@ import dataclasses
 import logging
 import math
 import os
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from ..checkpoint import check_dense_file, load
+from ..checkpoint import check_dense_file, open_model
 from ..cost import COST_TOLERANCE, flops, validate_cost
-from ..files import dumps, read_json_lines, write_json, write_text
-from ..hf.loading import hf_source, load_hf_source
+from ..files import dumps, write_json, write_text
+from ..hf.loading import hf_source
 from ..methods import MoD, PiToMe, TokenMerging
 from ..mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
 from ..train import engine
@@ -41,10 +39,11 @@ from ..train.data import build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
-from ..train.engine import AMP_MODES, autocast
-from .bench import IMPLAUSIBLE_NOTE, resolve_device, speedup_text, sync_device, warn_implausible
-from .compare import (Entry, _dense_features, _dense_probe, _feature_model, _features_key,
-                      _finished_probe_rows, _setting_text, check_inputs, select_methods)
+from ..train.engine import AMP_MODES
+from .bench import IMPLAUSIBLE_NOTE, resolve_device, speedup_text, time_models, warn_implausible
+from .calibration import CalibrationCache, calibration_grid
+from .compare import Entry, _setting_text, check_inputs, select_methods
+from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
 from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
 from .probe import LinearProbe, features, mean_cosine, probe_images
@@ -198,14 +197,14 @@ def accuracy_at(points: Sequence[tuple[float, float]], speedup: float) -> Option
 def _run(cfg: FrontierConfig, root: Path) -> Path:
     device = resolve_device(cfg.device)
     source = hf_source(cfg.checkpoint)
-    dense = (load_hf_source(source) if source is not None else load(cfg.checkpoint, device)).to(device).eval()
+    dense = open_model(cfg.checkpoint, device)
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
     train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train, cfg.val_limit)
     if source is None:  # (a Hugging Face model was checked to fit the data by check_inputs)
         fit_to_data(dense, info.in_chans, img_size)
-    key = _features_key(cfg, dense, Path(cfg.checkpoint), train, val)
-    cached = _dense_features(root, key, dense, train, val, device)
-    probe = _dense_probe(root, key, cached)
+    key = features_key(cfg.data, dense, Path(cfg.checkpoint), train, val)
+    cached = dense_features(root, key, dense, train, val, device)
+    probe = dense_probe(root, key, cached)
     dense_row = {"method": "dense", "cost_target": 1.0, "cost": 1.0, "setting": {},
                  **_scores(probe, cached["test"], cached["test_labels"]), "cosine": 1.0}
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images", cfg.checkpoint, img_size,
@@ -251,15 +250,18 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
     setting is one the method already has at another cost is not measured twice."""
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
     done_path = root / f"frontier_rows_{key}_{probe.l2:g}.jsonl"
-    finished = _finished_probe_rows(done_path)
-    calibrations = Calibrations(root / f"calibrations_{key}_{cfg.calibration_images}.jsonl", train,
-                                cfg.calibration_images, device)
+    finished = finished_probe_rows(done_path)
+    calibrations = CalibrationCache(  # the first images of the probe's training subset, labels unread
+        root / f"calibrations_{key}_{cfg.calibration_images}.jsonl",
+        lambda: torch.stack([train[i][0] for i in range(cfg.calibration_images)]).to(device))
     rows: list[dict[str, Any]] = []
     pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
     for number, (entry, cost) in enumerate(pairs, start=1):
         calibration = None
         if isinstance(entry, CalibratedEntry):
-            method, calibration = calibrations.get(entry, dense, cost)
+            method, calibration = calibrations.get(entry.name, cost,
+                                                   calibration_grid(entry.router, entry.protects, entry.tilts),
+                                                   lambda images: entry.calibrated(dense, cost, images))
         else:
             method = entry.at_cost(dense, cost)
         if any(r["method"] == entry.name and r["method_repr"] == repr(method) for r in rows):
@@ -269,7 +271,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
         model = method.apply(copy.deepcopy(dense)).eval()
         measured = finished.get((entry.name, cost, repr(method)))
         if measured is None:
-            feats, labels = features(_feature_model(model), engine.image_batches(loader), device)
+            feats, labels = features(feature_model(model), engine.image_batches(loader), device)
             measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
                         "cost": flops(model).ratio, "setting": method.run_fields(), **_scores(probe, feats, labels),
                         "cosine": mean_cosine(feats, cached["test"])}
@@ -281,44 +283,12 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
     return rows
 
 
-class Calibrations:
-    """Each calibrated (method, cost)'s choice, appended to ``path`` as it is made: a resumed sweep reuses it (the
-    calibration is deterministic, and takes up to a few minutes a point)."""
-
-    def __init__(self, path: Path, train, count: int, device: torch.device) -> None:
-        self.path, self.train, self.count, self.device = path, train, count, device
-        self.images: Optional[torch.Tensor] = None
-        # a torn last line of a killed run: skipped with a warning, and calibrated again
-        self.done: dict[tuple, dict[str, Any]] = dict(read_json_lines(
-            path, lambda row: ((row["method"], row["cost_target"], row["grid"]), row), "a calibration"))
-
-    def get(self, entry: CalibratedEntry, dense: torch.nn.Module, cost: float) -> tuple[MoD, dict[str, Any]]:
-        grid = repr((entry.router, entry.protects, entry.tilts))
-        row = self.done.get((entry.name, cost, grid))
-        if row is None:
-            if self.images is None:  # the first images of the probe's training subset, labels unread
-                self.images = torch.stack([self.train[i][0] for i in range(self.count)]).to(self.device)
-            method, report = entry.calibrated(dense, cost, self.images)
-            row = {"method": entry.name, "cost_target": cost, "grid": grid, "setting": dataclasses.asdict(method),
-                   "report": report}
-            with open(self.path, "a") as f:
-                f.write(dumps(row) + "\n")
-            self.done[(entry.name, cost, grid)] = row
-        setting = row["setting"]
-        method = MoD(**{**setting, "layers": tuple(setting["layers"]),
-                        "shape": None if setting["shape"] is None else tuple(setting["shape"])})
-        return method, row["report"]
-
-
-DENSE_EVERY = 4  # the dense model runs again after every this many models of a round: each ratio has a near dense
-
-
 def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
           device: torch.device) -> dict[str, dict[str, Any]]:
     """Images/s of every model at each batch size, all interleaved in the same rounds, and each model's
-    speed-up over dense: the median over rounds of the mean of the two dense runs around it (the dense model
-    runs after every ``DENSE_EVERY`` models) over its own time, so that a slow minute of a shared machine
-    touches both sides of a ratio."""
+    speed-up over dense: the median over rounds of the mean of the two dense runs around it (``bench.time_models``
+    with dense the reference: it runs after every few models) over its own time, so that a slow minute of a shared
+    machine touches both sides of a ratio."""
     first = next(iter(models.values()))
     speeds: dict[str, dict[str, Any]] = {name: {} for name in models}
     for batch in cfg.speed_batches:
@@ -335,58 +305,12 @@ def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
         log.info("timing %d models interleaved at batch %d (%d rounds after 2 warm-up rounds, %d forward(s) a call)",
                  len(models), batch, cfg.speed_repeats, calls)
         amp = "off" if cfg.compile else cfg.amp  # (a compiled model carries its autocast inside)
-        times, ratios = interleaved_with_reference({n: _forwards(m, x, calls, amp) for n, m in timed_models.items()},
-                                                   "dense", cfg.speed_repeats, 2, device)
-        for name, t in times.items():
-            median = statistics.median(t)
-            speeds[name][str(batch)] = {"images_per_s": batch * calls / median, "spread": (max(t) - min(t)) / median,
-                                        "speedup": statistics.median(ratios[name]),
+        timed = time_models(timed_models, x, cfg.speed_repeats, 2, amp, reference="dense", forwards_per_call=calls)
+        for name, t in timed.items():
+            speeds[name][str(batch)] = {"images_per_s": t["images_per_s"], "spread": t["spread"],
+                                        "speedup": t["speedup"],
                                         **({"compile_s": compile_s[name]} if cfg.compile else {})}
     return speeds
-
-
-def interleaved_with_reference(fns: dict[str, Callable[[], None]], reference: str, repeats: int, warmup: int,
-                               device: torch.device) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Seconds of every call in each kept round, and each function's ratios (the mean of the reference's runs just
-    before and after it, over its own time), one per kept round. Round r runs the others in a rotating order, the
-    reference first and again after every ``DENSE_EVERY`` of them."""
-    others = [n for n in fns if n != reference]
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    ratios: dict[str, list[float]] = {n: [] for n in fns}
-
-    def timed(name: str) -> float:
-        sync_device(device)
-        start = time.perf_counter()
-        fns[name]()
-        sync_device(device)
-        return time.perf_counter() - start
-
-    for r in range(warmup + repeats):
-        order = others[r % len(others):] + others[:r % len(others)] if others else []
-        before, group, reference_runs = timed(reference), [], []
-        reference_runs.append(before)
-        for i, name in enumerate(order, start=1):
-            group.append((name, timed(name)))
-            if i % DENSE_EVERY == 0 or i == len(order):
-                after = timed(reference)
-                reference_runs.append(after)
-                for n, t in group:
-                    if r >= warmup:
-                        times[n].append(t)
-                        ratios[n].append((before + after) / 2 / t)
-                before, group = after, []
-        if r >= warmup:
-            times[reference].append(statistics.median(reference_runs))
-            ratios[reference].append(1.0)
-    return times, ratios
-
-
-def _forwards(model: torch.nn.Module, x: torch.Tensor, calls: int, amp: str = "off") -> Callable[[], None]:
-    def run() -> None:
-        with torch.inference_mode(), autocast(amp, x.device):
-            for _ in range(calls):
-                model(x)
-    return run
 
 
 # ---------------------------------------------------------------- the report
