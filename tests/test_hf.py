@@ -193,6 +193,29 @@ def test_untouched_layers_keep_the_hf_forward():
     assert type(layer.attention).forward is hf_module.Dinov2Attention.forward
 
 
+def test_a_swapped_class_is_named_by_its_role():
+    """Each amod class names its role (``amod_role_name``), so a new block class needs no list in the HF base; the
+    names are what they were (HF's ``_no_split_modules`` and the like go by class name)."""
+    from amod.families.hf_base import TimmStyleAttention, role_class
+    from amod.mod.block import MoDBlock, ScoringAttention
+    from amod.mod.fold import FoldBlock
+    from amod.reduce import SizedAttention, SizedTokensBlock
+    from amod.tome.merging import ToMeBlock
+    from amod.tome.pitome import PiToMeBlock
+    from timm.models.vision_transformer import Block
+
+    layer, attention = (type(n, (torch.nn.Module,), {}) for n in ("ToyLayer", "ToyAttention"))
+    named = {cls: role_class(None, cls, layer, layer=True).__name__
+             for cls in (MoDBlock, Block, FoldBlock, ToMeBlock, PiToMeBlock, SizedTokensBlock)}
+    named.update({cls: role_class(None, cls, attention, layer=False).__name__
+                  for cls in (ScoringAttention, SizedAttention, TimmStyleAttention)})
+    assert list(named.values()) == ["MoDToyLayer", "DenseToyLayer", "FoldToyLayer", "ToMeToyLayer", "PiToMeToyLayer",
+                                    "SizedTokensBlockToyLayer", "ScoringToyAttention", "SizedToyAttention",
+                                    "FusedToyAttention"]
+    subclass = type("NewBlock", (FoldBlock,), {})  # a new class is its own role, named by its class
+    assert role_class(None, subclass, layer, layer=True).__name__ == "NewBlockToyLayer"
+
+
 @pytest.mark.parametrize("family, kwargs", [("vit", None), ("dinov2", dict(router="attention", capacity=0.5)),
                                             ("deit", dict(skipped="fold", capacity=0.8))])
 def test_cost_agrees_with_the_flop_counter_and_timm(family, kwargs):

@@ -1,8 +1,11 @@
 """The import graph of amod, read from the source with ``ast`` (nothing is imported): no import cycle, counting the
-imports inside functions, and the library (the root package, routing, token merging, ops, costs, token bookkeeping,
-checkpoints, weights, kernels, methods, architecture, files, export, the model families, analyses) never imports the
-application (``amod.train``, ``amod.experiments``, ``amod.detect``, ``amod.cli``), not even lazily inside a function.
-No family's name appears outside its adapter module and the registry."""
+imports inside functions and those for type hints only, between modules or between packages (a strict layering: the
+bottom, ``files``, ``arch``, ``kernels``, ``hf.common`` and the families' registry ``family``, imports nothing of amod;
+nothing below the model families imports ``amod.families``), and the library (the root package, routing, token
+merging, ops, costs, token bookkeeping, checkpoints, weights, kernels, methods, architecture, files, export, the model
+families, analyses) never imports the application (``amod.train``, ``amod.experiments``, ``amod.detect``,
+``amod.cli``), not even lazily inside a function. No family's name appears outside its adapter module and the
+registry."""
 from __future__ import annotations
 
 import ast
@@ -14,8 +17,10 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "amod"
 LIBRARY = ("amod.mod", "amod.tome", "amod.ops", "amod.cost", "amod.tokens", "amod.checkpoint", "amod.weights",
            "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy", "amod.hf", "amod.families",
-           "amod.reduce", "amod.analysis", "amod.stats")
+           "amod.family", "amod.reduce", "amod.analysis", "amod.stats", "amod.static", "amod.fast")
 APPLICATION = ("amod.train", "amod.experiments", "amod.detect", "amod.cli")
+# the bottom of the package: imports nothing of amod, so every module may use it
+BOTTOM = ("amod.files", "amod.arch", "amod.kernels", "amod.hf.common", "amod.family")
 
 
 def module_name(path: Path) -> str:
@@ -137,6 +142,40 @@ def test_the_graph_is_read_from_the_source():
 def test_imports_have_no_cycle_counting_those_inside_functions():
     assert cycles({m: top for m, (top, _, _) in GRAPH.items()}) == []
     assert cycles({m: runtime for m, (_, runtime, _) in GRAPH.items()}) == []
+    assert cycles({m: anywhere for m, (_, _, anywhere) in GRAPH.items()}) == []  # type hints too
+
+
+def package(module: str) -> str:
+    """The top-level module or subpackage of amod ``module`` lies in (``amod.mod.block`` -> ``amod.mod``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_packages_are_layered():
+    """Between amod's top-level modules and subpackages, no cycle, counting every import (inside functions, for type
+    hints): each lies above the ones it imports, with no arrow back up. The root package, the public API that imports
+    them all, is left aside."""
+    graph: dict[str, set[str]] = {}
+    for module, (_, _, anywhere) in GRAPH.items():
+        graph.setdefault(package(module), set()).update(package(t) for t in anywhere)
+    graph = {p: targets - {p, "amod"} for p, targets in graph.items() if p != "amod"}
+    assert {"amod.cost", "amod.mod"} <= graph["amod.families"]  # (edges are read: the families build on these)
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize("bottom", BOTTOM)
+def test_the_bottom_imports_nothing_of_amod(bottom):
+    found = sorted(f"{m} imports {t}" for m, (_, _, anywhere) in GRAPH.items() if _in(m, (bottom,))
+                   for t in anywhere if not _in(t, (bottom,)))
+    assert [m for m in MODULES if _in(m, (bottom,))], f"no module {bottom}"
+    assert found == []
+
+
+def test_nothing_below_the_families_imports_them():
+    """The library's modules ask the registry (``amod.family``), never ``amod.families``: only the root package (which
+    imports the family modules so that they register), the families themselves and the application import it."""
+    below = [m for m in MODULES if _in(m, LIBRARY) and not _in(m, ("amod.families",))]
+    found = sorted(f"{m} imports {t}" for m in below for t in GRAPH[m][2] if _in(t, ("amod.families",)))
+    assert "amod.cost" in below and found == []
 
 
 def test_the_root_package_is_library():
@@ -149,8 +188,8 @@ def test_the_root_package_is_library():
 FAMILY_NAMES = ("is_hf_model", "is_detr_model", "VisionTransformer", "PreTrainedModel", "ViTModel", "DeiTModel",
                 "Dinov2Model", "DetrModel", "DetrForObjectDetection", "DetrEncoderLayer", "CLIPVisionModel",
                 "SiglipVisionModel", "ViTLayer", "Dinov2Layer", "CLIPEncoderLayer", "SiglipEncoderLayer")
-# where they may appear: the registry, the adapters, what the Hugging Face families share (amod.hf), and the
-# application modules built around one family (amod.detect trains DETRs)
+# where they may appear: the adapters (what the Hugging Face families share included), Hugging Face loading and weights
+# (amod.hf), and the application modules built around one family (amod.detect trains DETRs)
 FAMILY_HOMES = ("amod.families", "amod.hf", "amod.detect")
 
 
@@ -182,8 +221,9 @@ def test_the_library_does_not_import_training_or_experiments(layer):
     assert wrong == []
 
 
-@pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint", "amod.detr", "amod.hf.adapter",
-                                  "amod.experiments.analysis", "amod.experiments.stats"])
+@pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint", "amod.detr",
+                                  "amod.hf.adapter", "amod.hf.base", "amod.experiments.analysis",
+                                  "amod.experiments.stats"])
 def test_removed_modules_are_gone(name):
     """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept."""
     assert name not in MODULES

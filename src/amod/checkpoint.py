@@ -21,7 +21,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from . import files
-from .families import family_for, family_of
+from .family import family_for, family_of
 from .hf.loading import hf_source, load_hf_model, load_hf_source
 from .methods import METADATA_KEYS, method_from_metadata, method_of
 

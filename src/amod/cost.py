@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from .families import family_of
+from .family import family_of
 
 ImgSize = Optional[Union[int, Sequence[int]]]
 

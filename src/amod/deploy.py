@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from .arch import pair
+from .family import family_of
 from .files import _remove_quietly, check_output_file, disk_full_error, naming_a_full_disk
-from .families import family_of
 from .methods import method_of
 from .mod.routers import SeededDraws
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from torch import nn
 
-from .families import skeleton
+from .family import skeleton
 from .cost import flops
 from .mod.config import DEFAULT_PROTECT, MoDConfig
 from .mod.convert import capacity_for_cost, convert

@@ -73,6 +73,7 @@ class SizedAttention(Attention):
     amod_class_rows: int  # class-token rows whose attention is the importance; 0: none; ALL_ROWS: every row
     amod_metric: Optional[torch.Tensor]
     amod_importance: Optional[torch.Tensor]
+    amod_role_name = "Sized"  # what a Hugging Face attention in this role is called: SizedViTAttention
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:

@@ -38,15 +38,15 @@ import torch
 from torch import nn
 
 from ..cost import BlockCost, MacsRatios, flop_counter, validate_cost
-from ..hf.base import HFCheckpoints, amod_role, hf_base, install_save_pretrained, role_class, set_view
+from ..family import register_family
+from ..hf.common import attentions_requested
 from ..mod.block import RoutedForward, gated_updates, publish_scores
 from ..mod.config import MoDConfig
 from ..mod.routers import Router, register_router
 from ..mod.routing import num_kept, select_tokens
 from ..ops import attention_with_scores, recomputing, tracing
 from ..tokens import gather_tokens, scatter_tokens
-from ..hf.common import attentions_requested
-from . import register_family
+from .hf_base import HFCheckpoints, amod_role, hf_base, install_save_pretrained, role_class, set_view
 from .vit import ViTFamily
 
 ROUTERS = ("attention", "standard", "random", "feature-norm")

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..hf.base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView, alias
-from . import register_family
+from ..family import register_family
+from .hf_base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView, alias
 
 
 class CLIPAttentionViews(AttentionViews):

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..hf.base import HFFamily, PatchEmbedView, set_view
+from ..family import register_family
 from ..reduce import SizedTokensBlock
 from ..tokens import TokenSizes
-from . import register_family
+from .hf_base import HFFamily, PatchEmbedView, set_view
 from .hf_clip import CLIPAttentionViews, CLIPLayerViews
 
 

@@ -2,9 +2,9 @@
 ``DeiTModel``/``DeiTForImageClassification`` (``...WithTeacher``), ``Dinov2Model``/``Dinov2ForImageClassification``
 (and ``Dinov2WithRegisters*``), as they are: same forward signature, same output classes, same state_dict keys.
 
-Their layers take amod's roles through ``amod.hf.base`` (class swaps with views of the HF names under timm's); this
-module says where the layers are and which names map to which. Prefix tokens: CLS, DeiT's distillation token,
-DINOv2's registers.
+Their layers take amod's roles through ``amod.families.hf_base`` (class swaps with views of the HF names under
+timm's); this module says where the layers are and which names map to which. Prefix tokens: CLS, DeiT's distillation
+token, DINOv2's registers.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..hf.base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView, alias
-from . import register_family
+from ..family import register_family
+from .hf_base import IDENTITY, AttentionViews, HFFamily, PatchEmbedView, alias
 
 
 class ViTAttentionViews(AttentionViews):

@@ -14,9 +14,9 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from ..arch import architecture_name, infer_model_args, set_input_size, skeleton
+from ..family import class_names, register_family
 from ..mod.block import MoDBlock, ScoringAttention
 from ..reduce import make_sized
-from . import class_names, register_family
 from .vit import ViTFamily
 
 

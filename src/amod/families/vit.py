@@ -10,9 +10,9 @@ from typing import Any, Optional
 from torch import nn
 
 from ..cost import CostReport, embed_head_macs, vit_flops
+from ..family import Family
 from ..mod.config import MoDConfig
 from ..mod.modes import skipped_mode
-from . import Family
 
 
 class ViTFamily(Family):

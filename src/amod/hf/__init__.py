@@ -1,10 +1,11 @@
-"""Hugging Face ``transformers`` models: what the Hugging Face families share, loading and weights from timm.
+"""Hugging Face ``transformers`` models: loading, and weights from timm.
 
+``load_hf_model`` loads a ``save_pretrained`` folder (``amod.hf.loading``); ``from_timm`` builds the Hugging Face model
+of a timm ViT with its weights (``amod.hf.weights``); ``amod.hf.common`` holds the names they and the families share.
 The model families themselves are ``amod.families.hf_vit`` (ViT, DeiT, DINOv2), ``hf_clip`` and ``hf_siglip`` (the
-CLIP and SigLIP vision encoders) and ``detr``; ``amod.hf.base`` is what they share (amod's roles on transformers'
-layers by class swaps and views, ``save_pretrained`` that keeps a conversion, checkpoints). ``load_hf_model`` loads
-a ``save_pretrained`` folder (``amod.hf.loading``); ``from_timm`` builds the Hugging Face model of a timm ViT with its
-weights (``amod.hf.weights``).
+CLIP and SigLIP vision encoders) and ``detr``, above this package; ``amod.families.hf_base`` is what they share
+(amod's roles on transformers' layers by class swaps and views, ``save_pretrained`` that keeps a conversion,
+checkpoints). This package imports no family: a loaded model gets its family from the registry (``amod.family``).
 
 This package imports nothing at import time, ``transformers`` included (an optional extra,
 ``pip install 'amod[hf]'``): it is imported when a Hugging Face model is met or loaded.

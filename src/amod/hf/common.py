@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 # save_pretrained of an amod model writes this file beside config.json: the conversion (the method's metadata) and
-# amod's own tensors (routers), which transformers' from_pretrained does not know (amod.hf.base._save_pretrained)
+# amod's own tensors (routers), which transformers' from_pretrained does not know
+# (amod.families.hf_base._save_pretrained)
 SIDECAR = "amod.safetensors"
 SIDECAR_FORMAT = "1"
 # ... and names the conversion under this key of its config.json, so that a folder whose amod.safetensors went missing

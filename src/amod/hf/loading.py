@@ -16,8 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..family import FAMILIES, family_of
 from ..methods import method_from_metadata
-from ..families import FAMILIES, family_of
 from .common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT
 
 

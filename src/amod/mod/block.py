@@ -73,6 +73,7 @@ class ScoringAttention(Attention):
     amod_handoff: ScoreHandoff
     amod_scores_need_grad: bool
     amod_relayed: bool = False  # its block is an MoD block that passes the scores on (set by amod.convert)
+    amod_role_name = "Scoring"  # what a Hugging Face attention in this role is called: ScoringDinov2Attention
 
     def forward(
         self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
@@ -192,6 +193,7 @@ class MoDBlock(RoutedForward, Block):
     """
 
     amod: MoDSettings
+    amod_role_name = "MoD"  # what a Hugging Face layer in this role is called: MoDViTLayer
 
     def block_output(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """timm's block on the tokens ``x`` (B, M, D): attention, then MLP, each with its residual."""

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cost import COST_TOLERANCE, flops, validate_cost
-from ..families import family_of
+from ..family import family_of
 from .config import validate_protect
 from .convert import capacity_for_cost, convert, get_config
 

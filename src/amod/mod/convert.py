@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 from torch import nn
 
 from ..cost import flops, token_sizes, validate_cost
-from ..families import family_of
+from ..family import family_of
 from .block import RoutedForward
 from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
                      validate_shape, validate_skipped)

@@ -89,6 +89,7 @@ class FoldBlock(SizedTokensBlock):
     router: Router
     amod: FoldSettings
     amod_kind = "fold block"
+    amod_role_name = "Fold"  # what a Hugging Face layer in this role is called: FoldViTLayer
 
     def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
         if not self.amod.fold:

@@ -10,7 +10,7 @@ import timm
 from torch import nn
 
 from ..cost import flops
-from ..families import family_of
+from ..family import family_of
 from .convert import convert
 
 

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
 if TYPE_CHECKING:
     from torch import nn
 
-    from .config import MoDConfig
-
 M = TypeVar("M", bound=type)
 
 
@@ -33,11 +31,14 @@ class SkippedMode:
     own_attention: ClassVar[bool] = False
     records_kept_indices: ClassVar[bool] = True
 
-    def validate(self, config: "MoDConfig", model: "nn.Module") -> None:
+    # ``config`` below: the model's ``amod.mod.config.MoDConfig``, typed ``Any`` because ``config`` imports this
+    # module (a type-hint import back would close a circle); ``family``: its ``amod.family.Family``
+
+    def validate(self, config: Any, model: "nn.Module") -> None:
         """Raise a ValueError if this mode cannot run ``config`` (layers resolved) on ``model``."""
 
-    def convert(self, model: "nn.Module", config: "MoDConfig", family: Any) -> None:
-        """Convert ``model``'s blocks in place; ``family`` (``amod.families``) makes each block take its role."""
+    def convert(self, model: "nn.Module", config: Any, family: Any) -> None:
+        """Convert ``model``'s blocks in place; ``family`` (``amod.family``) makes each block take its role."""
         raise NotImplementedError
 
     def lowest_capacity(self, model: "nn.Module", num_patches: int) -> float:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..cost import COST_TOLERANCE, token_sizes, validate_cost
-from ..families import family_of
+from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
 
@@ -51,6 +51,7 @@ class ToMeBlock(SizedTokensBlock):
 
     amod: ToMeSettings
     amod_kind = "token-merging block"
+    amod_role_name = "ToMe"  # what a Hugging Face layer in this role is called: ToMeViTLayer
 
     def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
         return min(self.amod.r, tokens // 2)  # (a capacity does not apply to token merging)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
-from ..families import family_of
+from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
 from ..tokens import TokenSizes, descending_order, with_sizes, without_sizes
@@ -100,6 +100,7 @@ class PiToMeBlock(SizedTokensBlock):
 
     amod: PiToMeSettings
     amod_kind = "PiToMe block"
+    amod_role_name = "PiToMe"  # what a Hugging Face layer in this role is called: PiToMeViTLayer
 
     def _removed(self, tokens: int, capacity: Optional[float] = None) -> int:
         return pitome_count(self.amod.static("keep"), tokens)  # (a compile-time constant: amod.static)  # (a capacity does not apply to token merging)

@@ -9,7 +9,8 @@ for timm, the HF layer's *class* is swapped, to a class of three parts:
 
 The views are read-only properties, not modules: no parameter is copied or re-registered, state_dict keys stay HF's
 own, and the HF forward signature stays (``forward(hidden_states, attention_mask=None, **kwargs)`` calls the amod
-block's forward). timm's fused ``qkv`` is read off the three HF projections (``FusedQKV``).
+block's forward). timm's fused ``qkv`` is read off the three HF projections (``FusedQKV``). A swapped class is named
+by the role the amod class plays (its ``amod_role_name``) and the HF class: ``MoDViTLayer``, ``ScoringDinov2Attention``.
 
 ``HFFamily`` is the family base of the ViT-pattern Hugging Face models (``amod.families.hf_vit``, ``hf_clip``,
 ``hf_siglip``): a subclass names its classes, where its layers and attentions are and their views; this module
@@ -34,18 +35,15 @@ from safetensors.torch import save as safetensors_bytes
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from ..families import class_names, family_of
-from ..families.vit import ViTFamily
+from ..family import class_names, family_of
 from ..files import write_bytes
+from ..hf.common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT, attentions_requested
 from ..methods import method_of
 from ..mod.block import MoDBlock, ScoringAttention
-from ..mod.fold import FoldBlock
 from ..mod.routers import Router
 from ..ops import attention_inputs, attention_output, tracing
 from ..reduce import SizedAttention
-from ..tome.merging import ToMeBlock
-from ..tome.pitome import PiToMeBlock
-from .common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT, attentions_requested
+from .vit import ViTFamily
 
 IDENTITY = nn.Identity()  # timm's q_norm, k_norm, norm, proj_drop, ls1, ls2 where HF has none (no parameters)
 
@@ -130,6 +128,8 @@ class AttentionViews:
 class TimmStyleAttention(nn.Module):
     """timm ``Attention``'s forward (fused kernel) on the views: the attention of an MoD layer that scores nothing."""
 
+    amod_role_name = "Fused"  # FusedViTAttention
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         q, k, v, gate = attention_inputs(self, x)
@@ -141,9 +141,14 @@ class TimmStyleAttention(nn.Module):
 # ---------------------------------------------------------------- the swapped classes
 
 _CLASSES: dict[tuple[Optional[type], Optional[type], type], type] = {}
-_PREFIXES = {MoDBlock: "MoD", Block: "Dense", FoldBlock: "Fold", ToMeBlock: "ToMe", PiToMeBlock: "PiToMe",
-             ScoringAttention: "Scoring",
-             SizedAttention: "Sized", TimmStyleAttention: "Fused"}
+TIMM_ROLE_NAMES = {Block: "Dense"}  # timm's own classes, which carry no amod_role_name
+
+
+def role_name(amod_cls: type) -> str:
+    """The short name of the role ``amod_cls`` plays, the prefix of a swapped class's name: the class's own
+    ``amod_role_name`` (``MoDBlock``: "MoD"; not inherited, so that a subclass is named by its own class unless it says
+    otherwise), else the class name."""
+    return vars(amod_cls).get("amod_role_name") or TIMM_ROLE_NAMES.get(amod_cls, amod_cls.__name__)
 
 
 def hf_base(module: nn.Module) -> type:
@@ -201,7 +206,7 @@ def role_class(views: Optional[type], amod_cls: Optional[type], hf_cls: type, la
     if amod_cls is None:
         cls_name = name  # the views only: the same name (HF's _no_split_modules and the like go by class name)
     else:
-        cls_name = _PREFIXES.get(amod_cls, amod_cls.__name__) + name  # e.g. MoDViTLayer, ScoringDinov2Attention
+        cls_name = role_name(amod_cls) + name  # e.g. MoDViTLayer, ScoringDinov2Attention
         if layer and views is not None:
             namespace["forward"] = _layer_forward(amod_cls)
     cls = type(cls_name, bases, namespace)
