@@ -38,8 +38,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..checkpoint import check_dense_file, load, save, skeleton
 from ..files import UnreadableFileError, load_torch, torch_save, write_json
-from ..methods import Dense, Method, MoD
-from ..mod.calibrate import calibrate
+from ..methods import Calibrated, Dense, Method, MoD
 from ..mod.convert import set_capacity
 from ..train import engine
 from ..train.any_cost import AnyCost
@@ -462,7 +461,7 @@ def study_teacher(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch
 
 
 class Calibrations:
-    """The calibrated arms' method at each cost: ``amod.calibrate`` (nothing protected) on the first
+    """The calibrated arms' method at each cost (``Calibrated.at_cost``: ``amod.calibrate``) on the first
     ``CALIBRATION_IMAGES`` of the probe's training images, chosen once and kept in ``OUT/calibrations.json``."""
 
     def __init__(self, root: Path, prep: Prepared, device: torch.device) -> None:
@@ -473,19 +472,24 @@ class Calibrations:
             log.warning("%s is not JSON: the calibrations are made again", self.path)
             self.saved = {}
 
-    def __call__(self, cost: float) -> Method:
-        key = f"{self.prep.digest}:{cost:g}"
+    def __call__(self, cost: float, method: Method) -> Method:
+        key = f"{self.prep.digest}:{cost:g}"  # (the study's own calibrated arms; another calibration: its spec too)
+        if method != STUDY_CALIBRATED:
+            key += f":{method.spec()}"
         if key not in self.saved:
             n = min(CALIBRATION_IMAGES, len(self.prep.probe_train))
             images = torch.stack([self.prep.probe_train[i][0] for i in range(n)]).to(self.device)
-            model = calibrate(copy.deepcopy(self.prep.start), images, cost, protects=(0.0,))
-            c = model.amod_calibration
-            log.info("calibrated at cost %g on %d images in %.0f s: tilt %g, fidelity %.4f", cost, n, c.seconds,
-                     c.best.tilt, c.best.fidelity)
-            self.saved[key] = {"method": MoD.of_model(model).metadata(), "tilt": c.best.tilt,
-                               "fidelity": c.best.fidelity, "seconds": c.seconds}
+            chosen, c = method.calibrated(self.prep.start, cost, images, closest=False)
+            best = c["candidates"][c["chosen"]]
+            log.info("calibrated at cost %g on %d images in %.0f s: tilt %g, fidelity %.4f", cost, n, c["seconds"],
+                     best["tilt"], best["fidelity"])
+            self.saved[key] = {"method": chosen.metadata(), "tilt": best["tilt"], "fidelity": best["fidelity"],
+                               "seconds": c["seconds"]}
             write_json(self.path, self.saved)
         return MoD.from_metadata(self.saved[key]["method"])
+
+
+STUDY_CALIBRATED = Calibrated(protects=(0.0,))  # the method of the study's calibrated arms (``finetune_plan.ARMS``)
 
 
 @dataclass

@@ -34,8 +34,7 @@ from ..checkpoint import check_dense_file, load
 from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..files import dumps, read_json_lines, write_json, write_text
 from ..hf.loading import hf_source, load_hf_source
-from ..methods import MoD, PiToMe, TokenMerging
-from ..mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
+from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
 from ..train import engine
 from ..train.data import build_datasets
 from ..train.models import fit_to_data
@@ -43,8 +42,9 @@ from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES, autocast
 from .bench import IMPLAUSIBLE_NOTE, resolve_device, speedup_text, sync_device, warn_implausible
-from .compare import (Entry, _dense_features, _dense_probe, _feature_model, _features_key,
-                      _finished_probe_rows, _setting_text, check_inputs, select_methods)
+from .arms import Arm, select
+from .compare import (_dense_features, _dense_probe, _feature_model, _features_key, _finished_probe_rows,
+                      check_inputs)
 from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
 from .probe import LinearProbe, features, mean_cosine, probe_images
@@ -52,40 +52,22 @@ from .probe import LinearProbe, features, mean_cosine, probe_images
 log = logging.getLogger("amod")
 
 
-@dataclass(frozen=True)
-class CalibratedEntry:
-    """A method whose setting at each cost ``amod.calibrate`` chooses on unlabeled images (the first
-    ``--calibration-images`` of the probe's training images; their labels are not read)."""
-
-    name: str
-    router: str = "attention"
-    protects: tuple[float, ...] = DEFAULT_PROTECTS
-    tilts: tuple[float, ...] = DEFAULT_TILTS
-
-    def calibrated(self, dense: torch.nn.Module, cost: float, images: torch.Tensor) -> tuple[MoD, dict[str, Any]]:
-        """The method at ``cost`` and what the calibration tried and chose (for the report)."""
-        model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
-                          protects=self.protects, closest=True)  # (a miss is flagged in the report)
-        report = model.amod_calibration
-        return MoD.of_model(model), {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
-                                     "candidates": [dataclasses.asdict(c) for c in report.candidates]}
-
-
 # The methods `amod frontier` runs, in the report's order (``--methods`` picks some by name).
 FRONTIER_METHODS = (
-    Entry("ToMe", TokenMerging()),
-    Entry("PiToMe", PiToMe()),
-    Entry("A-MoD (paper)", MoD()),
-    Entry("A-MoD fold", MoD(skipped="fold")),
+    Arm("ToMe", TokenMerging()),
+    Arm("PiToMe", PiToMe()),
+    Arm("A-MoD (paper)", MoD()),
+    Arm("A-MoD fold", MoD(skipped="fold")),
     # what A-MoD's attention is worth to fold: the same schedule and matching with nothing protected, and with a
     # random quarter protected
-    Entry("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
-    Entry("fold, random protected", MoD(router="random", skipped="fold")),
+    Arm("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
+    Arm("fold, random protected", MoD(router="random", skipped="fold")),
     # amod's training-free mode: fold on a per-block schedule (and protection) chosen on unlabeled images, and what
     # A-MoD's attention is worth to it: the same calibration with random scores, and with nothing protected
-    CalibratedEntry("A-MoD calibrated"),
-    CalibratedEntry("calibrated, random scores", router="random"),
-    CalibratedEntry("calibrated, nothing protected", protects=(0.0,)),
+    # (each chooses its setting at a cost on the first --calibration-images of the probe's training images, labels unread)
+    Arm("A-MoD calibrated", Calibrated()),
+    Arm("calibrated, random scores", Calibrated(router="random")),
+    Arm("calibrated, nothing protected", Calibrated(protects=(0.0,))),
 )
 DEFAULT_COSTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -107,11 +89,12 @@ class FrontierConfig:
     device: str = "auto"  # where features are computed and models timed: auto (a GPU where there is one), cpu, cuda
     compile: bool = False  # time every model compiled by amod.compile (one graph; CUDA graphs on a GPU)
     amp: str = "off"  # timing under bf16 autocast ("bf16"); the accuracies are the model's own precision
-    methods: tuple[Any, ...] = field(default=FRONTIER_METHODS)  # Entry or CalibratedEntry
+    methods: tuple[Arm, ...] = field(default=FRONTIER_METHODS)
 
     def only(self, names: Optional[list[str]]) -> "FrontierConfig":
-        """The same sweep restricted to the named methods (``Entry.name``), in their usual order."""
-        return dataclasses.replace(self, methods=select_methods(self.methods, names))
+        """The same sweep restricted to the named methods (``Arm.name``), in their usual order, and any registered
+        method named by its kind or spec (``arms.select``)."""
+        return dataclasses.replace(self, methods=select(self.methods, names))
 
     def validate(self) -> "FrontierConfig":
         """Check every setting before any work; raises ValueError naming the flag."""
@@ -126,7 +109,7 @@ class FrontierConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if any(isinstance(e, CalibratedEntry) for e in self.methods) and self.calibration_images > self.probe_train:
+        if any(a.needs_images for a in self.methods) and self.calibration_images > self.probe_train:
             raise ValueError(f"--calibration-images ({self.calibration_images}) must be at most --probe-train "
                              f"({self.probe_train}): they are the first of the probe's training images")
         if self.val_limit is not None and self.val_limit < 2:
@@ -158,7 +141,7 @@ def check_data_size(cfg: FrontierConfig) -> None:
     than two test images (the two halves). Raises ValueError naming the flag and the data."""
     train, val, _ = build_datasets(cfg.data, None, None, None)
     n_probe = probe_images(len(train), cfg.probe_train, cfg.data)
-    if any(isinstance(e, CalibratedEntry) for e in cfg.methods) and cfg.calibration_images > n_probe:
+    if any(a.needs_images for a in cfg.methods) and cfg.calibration_images > n_probe:
         raise ValueError(f"--calibration-images {cfg.calibration_images}: the calibrated methods calibrate on the "
                          f"first of the probe's {n_probe} training images ({cfg.data} has {len(train)}); give at "
                          f"most {n_probe}")
@@ -258,7 +241,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
     pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
     for number, (entry, cost) in enumerate(pairs, start=1):
         calibration = None
-        if isinstance(entry, CalibratedEntry):
+        if entry.needs_images:
             method, calibration = calibrations.get(entry, dense, cost)
         else:
             method = entry.at_cost(dense, cost)
@@ -292,13 +275,14 @@ class Calibrations:
         self.done: dict[tuple, dict[str, Any]] = dict(read_json_lines(
             path, lambda row: ((row["method"], row["cost_target"], row["grid"]), row), "a calibration"))
 
-    def get(self, entry: CalibratedEntry, dense: torch.nn.Module, cost: float) -> tuple[MoD, dict[str, Any]]:
-        grid = repr((entry.router, entry.protects, entry.tilts))
+    def get(self, entry: Arm, dense: torch.nn.Module, cost: float) -> tuple[MoD, dict[str, Any]]:
+        calibrated = entry.method  # (a ``Calibrated``)
+        grid = repr((calibrated.router, calibrated.protects, calibrated.tilts))
         row = self.done.get((entry.name, cost, grid))
         if row is None:
             if self.images is None:  # the first images of the probe's training subset, labels unread
                 self.images = torch.stack([self.train[i][0] for i in range(self.count)]).to(self.device)
-            method, report = entry.calibrated(dense, cost, self.images)
+            method, report = calibrated.calibrated(dense, cost, self.images)
             row = {"method": entry.name, "cost_target": cost, "grid": grid, "setting": dataclasses.asdict(method),
                    "report": report}
             with open(self.path, "a") as f:
@@ -440,7 +424,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
               + " | ".join(f"speed-up b{b}" for b in batches) + " |", "|---" * (7 + len(batches)) + "|"]
     for r in [dense_row, *rows]:
         miss = " (!)" if abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE else ""
-        setting = _setting_text(r["setting"]) if r["setting"] else "–"
+        setting = setting_text_of(r["setting"]) if r["setting"] else "–"
         lines.append(f"| {r['method']} | {r['cost_target']:g} | {setting} | {r['cost']:.3f}{miss} | "
                      f"{100 * r['top1']:.2f} | {100 * r['halves'][0]:.2f} / {100 * r['halves'][1]:.2f} | "
                      f"{r['cosine']:.4f} | " + " | ".join(speedup_text(r["speed"][b]["speedup"], r["cost"])
