@@ -73,7 +73,12 @@ def test_a_method_class_is_registered_priced_found_saved_and_set_to_a_cost(toy_m
     assert RunConfig(method_spec="toy-skip:blocks=1").validate().method() == SkipLast(1)
 
 
-def test_every_command_takes_a_registered_method_by_name(toy_method, backbone_path, tmp_path, capsys):
+def test_every_command_takes_a_registered_method_by_name(toy_method, backbone_path, tmp_path, capsys, monkeypatch):
+    from amod.experiments import probe as probe_module
+
+    # a quick linear probe (one penalty, 50 L-BFGS steps; the probe's cache is keyed by these defaults): the method
+    # is under test here, not the probe
+    monkeypatch.setattr(probe_module.fit_probe, "__defaults__", (0.2, (1e-3,), 50, 0))
     run = tmp_path / "run"
     res = cli_in_process(["train", "--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "3",
                           "--embed-dim", "32", "--num-heads", "2", "--train-limit", "64", "--val-limit", "64",
@@ -94,20 +99,25 @@ def test_every_command_takes_a_registered_method_by_name(toy_method, backbone_pa
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["method"] == "toy-skip"
 
-    probe = ["--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.5", "--probe-train", "20",
-             "--val-limit", "8", "--methods", "ToMe", "toy-skip"]
-    res = cli_in_process(["compare", *probe, "--speed-batch", "2", "--speed-repeats", "1",
-                          "--out", str(tmp_path / "compare")], capsys)
+    res = cli_in_process(["flops", "vit_tiny_patch16_224", "--capacity", "1.0", "--method", "toy-skip:blocks=6"], capsys)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = json.loads((tmp_path / "compare" / "compare.json").read_text())["rows"]
+    assert "toy-skip:blocks=6" in res.stdout  # (half of vit_tiny's 12 blocks skipped)
+
+    probe = ["--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.5", "--probe-train", "20",
+             "--val-limit", "8", "--methods", "ToMe", "toy-skip", "--speed-batch", "2", "--speed-repeats", "1",
+             "--out", str(tmp_path / "sweeps")]
+    res = cli_in_process(["compare", *probe], capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads((tmp_path / "sweeps" / "compare.json").read_text())["rows"]
     assert [(r["method"], r["setting"]) for r in rows] == \
         [("ToMe", rows[0]["setting"]), ("toy-skip", {"method_spec": "toy-skip:blocks=2"})]  # 2 of the 4 blocks
-    assert "| 0.5 | toy-skip | toy-skip:blocks=2 |" in (tmp_path / "compare" / "compare.md").read_text()
-    res = cli_in_process(["frontier", *probe, "--speed-batch", "2", "--speed-repeats", "1",
-                          "--out", str(tmp_path / "frontier")], capsys)
+    assert "| 0.5 | toy-skip | toy-skip:blocks=2 |" in (tmp_path / "sweeps" / "compare.md").read_text()
+    res = cli_in_process(["frontier", *probe], capsys)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = json.loads((tmp_path / "frontier" / "frontier.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["ToMe", "toy-skip"] and rows[1]["cost"] < 0.6
+    rows = json.loads((tmp_path / "sweeps" / "frontier.json").read_text())["rows"]
+    assert [(r["method"], r["setting"]) for r in rows] == \
+        [("ToMe", rows[0]["setting"]), ("toy-skip", {"method_spec": "toy-skip:blocks=2"})]
+    assert "| toy-skip | 0.5 | toy-skip:blocks=2 |" in (tmp_path / "sweeps" / "frontier.md").read_text()
 
 
 def make_dense(model: nn.Module) -> nn.Module:

@@ -34,7 +34,7 @@ from .experiments.calibration import CalibrateConfig, run_calibrate
 from .detect.config import DetectConfig, DetectStudyConfig
 from .checkpoint import skeleton
 from .files import dumps
-from .methods import method_kinds
+from .methods import method_kinds, parse_method
 from .mod.config import validate_capacity
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
@@ -151,11 +151,14 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skipped", choices=skipped_mode_names(), default="bypass")
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
+    p.add_argument("--method", dest="method_specs", nargs="+", default=[], metavar="SPEC",
+                   help="also price these registered methods, by spec: KIND[:FIELD=VALUE,...], e.g. pitome:keep=0.7")
     p.add_argument("--img-size", type=positive_int, default=None)
 
 
 def _flops(args: argparse.Namespace) -> int:
     methods = flops_methods(args.capacity, args.router, args.layers, args.skipped, args.tome_cost or ())
+    methods += [(spec, parse_method(spec)) for spec in args.method_specs]
     layers = args.layers or skipped_mode(args.skipped).default_layers
     rows = flops_table(args.models, methods, args.img_size)  # (errors before any output)
     print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
