@@ -99,7 +99,8 @@ def test_every_command_takes_a_registered_method_by_name(toy_method, backbone_pa
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["method"] == "toy-skip"
 
-    res = cli_in_process(["flops", "vit_tiny_patch16_224", "--capacity", "1.0", "--method", "toy-skip:blocks=6"], capsys)
+    res = cli_in_process(["flops", "vit_tiny_patch16_224", "--capacity", "1.0", "--method", "toy-skip:blocks=6"],
+                         capsys)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "toy-skip:blocks=6" in res.stdout  # (half of vit_tiny's 12 blocks skipped)
 

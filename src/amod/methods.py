@@ -569,7 +569,8 @@ def parse_method(text: str) -> Method:
     kind, _, body = text.strip().partition(":")
     cls = METHOD_CLASSES.get(kind.strip())
     if cls is None:
-        raise ValueError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: {', '.join(method_kinds())}")
+        raise ValueError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: "
+                         f"{', '.join(method_kinds())}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
