@@ -16,6 +16,7 @@ from conftest import make_model
 
 import amod
 from amod.families import family_of
+from amod.methods import PiToMe, TokenMerging
 from amod.mod.calibrate import tilt_shape
 from amod.mod.routers import SeededDraws, router_class, router_names
 
@@ -82,18 +83,22 @@ def routers(name: str) -> tuple[str, ...]:
     return router_names(family_of(dense(name)).name)
 
 
+# The methods besides MoD (``amod.methods``), each at full cost (capacity 1: nothing reduced) and reduced: a new
+# registered method is one line here.
+METHODS = {"tome": lambda capacity: TokenMerging(r=0 if capacity == 1.0 else 2),
+           "pitome": lambda capacity: PiToMe(keep=1.0 if capacity == 1.0 else 0.75)}
+
+
 def convert(model: torch.nn.Module, router: str, mode: str, capacity: float, **kwargs) -> torch.nn.Module:
-    if mode == "tome":
-        return amod.tome.apply(model, r=0 if capacity == 1.0 else 2)
-    if mode == "pitome":
-        return amod.pitome.apply(model, keep=1.0 if capacity == 1.0 else 0.75)
+    if mode in METHODS:
+        return METHODS[mode](capacity).apply(model)
     if mode == "fold":  # amod.calibrate's kind of fold: a per-block schedule (more tokens fold early)
         kwargs.setdefault("shape", tilt_shape(-1.0, family_of(model).layers_count(family_of(model).prepare(model))))
     return amod.convert(model, router=router, skipped=mode, capacity=capacity, **kwargs)
 
 
 CASES = [(name, router, mode) for name in MODELS for router in routers(name) for mode in MODES] + \
-        [(name, "-", merging) for name in MODELS for merging in ("tome", "pitome")]
+        [(name, "-", method) for name in MODELS for method in METHODS]
 
 
 def _refusal(name: str, router: str, mode: str):
@@ -117,7 +122,7 @@ def test_every_conversion_keeps_the_contract_or_is_refused_in_one_line(name, rou
     with torch.no_grad():
         reference = output(name, base, x)
     # capacity 1 (every token processed, outputs unscaled; no token merged) is the dense model
-    merging = mode in ("tome", "pitome")
+    merging = mode in METHODS
     full = convert(dense(name), router, mode, 1.0, **({} if merging else {"scale_output": False}))
     with torch.no_grad():
         diff = (output(name, full, x) - reference).abs().max().item()

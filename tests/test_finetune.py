@@ -62,7 +62,7 @@ def test_the_probe_head_gives_the_probe_its_own_predictions():
 def test_every_method_is_set_to_the_cost_or_named(backbone_path):
     model = amod.load(backbone_path)
     model.reset_classifier(10)
-    calibrated = lambda cost: MoD(skipped="fold", protect=0.0).at_cost(model, cost)  # noqa: E731 (as calibrated)
+    calibrated = lambda cost, method: MoD(skipped="fold", protect=0.0).at_cost(model, cost)  # noqa: E731 (as calibrated)
     planned = plan(FinetuneConfig(checkpoint=str(backbone_path), costs=(0.56, 0.4)), model, calibrated)
     assert [p.arm.name for p in planned][:2] == ["dense", "dense, 1024 steps"]
     # every reduced arm at both costs, and no best-of run before its candidates ran

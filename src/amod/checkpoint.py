@@ -3,7 +3,7 @@
 The file's metadata holds ``amod.model`` (the model family's description of the architecture: for timm, its
 architecture name and creation kwargs; ``amod.families``) and what the
 model's method (``amod.methods``) writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
-``MoDConfig``) or ``amod.merge`` (a token-merging model's schedule), so ``amod.load(path)`` needs
+``MoDConfig``), ``amod.merge`` (a token-merging model's schedule) or another registered method's, so ``amod.load(path)`` needs
 nothing else.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from . import files
 from .family import family_for, family_of
 from .hf.loading import hf_source, load_hf_model, load_hf_source
-from .methods import METADATA_KEYS, method_from_metadata, method_of
+from .methods import metadata_keys, method_from_metadata, method_of
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = "1"
@@ -86,10 +86,11 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     if not version.isdigit() or int(version) > int(FORMAT_VERSION):
         raise ValueError(f"{path} is in amod file format {version!r}; this amod reads format {FORMAT_VERSION} and "
                          "older: upgrade amod to load it")
-    methods = [key for key in METADATA_KEYS if key in meta]
+    keys = metadata_keys()  # (the registry's, now: a method registered after import is known)
+    methods = [key for key in keys if key in meta]
     if len(methods) > 1:
         raise ValueError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
-                         f"model, so one of {', '.join(METADATA_KEYS)} at most")
+                         f"model, so one of {', '.join(keys)} at most")
     return meta
 
 
@@ -105,7 +106,7 @@ def _written_by_amod(path: Path) -> bool:
 def check_dense_file(path: PathLike) -> None:
     """Refuse a file that is not a readable amod checkpoint of a dense model (the start of a comparison)."""
     meta = read_metadata(path)
-    if any(key in meta for key in METADATA_KEYS):
+    if any(key in meta for key in metadata_keys()):
         raise ValueError(f"{path} is an MoD or token-merging model; give a dense one")
 
 

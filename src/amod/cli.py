@@ -24,6 +24,7 @@ from yaml import YAMLError
 from .checkpoint import skeleton
 from .deploy import EXPORTERS
 from .files import dumps
+from .methods import method_kinds, parse_method
 from .mod.config import validate_capacity
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
@@ -136,6 +137,8 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skipped", choices=skipped_mode_names(), default="bypass")
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
+    p.add_argument("--method", dest="method_specs", nargs="+", default=[], metavar="SPEC",
+                   help="also price these registered methods, by spec: KIND[:FIELD=VALUE,...], e.g. pitome:keep=0.7")
     p.add_argument("--img-size", type=positive_int, default=None)
 
 
@@ -143,6 +146,7 @@ def _flops(args: argparse.Namespace) -> int:
     from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table, saved_notes
 
     methods = flops_methods(args.capacity, args.router, args.layers, args.skipped, args.tome_cost or ())
+    methods += [(spec, parse_method(spec)) for spec in args.method_specs]
     layers = args.layers or skipped_mode(args.skipped).default_layers
     rows = flops_table(args.models, methods, args.img_size)  # (errors before any output)
     print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
@@ -166,6 +170,10 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
     for name in ("img-size", "patch-size", "depth", "embed-dim", "num-heads", "num-classes"):
         g.add_argument(f"--{name}", type=int, default=S)
     g.add_argument("--drop-path", type=float, default=S)
+    g = p.add_argument_group("the method, by its spec (instead of the options below)")
+    g.add_argument("--method", dest="method_spec", metavar="SPEC", default=S,
+                   help="any registered method: KIND[:FIELD=VALUE,...], e.g. tome:cost=0.5, pitome:keep=0.7, "
+                        f"mod:router=attention,capacity=0.5,skipped=fold (kinds: {', '.join(method_kinds())})")
     g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
     g.add_argument("--router", choices=vit_routers(), default=S)
     g.add_argument("--capacity", type=float, default=S)
@@ -405,7 +413,8 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--report-only", action="store_true",
                    help="write the report from the evaluations in OUT/evals.jsonl; train nothing")
     g.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="only these methods (names as in the report); dense and 'A-MoD (paper)' are always run")
+                   help="only these methods (names as in the report), or any registered method by its kind or spec "
+                        "(tome:cost=0.5); dense and 'A-MoD (paper)' are always run")
     _distill_flags(g, "the distilled methods' teacher: a dense model file with the probe's classes (default: the "
                       "study's dense run of seed 0, done again with its final weights kept)")
 
@@ -493,7 +502,8 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-batch", type=positive_int, default=_default(CompareConfig, "speed_batch"))
     p.add_argument("--speed-repeats", type=positive_int, default=_default(CompareConfig, "speed_repeats"))
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="compare only these methods (names as in the report, e.g. ToMe 'A-MoD fold'); default all")
+                   help="compare only these methods (names as in the report, e.g. ToMe 'A-MoD fold'), or any "
+                        "registered method by its kind or spec (tome:cost=0.5); default all")
     p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
 
@@ -521,7 +531,8 @@ def _frontier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-images", type=positive_int, default=_default(FrontierConfig, "calibration_images"),
                    help="unlabeled training images each calibrated method chooses its schedule on")
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'); default all")
+                   help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'), or any registered "
+                        "method by its kind or spec (tome:cost=0.5); default all")
     p.add_argument("--device", choices=DEVICES, default=_default(FrontierConfig, "device"),
                    help="where features are computed and models timed (auto: a GPU where there is one)")
     p.add_argument("--compile", action="store_true",

@@ -1,24 +1,31 @@
-"""The method a model runs: dense, Mixture-of-Depths, the isoFLOP dense baseline of an MoD setup, or
-token merging.
+"""The method a model runs: dense, Mixture-of-Depths, the isoFLOP dense baseline of an MoD setup, token merging
+(ToMe, PiToMe), or a calibrated A-MoD fold; and the open registry of them.
 
-One class per method knows how to turn a dense timm ViT into itself (``apply``), its label, the
-run-configuration fields that select it (``run_fields``, ``from_run_fields``), its checkpoint
-metadata (``metadata_key``, ``metadata``, ``from_metadata``), and how to set itself to a share of
-the dense model's MACs (``at_cost``). Run configurations, model building, checkpoints, ``amod flops``,
-``amod compare`` and ``amod study`` all go through these classes. A new method is one class plus its
-entry in ``METHODS``.
+One class per method, registered with ``@register_method`` under its ``kind``, knows how to turn a dense timm ViT
+into itself (``apply``), price itself (``cost_of``), name itself in reports (``label``, ``setting_text``), the
+run-configuration fields that select it (``run_fields``, ``from_run_fields``), its checkpoint metadata
+(``metadata_key``, ``metadata``, ``from_metadata``), how to find itself in a model (``of_model``) and how to set itself
+to a share of the dense model's MACs (``at_cost``; a method with ``needs_images`` chooses its setting on unlabeled
+images given there). Any registered method is also selected by a spec string, ``KIND:FIELD=VALUE,...``
+(``parse_method``, ``Method.spec``). Run configurations, model building, checkpoints, ``amod flops``,
+``amod compare``, ``amod frontier`` and ``amod study`` all read the registry when they run, so a method registered
+later (in any module imported before use) is found by all of them.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
 
+import torch
 from torch import nn
 
 from .family import skeleton
 from .cost import flops
+from .mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
 from .mod.config import DEFAULT_PROTECT, MoDConfig
 from .mod.convert import capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
@@ -39,48 +46,105 @@ def _as_tuple(value: Any) -> Any:
 
 
 class Method:
-    """Base class of the methods; subclasses are frozen dataclasses."""
+    """Base class of the methods; subclasses are frozen dataclasses registered with ``@register_method``. Their
+    fields are the method's settings: a spec string sets them by name (``parse_method``), so give each a type hint
+    (int, float, bool, str, Optional, Union, tuple)."""
 
     kind: ClassVar[str]
     # the checkpoint metadata entry this method writes and is found by (None: it writes none)
     metadata_key: ClassVar[Optional[str]] = None
+    # whether ``at_cost`` chooses the setting on unlabeled images (callers pass them as ``images``)
+    needs_images: ClassVar[bool] = False
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Turn the dense timm ViT ``model`` into this method (in place where possible); returns the model."""
         raise NotImplementedError
 
+    def cost_of(self, dense: nn.Module, img_size=None) -> float:
+        """This method's cost as a share of the dense model's MACs (priced on a weightless copy)."""
+        return flops(self.apply(skeleton(dense)), img_size).ratio
+
+    def spec(self) -> str:
+        """The spec string that selects this method (``parse_method``): its kind, then the fields that differ from
+        their defaults, e.g. ``tome:cost=0.5``."""
+        given = [f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                 if getattr(self, f.name) != f.default]
+        return self.kind + (":" + ",".join(given) if given else "")
+
     def label(self) -> str:
         """Short description, as in run summaries: ``dense``, ``attention@0.5``, ``tome@0.56``."""
-        raise NotImplementedError
+        return self.spec()
+
+    def setting_text(self) -> str:
+        """What it runs, in a report's setting column (``setting_text_of`` gives it for a report row's fields)."""
+        return self.spec()
 
     def run_fields(self) -> dict[str, Any]:
-        """The ``RunConfig`` fields that select this method."""
-        raise NotImplementedError
+        """The ``RunConfig`` fields that select this method (by default its spec: ``method_spec``)."""
+        return {"method_spec": self.spec()}
 
     def metadata(self) -> dict[str, str]:
-        """Entries of a checkpoint's metadata that rebuild this method (none for a dense model)."""
-        return {}
+        """Entries of a checkpoint's metadata that rebuild this method (by default its fields as JSON under
+        ``metadata_key``; none without one, as for a dense model)."""
+        if self.metadata_key is None:
+            return {}
+        return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
+                                               for f in dataclasses.fields(self)})}
 
     @classmethod
     def from_run_fields(cls, fields: Any) -> Optional["Method"]:
-        """This method, if the run configuration ``fields`` (an object with ``RunConfig``'s fields) selects it."""
+        """This method, if the run configuration ``fields`` (an object with ``RunConfig``'s fields) selects it by
+        fields of its own (a spec in ``method_spec`` is read by ``method_from_run_fields``)."""
         return None
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["Method"]:
-        """This method, if the checkpoint metadata ``meta`` names it."""
-        return None
+        """This method, if the checkpoint metadata ``meta`` names it (by default: its fields, JSON, under
+        ``metadata_key``)."""
+        if cls.metadata_key is None or cls.metadata_key not in meta:
+            return None
+        return cls(**{k: _as_tuple(v) for k, v in json.loads(meta[cls.metadata_key]).items()})
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["Method"]:
         """This method as ``model`` runs it, if it does."""
         return None
 
-    def at_cost(self, dense: nn.Module, cost: float) -> "Method":
-        """A copy set to the cost closest to ``cost`` x the dense model's MACs (priced on a weightless copy)."""
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "Method":
+        """A copy set to the cost closest to ``cost`` x the dense model's MACs (priced on a weightless copy);
+        ``images``: unlabeled images of the data, for a method that ``needs_images`` to choose its setting."""
         return self
 
 
+# The registered method classes by kind, in lookup order (the first whose metadata or model matches is the one;
+# ``Dense``, the fallback, is asked last). ``register_method`` adds to it.
+METHOD_CLASSES: dict[str, type[Method]] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: register a ``Method`` subclass under its ``kind`` (replacing one of the same kind), so that
+    ``method_of``, ``method_from_metadata``, checkpoint loading, ``RunConfig.method()``, ``parse_method`` and the
+    experiments' ``--methods`` find it."""
+    kind = getattr(cls, "kind", None)
+    if not isinstance(kind, str) or not kind or any(c in kind for c in ":,= "):
+        raise ValueError(f"{cls.__name__}: a method's kind must be a non-empty name without ':', ',', '=' or spaces, "
+                         f"got {kind!r}")
+    METHOD_CLASSES[kind] = cls
+    return cls
+
+
+def method_classes() -> tuple[type[Method], ...]:
+    """The registered method classes in lookup order: as registered, ``Dense`` last."""
+    classes = tuple(c for c in METHOD_CLASSES.values() if c is not Dense)
+    return classes + (Dense,)
+
+
+def metadata_keys() -> tuple[str, ...]:
+    """The checkpoint metadata entries that name a method (a file names one at most; none: a dense model)."""
+    return tuple(cls.metadata_key for cls in method_classes() if cls.metadata_key)
+
+
+@register_method
 @dataclass(frozen=True)
 class Dense(Method):
     kind: ClassVar[str] = "dense"
@@ -91,10 +155,14 @@ class Dense(Method):
     def label(self) -> str:
         return "dense"
 
+    def setting_text(self) -> str:
+        return "–"
+
     def run_fields(self) -> dict[str, Any]:
         return {}
 
 
+@register_method
 @dataclass(frozen=True)
 class MoD(Method):
     """Mixture-of-Depths: ``amod.convert`` with these arguments."""
@@ -123,6 +191,19 @@ class MoD(Method):
     def label(self) -> str:
         return (f"{self.router}@{self.capacity:g}" + ("" if self.skipped == "bypass" else f" skipped={self.skipped}")
                 + (" shaped" if self.shape is not None else ""))
+
+    def setting_text(self) -> str:
+        layers = _as_list(self.layers)
+        if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+            layers = f"{layers[0]}–{layers[-1]}"
+        text = f"C = {self.capacity:.3f}, blocks {layers}"
+        if self.skipped != "bypass":
+            text += f", skipped={self.skipped}"
+        if self.skipped == "fold":
+            text += f", protect {self.protect:g}" + ("" if self.router == "attention" else f" ({self.router})")
+        if self.shape:  # a calibrated schedule: the first and last blocks' exponents
+            text += f", shape {self.shape[0]:.2f}…{self.shape[-1]:.2f}"
+        return text
 
     def run_fields(self) -> dict[str, Any]:
         layers = _as_list(self.layers)
@@ -167,40 +248,13 @@ class MoD(Method):
     def _of_config(cls, config: MoDConfig) -> "MoD":
         return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": _as_tuple(config.shape)})
 
-    def at_cost(self, dense: nn.Module, cost: float) -> "MoD":
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "MoD":
         # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for
         model = dataclasses.replace(self, capacity=1.0).apply(skeleton(dense))
         return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
 
 
-@dataclass(frozen=True)
-class IsoFLOP(Method):
-    """The dense baseline of an MoD setup: fewer blocks, the MoD model's cost (``amod.isoflop_baseline``)."""
-
-    kind: ClassVar[str] = "isoflop"
-    router: str = "attention"
-    capacity: float = 0.5
-    layers: Layers = "alternate"
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        layers = _as_list(self.layers)
-        return isoflop_baseline(model, self.capacity, layers=layers or "alternate", router=self.router)
-
-    def label(self) -> str:
-        return f"isoflop@{self.capacity:g}"
-
-    def run_fields(self) -> dict[str, Any]:
-        layers = _as_list(self.layers)
-        return {"router": self.router, "capacity": self.capacity, "layers": layers, "isoflop": True}
-
-    @classmethod
-    def from_run_fields(cls, fields: Any) -> Optional["IsoFLOP"]:
-        if fields.router is None or not fields.isoflop:
-            return None
-        layers = _as_tuple(fields.layers)
-        return cls(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
-
-
+@register_method
 @dataclass(frozen=True)
 class TokenMerging(Method):
     """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
@@ -218,6 +272,9 @@ class TokenMerging(Method):
         if self.cost is not None:
             return f"tome@{self.cost:g}"
         return f"tome r={_as_list(self.r)}"
+
+    def setting_text(self) -> str:
+        return f"r = {_as_list(self.r)}" if self.r is not None else f"cost {self.cost:g}"
 
     def run_fields(self) -> dict[str, Any]:
         if self.cost is not None:
@@ -245,10 +302,11 @@ class TokenMerging(Method):
         merging = getattr(model, "amod_tome", None)
         return None if merging is None else cls(r=tuple(merging.schedule))
 
-    def at_cost(self, dense: nn.Module, cost: float) -> "TokenMerging":
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "TokenMerging":
         return TokenMerging(r=tuple(tome.schedule_for_cost(dense, cost, tolerance=1.0)))  # closest; a miss is flagged
 
 
+@register_method
 @dataclass(frozen=True)
 class PiToMe(Method):
     """PiToMe (``amod.pitome``): every block keeps the share ``keep`` of its patch tokens, or ``cost``."""
@@ -263,6 +321,9 @@ class PiToMe(Method):
 
     def label(self) -> str:
         return f"pitome@{self.cost:g}" if self.cost is not None else f"pitome keep={self.keep:g}"
+
+    def setting_text(self) -> str:
+        return f"keep {self.keep:g} a block" if self.keep is not None else f"cost {self.cost:g}"
 
     def run_fields(self) -> dict[str, Any]:
         return {"pitome_keep": self.keep} if self.cost is None else {"pitome_cost": self.cost}
@@ -287,25 +348,88 @@ class PiToMe(Method):
         config = getattr(model, "amod_pitome", None)
         return None if config is None else cls(keep=config.keep)
 
-    def at_cost(self, dense: nn.Module, cost: float) -> "PiToMe":
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "PiToMe":
         model = PiToMe(keep=1.0).apply(skeleton(dense))
         return PiToMe(keep=pitome.keep_for_cost(model, cost, tolerance=1.0))  # closest; a miss is flagged
 
 
+@register_method
+@dataclass(frozen=True)
+class IsoFLOP(Method):
+    """The dense baseline of an MoD setup: fewer blocks, the MoD model's cost (``amod.isoflop_baseline``)."""
+
+    kind: ClassVar[str] = "isoflop"
+    router: str = "attention"
+    capacity: float = 0.5
+    layers: Layers = "alternate"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        layers = _as_list(self.layers)
+        return isoflop_baseline(model, self.capacity, layers=layers or "alternate", router=self.router)
+
+    def label(self) -> str:
+        return f"isoflop@{self.capacity:g}"
+
+    def setting_text(self) -> str:
+        return f"isoFLOP of C = {self.capacity:.3f}, blocks {_as_list(self.layers)}"
+
+    def run_fields(self) -> dict[str, Any]:
+        layers = _as_list(self.layers)
+        return {"router": self.router, "capacity": self.capacity, "layers": layers, "isoflop": True}
+
+    @classmethod
+    def from_run_fields(cls, fields: Any) -> Optional["IsoFLOP"]:
+        if fields.router is None or not fields.isoflop:
+            return None
+        layers = _as_tuple(fields.layers)
+        return cls(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
+
+
+@register_method
+@dataclass(frozen=True)
+class Calibrated(Method):
+    """A-MoD fold on the per-block schedule (and protection) that ``amod.calibrate`` chooses at a cost on unlabeled
+    images: ``at_cost(dense, cost, images)`` is the calibrated ``MoD`` (with its ``shape``). It runs only once set to
+    a cost; its ``router`` decides what is protected (``"random"``: the control)."""
+
+    kind: ClassVar[str] = "calibrated"
+    needs_images: ClassVar[bool] = True
+    router: str = "attention"
+    protects: tuple[float, ...] = DEFAULT_PROTECTS
+    tilts: tuple[float, ...] = DEFAULT_TILTS
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        raise ValueError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
+                         "(at_cost with images; amod calibrate saves a calibrated model to start from)")
+
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> MoD:
+        return self.calibrated(dense, cost, images)[0]
+
+    def calibrated(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor],
+                   closest: bool = True) -> tuple[MoD, dict[str, Any]]:
+        """The method at ``cost`` (``amod.calibrate`` on a copy of ``dense``) and what the calibration tried and
+        chose (the frontier's report): seconds, images, the chosen candidate's index and every candidate.
+        ``closest``: where no candidate comes within the cost tolerance, take the closest (a sweep flags the miss)
+        rather than refuse."""
+        if images is None:
+            raise ValueError(f"{self.spec()} is set to a cost on unlabeled images; give images")
+        import copy
+
+        model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
+                          protects=self.protects, closest=closest)
+        report = model.amod_calibration
+        return MoD.of_model(model), {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
+                                     "candidates": [dataclasses.asdict(c) for c in report.candidates]}
+
+
 def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:
     """``method``'s cost as a share of the dense model's MACs (priced on a weightless copy)."""
-    return flops(method.apply(skeleton(dense)), img_size).ratio
-
-
-# Every method amod knows; the first whose metadata or model matches is the one.
-METHODS: tuple[type[Method], ...] = (MoD, TokenMerging, PiToMe, IsoFLOP, Dense)
-# The checkpoint metadata entries that name a method (a file names one at most; none: a dense model).
-METADATA_KEYS: tuple[str, ...] = tuple(cls.metadata_key for cls in METHODS if cls.metadata_key)
+    return method.cost_of(dense, img_size)
 
 
 def method_of(model: nn.Module) -> Method:
     """The method ``model`` runs (``Dense`` for a dense or isoFLOP model)."""
-    for cls in METHODS:
+    for cls in method_classes():
         method = cls.of_model(model)
         if method is not None:
             return method
@@ -314,19 +438,153 @@ def method_of(model: nn.Module) -> Method:
 
 def method_from_metadata(meta: dict[str, str]) -> Method:
     """The method a checkpoint's metadata names (``Dense`` when it names none)."""
-    for cls in METHODS:
+    for cls in method_classes():
         method = cls.from_metadata(meta)
         if method is not None:
             return method
     return Dense()
 
 
+class _Fields:
+    """A dict of run-configuration fields (a report row's ``setting``) read as attributes; absent ones are None."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self._fields = fields
+
+    def __getattr__(self, name: str) -> Any:
+        return self._fields.get(name)
+
+
 def method_from_run_fields(fields: Any) -> Method:
-    """The method a run configuration selects (an object with ``RunConfig``'s fields): the one whose
-    ``from_run_fields`` accepts the fields, ``Dense`` when none does. Settings that select two methods
-    (``RunConfig.validate`` refuses them first, with its own message) raise a ValueError."""
-    chosen = [m for m in (cls.from_run_fields(fields) for cls in METHODS) if m is not None]
+    """The method a run configuration selects (an object with ``RunConfig``'s fields, or a dict of some of them, as
+    a report row keeps): the one whose ``from_run_fields`` accepts the fields, else the spec in ``method_spec``
+    (``parse_method``), else ``Dense``. Settings that select two methods (``RunConfig.validate`` refuses them
+    first, with its own message) raise a ValueError."""
+    if isinstance(fields, dict):
+        fields = _Fields(fields)
+    chosen = [m for m in (cls.from_run_fields(fields) for cls in method_classes()) if m is not None]
     if len(chosen) > 1:
         raise ValueError(f"the settings select {len(chosen)} methods ({', '.join(m.label() for m in chosen)}); "
                          "give the settings of one")
+    spec = getattr(fields, "method_spec", None)
+    if not chosen and spec:
+        return parse_method(spec)
     return chosen[0] if chosen else Dense()
+
+
+def setting_text_of(fields: dict[str, Any]) -> str:
+    """A report's setting column for a row's ``setting`` (the ``run_fields`` of the method it measured): the method
+    rebuilt from them, asked for its ``setting_text`` (so rows saved before render as they did)."""
+    return method_from_run_fields(fields).setting_text()
+
+
+# ---------------------------------------------------------------- spec strings: KIND:FIELD=VALUE,...
+
+def _spec_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_spec_value(v) for v in value) + "]"
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a name", bool: "true or false", type(None): "none"}
+    if tp in names:
+        return names[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in args)
+    if origin in (list, tuple):
+        return f"a list [{_type_name(args[0])}, ...]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _split(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for c in text:
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += c
+    return parts + [current]
+
+
+def _parse_value(text: str, tp: Any) -> Any:
+    """``text`` as a value of the type hint ``tp``; raises ValueError where it is not one."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    text = text.strip()
+    if origin is Union:
+        for option in sorted(args, key=lambda a: a is str):  # a name last: "[1,3]" is a list, not a name
+            try:
+                return _parse_value(text, option)
+            except ValueError:
+                pass
+        raise ValueError(text)
+    if tp is type(None):
+        if text.lower() in ("none", "null"):
+            return None
+        raise ValueError(text)
+    if tp is bool:
+        if text.lower() in ("true", "yes", "1", "on"):
+            return True
+        if text.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ValueError(text)
+    if tp is int:
+        return int(text)
+    if tp is float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(text)
+        return value
+    if tp is str:
+        if not text or any(c in text for c in "[],="):
+            raise ValueError(text)
+        return text
+    if origin in (list, tuple):
+        if not (text.startswith("[") and text.endswith("]")):
+            raise ValueError(text)
+        inner = text[1:-1].strip()
+        return tuple(_parse_value(v, args[0]) for v in (_split(inner) if inner else []))
+    raise ValueError(text)
+
+
+def method_kinds() -> tuple[str, ...]:
+    """The kinds of the registered methods (what a spec starts with)."""
+    return tuple(METHOD_CLASSES)
+
+
+def parse_method(text: str) -> Method:
+    """The registered method a spec string selects: ``KIND`` or ``KIND:FIELD=VALUE,FIELD=VALUE``, each value read by
+    the field's type (numbers, ``true``/``false``, ``none``, names, lists in brackets: ``layers=[1,3]``); fields
+    not given keep their defaults. E.g. ``tome:cost=0.5``, ``pitome:keep=0.7``,
+    ``mod:router=attention,capacity=0.5,skipped=fold``. Raises ValueError naming the kind or field and what is
+    allowed."""
+    kind, _, body = text.strip().partition(":")
+    cls = METHOD_CLASSES.get(kind.strip())
+    if cls is None:
+        raise ValueError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: "
+                         f"{', '.join(method_kinds())}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    for item in (_split(body) if body.strip() else []):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq:
+            raise ValueError(f"{kind}: expected FIELD=VALUE, got {item.strip()!r} in {text!r}")
+        if name not in names:
+            raise ValueError(f"{kind} has no field {name!r}; its fields: {', '.join(names) or 'none'}")
+        if name in values:
+            raise ValueError(f"{kind}: {name} is given twice in {text!r}")
+        try:
+            values[name] = _parse_value(value, hints[name])
+        except ValueError:
+            raise ValueError(f"{kind}: {name} must be {_type_name(hints[name])}, got {value.strip()!r}") from None
+    return cls(**values)

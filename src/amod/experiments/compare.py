@@ -32,13 +32,14 @@ import torch
 from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source
-from ..methods import Method, MoD, TokenMerging, cost_of
+from ..methods import Method, MoD, TokenMerging, cost_of, setting_text_of
 from ..train import engine
 from ..checkpoint import load, open_model, skeleton
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
 from ..train.rundir import check_output_dir, run_dir_name
+from .arms import Arm, select
 from .bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
@@ -48,48 +49,20 @@ from .probe import features, mean_cosine, probe_images
 log = logging.getLogger("amod")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One method of the comparison: its name and the method, set to each cost point by ``at_cost``."""
-
-    name: str
-    method: Method
-    layers: Optional[str] = None  # "last-two-thirds": blocks depth // 3 .. depth - 1 (a compare-only preset)
-
-    def at_cost(self, dense: torch.nn.Module, cost: float) -> Method:
-        """The method at the cost closest to ``cost`` x the dense model's MACs."""
-        method = self.method
-        if self.layers == "last-two-thirds":
-            depth = len(dense.blocks)
-            method = dataclasses.replace(method, layers=tuple(range(max(1, depth // 3), depth)))
-        return method.at_cost(dense, cost)
-
-
 # The methods `amod compare` runs, in the report's order (``--methods`` picks some by name).
 COMPARED = (
-    Entry("ToMe", TokenMerging()),
-    Entry("A-MoD", MoD()),
-    Entry("standard MoD", MoD(router="standard")),
-    Entry("A-MoD kv", MoD(skipped="kv")),
-    Entry("A-MoD merge", MoD(skipped="merge")),
-    Entry("A-MoD merge, last 2/3", MoD(skipped="merge"), layers="last-two-thirds"),
-    Entry("A-MoD fold", MoD(skipped="fold")),
+    Arm("ToMe", TokenMerging()),
+    Arm("A-MoD", MoD()),
+    Arm("standard MoD", MoD(router="standard")),
+    Arm("A-MoD kv", MoD(skipped="kv")),
+    Arm("A-MoD merge", MoD(skipped="merge")),
+    Arm("A-MoD merge, last 2/3", MoD(skipped="merge"), layers="last-two-thirds"),
+    Arm("A-MoD fold", MoD(skipped="fold")),
     # controls of the fold mode: the same schedule and matching with nothing protected, and with a
     # random quarter protected; what is left of A-MoD fold's lead is the attention's doing
-    Entry("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
-    Entry("fold, random protected", MoD(router="random", skipped="fold")),
+    Arm("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
+    Arm("fold, random protected", MoD(router="random", skipped="fold")),
 )
-
-
-def select_methods(methods: tuple[Entry, ...], names: Optional[list[str]]) -> tuple[Entry, ...]:
-    """The entries named in ``names`` (``--methods``), in their usual order; all of them when none is named."""
-    if not names:
-        return methods
-    known = [e.name for e in methods]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
-    return tuple(e for e in methods if e.name in names)
 
 
 @dataclass
@@ -107,12 +80,13 @@ class CompareConfig:
     batch_size: int = 128
     speed_batch: int = 256
     speed_repeats: int = 10
-    methods: tuple[Entry, ...] = field(default=COMPARED)
+    methods: tuple[Arm, ...] = field(default=COMPARED)
     quick: bool = False
 
     def only(self, names: Optional[list[str]]) -> "CompareConfig":
-        """The same comparison restricted to the named methods (``Entry.name``), in their usual order."""
-        return dataclasses.replace(self, methods=select_methods(self.methods, names))
+        """The same comparison restricted to the named methods (``Arm.name``), in their usual order, and any
+        registered method named by its kind or spec (``arms.select``)."""
+        return dataclasses.replace(self, methods=select(self.methods, names))
 
     def as_quick(self) -> "CompareConfig":
         """The same comparison in seconds (for tests): the demo's quick model and data, one epoch."""
@@ -126,6 +100,10 @@ class CompareConfig:
             raise ValueError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
+        calibrated = [a.name for a in self.methods if a.needs_images]
+        if calibrated:
+            raise ValueError(f"--methods {calibrated[0]!r} chooses its setting on unlabeled images, which amod compare "
+                             "does not take: run it in amod frontier or amod study")
         hf = hf_source(self.checkpoint) is not None  # (check_settings reads amod files: check_inputs checks HF ones)
         check_settings(dataclasses.replace(self, checkpoint=None) if hf else self,
                        ("epochs", "batch_size", "speed_batch", "speed_repeats", "probe_train"),
@@ -254,7 +232,7 @@ def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretr
     return rows, dense_acc
 
 
-def _grid(cfg: CompareConfig, dense: torch.nn.Module) -> Iterator[tuple[int, int, float, Entry, Method]]:
+def _grid(cfg: CompareConfig, dense: torch.nn.Module) -> Iterator[tuple[int, int, float, Arm, Method]]:
     """Every (cost, method) pair in report order, numbered from 1: (number, total, cost, entry, method at cost)."""
     total = len(cfg.costs) * len(cfg.methods)
     pairs = ((cost, entry) for cost in cfg.costs for entry in cfg.methods)
@@ -298,22 +276,6 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
     return rows, dense_acc
 
 
-def _setting_text(s: dict[str, Any]) -> str:
-    if "tome_r" in s:
-        return f"r = {s['tome_r']}"
-    if "pitome_keep" in s:
-        return f"keep {s['pitome_keep']:g} a block"
-    layers = s["layers"]
-    if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
-        layers = f"{layers[0]}–{layers[-1]}"
-    text = f"C = {s['capacity']:.3f}, blocks {layers}"
-    if s["skipped"] != "bypass":
-        text += f", skipped={s['skipped']}"
-    if s["skipped"] == "fold":
-        text += f", protect {s['protect']:g}" + ("" if s["router"] == "attention" else f" ({s['router']})")
-    if s.get("shape"):  # a calibrated schedule: the first and last blocks' exponents
-        text += f", shape {s['shape'][0]:.2f}…{s['shape'][-1]:.2f}"
-    return text
 
 
 def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: str, n_val: int, img_size: int,
@@ -337,7 +299,7 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
     for r in rows:
         miss = " (!)" if abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE else ""
         second = f"{r['cosine']:.4f}" if probe_mode else f"{100 * r['top1']:.2f}"
-        lines.append(f"| {r['cost_target']:g} | {r['method']} | {_setting_text(r['setting'])} | {r['cost']:.3f}{miss} | "
+        lines.append(f"| {r['cost_target']:g} | {r['method']} | {setting_text_of(r['setting'])} | {r['cost']:.3f}{miss} | "
                      f"{100 * r['zero_top1']:.2f} | {second} | {r['images_per_s']:.1f} | "
                      f"{speedup_text(r['speedup'], r['cost'])} | {r['flop_bound_efficiency']:.2f} |")
     lines.append("")

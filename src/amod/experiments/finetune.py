@@ -39,8 +39,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..checkpoint import check_dense_file, load, save, skeleton
 from ..files import UnreadableFileError, load_torch, torch_save
-from ..methods import Dense, Method, MoD
-from ..mod.calibrate import DEFAULT_TILTS, calibrate
+from ..methods import Calibrated, Dense, Method, MoD
 from ..mod.convert import set_capacity
 from ..train import engine
 from ..train.any_cost import AnyCost
@@ -49,7 +48,7 @@ from ..train.distill import Distillation, Teacher, TeacherOutputs, classifiers_o
 from ..train.models import fit_to_data
 from ..train.rundir import run_dir_name
 from .bench import time_models
-from .calibration import CalibrationCache, calibration_grid, calibration_report
+from .calibration import CalibrationCache, calibration_grid
 from .features import dense_features, dense_probe, features_key
 from .finetune_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
 from .finetune_report import write_report
@@ -457,27 +456,36 @@ def study_teacher(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch
 CALIBRATION_NAME = "finetune start"  # the calibrations of the study's calibrated arms (all share them), as kept
 
 
-def calibrations(root: Path, prep: Prepared, device: torch.device) -> Callable[[float], Method]:
-    """The calibrated arms' method at each cost: ``amod.calibrate`` (nothing protected) on the first
+STUDY_CALIBRATED = Calibrated(protects=(0.0,))  # the method of the study's calibrated arms (``finetune_plan.ARMS``)
+
+
+def calibrations(root: Path, prep: Prepared, device: torch.device) -> Callable[[float, Method], Method]:
+    """A calibrated arm's method (a ``Calibrated``; the study's own: ``STUDY_CALIBRATED``, nothing protected) at
+    each cost: ``amod.calibrate`` on the first
     ``CALIBRATION_IMAGES`` of the probe's training images, chosen once and kept in
     ``OUT/calibrations_DIGEST_N.jsonl`` (``calibration.CalibrationCache``, as `amod frontier` keeps its own; a
     study's ``OUT/calibrations.json`` of an older amod is still read)."""
     n = min(CALIBRATION_IMAGES, len(prep.probe_train))
-    grid = calibration_grid("attention", (0.0,), DEFAULT_TILTS)
+    study_grid = calibration_grid(STUDY_CALIBRATED.router, STUDY_CALIBRATED.protects, STUDY_CALIBRATED.tilts)
     cache = CalibrationCache(root / f"calibrations_{prep.digest}_{n}.jsonl",
                              lambda: torch.stack([prep.probe_train[i][0] for i in range(n)]).to(device),
-                             older=_older_calibrations(root / "calibrations.json", prep.digest, grid))
+                             older=_older_calibrations(root / "calibrations.json", prep.digest, study_grid))
 
-    def make(cost: float) -> Callable[[torch.Tensor], tuple[MoD, dict[str, Any]]]:
+    def make(cost: float, method: Calibrated) -> Callable[[torch.Tensor], tuple[MoD, dict[str, Any]]]:
         def run(images: torch.Tensor) -> tuple[MoD, dict[str, Any]]:
-            model = calibrate(copy.deepcopy(prep.start), images, cost, protects=(0.0,))
-            c = model.amod_calibration
+            chosen, report = method.calibrated(prep.start, cost, images, closest=False)
+            best = report["candidates"][report["chosen"]]
             log.info("calibrated at cost %g on %d images in %.0f s: tilt %g, fidelity %.4f", cost, len(images),
-                     c.seconds, c.best.tilt, c.best.fidelity)
-            return MoD.of_model(model), calibration_report(c)
+                     report["seconds"], best["tilt"], best["fidelity"])
+            return chosen, report
         return run
 
-    return lambda cost: cache.get(CALIBRATION_NAME, cost, grid, make(cost))[0]
+    def calibrated(cost: float, method: Method) -> Method:
+        name = CALIBRATION_NAME if method == STUDY_CALIBRATED else method.spec()  # (the study's arms share theirs)
+        grid = calibration_grid(method.router, method.protects, method.tilts)
+        return cache.get(name, cost, grid, make(cost, method))[0]
+
+    return calibrated
 
 
 def _older_calibrations(path: Path, digest: str, grid: str) -> dict[tuple[str, float, str], dict[str, Any]]:

@@ -15,38 +15,12 @@ from torch import nn
 
 from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..families import skeleton
-from ..methods import Dense, IsoFLOP, Method, MoD, TokenMerging
+from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
+from .arms import Arm, select
 
 if TYPE_CHECKING:
     from .finetune_rows import EvalRows
-
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One method of the study. ``method`` is set to each cost by ``at_cost``; ``isoflop_of`` names the
-    arm whose MoD setup the isoFLOP baseline matches; ``every_block_below`` lets a bypass MoD arm that
-    cannot reach a cost on alternate blocks place MoD on every block after the first instead.
-
-    ``calibrated``: the fold schedule at each cost is ``amod.calibrate``'s choice on unlabeled training images
-    (nothing protected). ``distill``: trained against the study's dense teacher (``FinetuneConfig.distillation``).
-    ``any_cost``: one model per seed, trained at a cost drawn per step from this range (``amod.train.any_cost``)
-    and evaluated at each study cost. ``steps``: its own schedule length (the long runs). ``best_of``: a long
-    run of whichever of these arms has the best mean finetuned accuracy at the cost when it starts.
-    ``only_seeds``: run on the first seeds only."""
-
-    name: str
-    method: Optional[Method]  # None: set by ``best_of`` when the run is planned
-    isoflop_of: Optional[str] = None
-    every_block_below: bool = False
-    calibrated: bool = False
-    distill: bool = False
-    any_cost: Optional[tuple[float, float]] = None
-    steps: Optional[int] = None
-    best_of: tuple[str, ...] = ()
-    only_seeds: Optional[int] = None
-    counterpart: Optional[str] = None  # the arm the report compares it with (without distillation, per cost, short)
 
 
 REFERENCE = "A-MoD (paper)"
@@ -55,6 +29,7 @@ CALIBRATED = "calibrated, nothing protected"
 ANY_COST = "any-cost A-MoD fold + distillation"
 LONG_STEPS = 1024
 CALIBRATION_IMAGES = 256  # the first of the probe's training images (labels unread)
+# The study's arms (``arms.Arm``), in the report's order (``--methods`` picks some by name).
 ARMS = (
     Arm(DENSE, Dense()),
     Arm(REFERENCE, MoD(router="attention", scale_output=False), every_block_below=True),
@@ -66,12 +41,11 @@ ARMS = (
     Arm("ToMe", TokenMerging()),
     Arm("A-MoD fold", MoD(skipped="fold")),
     # the frontier's best zero-training mode: fold on the schedule amod.calibrate picks, nothing protected
-    Arm(CALIBRATED, MoD(skipped="fold", protect=0.0), calibrated=True),
+    Arm(CALIBRATED, Calibrated(protects=(0.0,))),
     # with distillation from the dense teacher
     Arm("A-MoD fold + distillation", MoD(skipped="fold"), distill=True, counterpart="A-MoD fold"),
     Arm("ToMe + distillation", TokenMerging(), distill=True, counterpart="ToMe"),
-    Arm(f"{CALIBRATED} + distillation", MoD(skipped="fold", protect=0.0), calibrated=True, distill=True,
-        counterpart=CALIBRATED),
+    Arm(f"{CALIBRATED} + distillation", Calibrated(protects=(0.0,)), distill=True, counterpart=CALIBRATED),
     Arm(f"{REFERENCE} + distillation", MoD(router="attention", scale_output=False), every_block_below=True,
         distill=True, counterpart=REFERENCE),
     # one finetune that serves every cost
@@ -113,20 +87,9 @@ class FinetuneConfig:
     teacher: Optional[str] = None
 
     def only(self, names: Optional[list[str]]) -> "FinetuneConfig":
-        """The same study restricted to the named arms (dense and the reference are always kept)."""
-        if not names:
-            return self
-        known = [a.name for a in self.arms]
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise ValueError(f"unknown method {unknown[0]!r} for --methods; choose from {', '.join(map(repr, known))}")
-        keep = set(names) | {DENSE, REFERENCE}
-        while True:  # and what the named arms are compared with or chosen from
-            more = {n for a in self.arms if a.name in keep for n in (a.counterpart, *a.best_of) if n} - keep
-            if not more:
-                break
-            keep |= more
-        return dataclasses.replace(self, arms=tuple(a for a in self.arms if a.name in keep))
+        """The same study restricted to the named arms (dense and the reference are always kept, and what a named arm
+        is compared with or chosen from), and any registered method named by its kind or spec (``arms.select``)."""
+        return dataclasses.replace(self, arms=select(self.arms, names, keep=(DENSE, REFERENCE)))
 
     def validate(self) -> "FinetuneConfig":
         if not self.costs:
@@ -183,6 +146,8 @@ class Planned:
             return f"r = {list(m.r)}"
         if isinstance(m, IsoFLOP):
             return f"isoFLOP of C = {m.capacity:.3f}"
+        if not isinstance(m, MoD):  # another registered method: its own words
+            return m.setting_text()
         layers = list(m.layers or [])
         contiguous = len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1))
         text = f"C = {m.capacity:.3f}, blocks {f'{layers[0]}–{layers[-1]}' if contiguous else layers}"
@@ -194,11 +159,12 @@ def share_of_dense(method: Method, dense: nn.Module) -> float:
     return flops(method.apply(skeleton(dense))).macs / flops(dense).macs
 
 
-def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[float], Method]] = None,
+def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[float, Method], Method]] = None,
          rows: Optional["EvalRows"] = None) -> list[Planned]:
     """Every (cost, arm) at its matched setting: dense once, then each cost's reduced arms in order.
 
-    ``calibrated(cost)``: the calibrated arms' method at a cost (required when the study has one). A long run of
+    ``calibrated(cost, method)``: a calibrated arm's method (one that ``needs_images``, e.g. ``Calibrated``) set to a
+    cost on the study's calibration images (required when the study has one). A long run of
     the best arm (``Arm.best_of``) is planned once ``rows`` hold a finished run of one of its candidates."""
     depth = len(model.blocks)
     planned: list[Planned] = []
@@ -219,10 +185,10 @@ def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[f
             if arm.isoflop_of is not None:
                 ref = resolved[arm.isoflop_of]
                 method = IsoFLOP(router=ref.router, capacity=ref.capacity, layers=ref.layers)
-            elif arm.calibrated:
+            elif arm.needs_images:
                 if calibrated is None:
                     raise ValueError(f"{arm.name} needs calibration images to be planned")
-                method = calibrated(cost)
+                method = calibrated(cost, arm.method)
             else:
                 method = arm.method.at_cost(model, cost)
                 reached = share_of_dense(method, model)

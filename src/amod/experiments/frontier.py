@@ -32,17 +32,17 @@ from ..checkpoint import check_dense_file, open_model
 from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source
-from ..methods import MoD, PiToMe, TokenMerging
-from ..mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
+from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
 from ..train import engine
 from ..train.data import build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES
+from .arms import Arm, select
 from .bench import IMPLAUSIBLE_NOTE, resolve_device, speedup_text, time_models, warn_implausible
 from .calibration import CalibrationCache, calibration_grid
-from .compare import Entry, _setting_text, check_inputs, select_methods
+from .compare import check_inputs
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
 from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
@@ -51,40 +51,22 @@ from .probe import LinearProbe, features, mean_cosine, probe_images
 log = logging.getLogger("amod")
 
 
-@dataclass(frozen=True)
-class CalibratedEntry:
-    """A method whose setting at each cost ``amod.calibrate`` chooses on unlabeled images (the first
-    ``--calibration-images`` of the probe's training images; their labels are not read)."""
-
-    name: str
-    router: str = "attention"
-    protects: tuple[float, ...] = DEFAULT_PROTECTS
-    tilts: tuple[float, ...] = DEFAULT_TILTS
-
-    def calibrated(self, dense: torch.nn.Module, cost: float, images: torch.Tensor) -> tuple[MoD, dict[str, Any]]:
-        """The method at ``cost`` and what the calibration tried and chose (for the report)."""
-        model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
-                          protects=self.protects, closest=True)  # (a miss is flagged in the report)
-        report = model.amod_calibration
-        return MoD.of_model(model), {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
-                                     "candidates": [dataclasses.asdict(c) for c in report.candidates]}
-
-
 # The methods `amod frontier` runs, in the report's order (``--methods`` picks some by name).
 FRONTIER_METHODS = (
-    Entry("ToMe", TokenMerging()),
-    Entry("PiToMe", PiToMe()),
-    Entry("A-MoD (paper)", MoD()),
-    Entry("A-MoD fold", MoD(skipped="fold")),
+    Arm("ToMe", TokenMerging()),
+    Arm("PiToMe", PiToMe()),
+    Arm("A-MoD (paper)", MoD()),
+    Arm("A-MoD fold", MoD(skipped="fold")),
     # what A-MoD's attention is worth to fold: the same schedule and matching with nothing protected, and with a
     # random quarter protected
-    Entry("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
-    Entry("fold, random protected", MoD(router="random", skipped="fold")),
+    Arm("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
+    Arm("fold, random protected", MoD(router="random", skipped="fold")),
     # amod's training-free mode: fold on a per-block schedule (and protection) chosen on unlabeled images, and what
     # A-MoD's attention is worth to it: the same calibration with random scores, and with nothing protected
-    CalibratedEntry("A-MoD calibrated"),
-    CalibratedEntry("calibrated, random scores", router="random"),
-    CalibratedEntry("calibrated, nothing protected", protects=(0.0,)),
+    # (each chooses its setting at a cost on the first --calibration-images of the probe's training images, labels unread)
+    Arm("A-MoD calibrated", Calibrated()),
+    Arm("calibrated, random scores", Calibrated(router="random")),
+    Arm("calibrated, nothing protected", Calibrated(protects=(0.0,))),
 )
 DEFAULT_COSTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -106,11 +88,12 @@ class FrontierConfig:
     device: str = "auto"  # where features are computed and models timed: auto (a GPU where there is one), cpu, cuda
     compile: bool = False  # time every model compiled by amod.compile (one graph; CUDA graphs on a GPU)
     amp: str = "off"  # timing under bf16 autocast ("bf16"); the accuracies are the model's own precision
-    methods: tuple[Any, ...] = field(default=FRONTIER_METHODS)  # Entry or CalibratedEntry
+    methods: tuple[Arm, ...] = field(default=FRONTIER_METHODS)
 
     def only(self, names: Optional[list[str]]) -> "FrontierConfig":
-        """The same sweep restricted to the named methods (``Entry.name``), in their usual order."""
-        return dataclasses.replace(self, methods=select_methods(self.methods, names))
+        """The same sweep restricted to the named methods (``Arm.name``), in their usual order, and any registered
+        method named by its kind or spec (``arms.select``)."""
+        return dataclasses.replace(self, methods=select(self.methods, names))
 
     def validate(self) -> "FrontierConfig":
         """Check every setting before any work; raises ValueError naming the flag."""
@@ -125,7 +108,7 @@ class FrontierConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if any(isinstance(e, CalibratedEntry) for e in self.methods) and self.calibration_images > self.probe_train:
+        if any(a.needs_images for a in self.methods) and self.calibration_images > self.probe_train:
             raise ValueError(f"--calibration-images ({self.calibration_images}) must be at most --probe-train "
                              f"({self.probe_train}): they are the first of the probe's training images")
         if self.val_limit is not None and self.val_limit < 2:
@@ -157,7 +140,7 @@ def check_data_size(cfg: FrontierConfig) -> None:
     than two test images (the two halves). Raises ValueError naming the flag and the data."""
     train, val, _ = build_datasets(cfg.data, None, None, None)
     n_probe = probe_images(len(train), cfg.probe_train, cfg.data)
-    if any(isinstance(e, CalibratedEntry) for e in cfg.methods) and cfg.calibration_images > n_probe:
+    if any(a.needs_images for a in cfg.methods) and cfg.calibration_images > n_probe:
         raise ValueError(f"--calibration-images {cfg.calibration_images}: the calibrated methods calibrate on the "
                          f"first of the probe's {n_probe} training images ({cfg.data} has {len(train)}); give at "
                          f"most {n_probe}")
@@ -258,10 +241,11 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
     pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
     for number, (entry, cost) in enumerate(pairs, start=1):
         calibration = None
-        if isinstance(entry, CalibratedEntry):
-            method, calibration = calibrations.get(entry.name, cost,
-                                                   calibration_grid(entry.router, entry.protects, entry.tilts),
-                                                   lambda images: entry.calibrated(dense, cost, images))
+        if entry.needs_images:
+            calibrated = entry.method  # (a ``Calibrated``)
+            method, calibration = calibrations.get(
+                entry.name, cost, calibration_grid(calibrated.router, calibrated.protects, calibrated.tilts),
+                lambda images: calibrated.calibrated(dense, cost, images))
         else:
             method = entry.at_cost(dense, cost)
         if any(r["method"] == entry.name and r["method_repr"] == repr(method) for r in rows):
@@ -364,7 +348,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
               + " | ".join(f"speed-up b{b}" for b in batches) + " |", "|---" * (7 + len(batches)) + "|"]
     for r in [dense_row, *rows]:
         miss = " (!)" if abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE else ""
-        setting = _setting_text(r["setting"]) if r["setting"] else "–"
+        setting = setting_text_of(r["setting"]) if r["setting"] else "–"
         lines.append(f"| {r['method']} | {r['cost_target']:g} | {setting} | {r['cost']:.3f}{miss} | "
                      f"{100 * r['top1']:.2f} | {100 * r['halves'][0]:.2f} / {100 * r['halves'][1]:.2f} | "
                      f"{r['cosine']:.4f} | " + " | ".join(speedup_text(r["speed"][b]["speedup"], r["cost"])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..files import atomic_write, dumps, write_text
-from ..methods import IsoFLOP, Method, MoD
+from ..methods import IsoFLOP, MoD
 from ..mod.config import validate_capacity
 from ..train import engine
 from ..checkpoint import load
@@ -31,6 +31,7 @@ from ..train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, build_datasets, 
 from ..train.config import RunConfig
 from ..train.rundir import run_dir_name
 from ..analysis import attention_stats, leave_one_out
+from .arms import Arm
 from .plots import accuracy_vs_epoch, routing_figure
 from .presets import BASE, check_settings, run_in_directory, run_once, starting_checkpoint
 from ..stats import mean_std, paired_bootstrap_ci
@@ -38,23 +39,16 @@ from ..stats import mean_std, paired_bootstrap_ci
 log = logging.getLogger("amod")
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One arm of the study: its name and its method (the capacity is set per grid point)."""
-
-    name: str
-    method: Method
-
-
+# The study's arms (``arms.Arm``: a name and a method; the capacity is set per grid point), in the report's order.
 VARIANTS = (
-    Variant("A-MoD", MoD(router="attention", scale_output=False)),
-    Variant("A-MoD scaled", MoD(router="attention", scale_output=True)),
-    Variant("MoD", MoD(router="standard", scale_output=True)),
-    Variant("MoD unscaled (STE)", MoD(router="standard", scale_output=False)),
-    Variant("shuffled attention", MoD(router="shuffled-attention", scale_output=False)),
-    Variant("random", MoD(router="random", scale_output=False)),
-    Variant("inverse attention", MoD(router="inverse-attention", scale_output=False)),
-    Variant("isoFLOP dense", IsoFLOP(router="attention")),
+    Arm("A-MoD", MoD(router="attention", scale_output=False)),
+    Arm("A-MoD scaled", MoD(router="attention", scale_output=True)),
+    Arm("MoD", MoD(router="standard", scale_output=True)),
+    Arm("MoD unscaled (STE)", MoD(router="standard", scale_output=False)),
+    Arm("shuffled attention", MoD(router="shuffled-attention", scale_output=False)),
+    Arm("random", MoD(router="random", scale_output=False)),
+    Arm("inverse attention", MoD(router="inverse-attention", scale_output=False)),
+    Arm("isoFLOP dense", IsoFLOP(router="attention")),
 )
 REFERENCE = "A-MoD"
 

@@ -15,7 +15,7 @@ import torch
 import transformers
 from torch import nn
 
-from ..tome.merging import MERGING_CONFIGS
+from ..tome.merging import reduces_tokens
 
 FAMILIES = {"ViT": "vit", "DeiT": "deit", "Dinov2": "dinov2"}
 
@@ -133,7 +133,7 @@ def from_timm(timm_model: nn.Module, hf_class: Union[str, type] = "Dinov2Model",
     """The Hugging Face model (``hf_class``: a class or its name in ``transformers``) of ``timm_model``'s
     architecture with its weights, in eval mode. ``config_overrides`` go to the config (e.g.
     ``attn_implementation="eager"``). Dense timm models only (convert the Hugging Face model afterwards)."""
-    if any(getattr(timm_model, a, None) is not None for a in ("amod_config", *MERGING_CONFIGS)):
+    if reduces_tokens(timm_model):
         raise ValueError("from_timm maps a dense timm model; convert the Hugging Face model afterwards")
     cls = getattr(transformers, hf_class) if isinstance(hf_class, str) else hf_class
     config = hf_config_from_timm(timm_model, cls)

@@ -160,16 +160,20 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
     return family_of(model).merge_apply(model, lambda m, family: merge_blocks(m, r, cost, img_size, family))
 
 
-# the attribute each token-merging method sets on the model it merges (ToMe here, PiToMe in amod.tome.pitome)
-MERGING_CONFIGS = ("amod_tome", "amod_pitome")
+def reduces_tokens(model: nn.Module) -> bool:
+    """Whether ``model`` already reduces its tokens: an MoD model, or one with a token-reduction block
+    (``amod.reduce.SizedTokensBlock``: ToMe, PiToMe, fold, or any method built on it)."""
+    blocks = getattr(model, "blocks", ())
+    return getattr(model, "amod_config", None) is not None or any(isinstance(b, SizedTokensBlock) for b in blocks)
 
 
 def check_mergeable(model: nn.Module, family: Any, method: str) -> None:
     """Refuse, in one line, a model that token merging (``method``: its name) cannot take: an MoD model, a model that
-    already merges (by either method), a block its family cannot take (``family.check_block``)."""
+    already merges (any token-reduction block, ``reduces_tokens``), a block its family cannot take
+    (``family.check_block``)."""
     if getattr(model, "amod_config", None) is not None:
         raise ValueError(f"model is an MoD model; {method} applies to a dense model")
-    if any(getattr(model, name, None) is not None for name in MERGING_CONFIGS):
+    if reduces_tokens(model):
         raise ValueError("model already merges tokens; use amod.tome.set_schedule (ToMe) or amod.pitome.set_keep "
                          "(PiToMe) to change it")
     for i, blk in enumerate(model.blocks):

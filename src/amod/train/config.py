@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from ..cost import validate_cost
-from ..methods import Dense, Method, MoD, method_from_run_fields
+from ..methods import Dense, Method, MoD, method_from_run_fields, parse_method
 from ..mod.config import DEFAULT_PROTECT, validate_capacity, validate_protect, validate_skipped
 from ..mod.modes import skipped_mode
 from . import engine
@@ -27,6 +27,8 @@ from .models import checkpoint_architecture
 
 # Fields that only mean something for an MoD model (a router given).
 MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect", "shape")
+# Fields that select a method by themselves (``method_spec`` replaces them all, with MOD_ONLY).
+METHOD_FIELDS = ("router", "isoflop", "tome_cost", "tome_r", "pitome_cost", "pitome_keep")
 # Fields that only mean something for a distilled run (--distill or --teacher given).
 DISTILL_ONLY = ("distill_logits", "distill_temperature", "distill_features")
 
@@ -61,6 +63,9 @@ class RunConfig:
     # PiToMe instead of MoD: a share of dense MACs to match, or the share of its patch tokens every block keeps
     pitome_cost: Optional[float] = None
     pitome_keep: Optional[float] = None  # (no flag: a PiToMe checkpoint's own, or a YAML file's)
+    # any registered method by its spec, KIND:FIELD=VALUE,... (``amod.methods.parse_method``), instead of the fields
+    # above: e.g. "tome:cost=0.5"; a built-in method's own fields are written from it (``validate``)
+    method_spec: Optional[str] = None
     # distillation from a dense teacher (amod.train.distill): off unless --distill or --teacher
     distill: bool = False
     teacher: Optional[str] = None  # a dense model file with the data's classes (default: the starting weights)
@@ -93,6 +98,8 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         """Check every field; raises ValueError naming the option and what is allowed. Returns self."""
         check_types(self, "options")
+        if self.method_spec is not None:
+            self._expand_method_spec()
         if self.layers is None:  # the default the method itself would take, written out in config.yaml
             self.layers = skipped_mode(self.skipped).default_layers
         if self.router is not None:
@@ -156,6 +163,23 @@ class RunConfig:
             if not isinstance(method, MoD) and not (isinstance(method, Dense) and self.checkpoint):
                 raise ValueError(NEEDS_MOD)
         return self
+
+    def _expand_method_spec(self) -> None:
+        """Write the fields of the method ``method_spec`` selects where the method has fields of its own (the
+        built-in methods: router, capacity, tome_cost, ...), so that the rest of the run reads them as if they had
+        been given; refuses fields that select another method, and a method set to a cost on images."""
+        spec = parse_method(self.method_spec)
+        if spec.needs_images:
+            raise ValueError(f"--method {self.method_spec}: {spec.kind} chooses its setting on unlabeled images; "
+                             "make the model with amod calibrate and start from it (--checkpoint)")
+        own = method_from_run_fields(dataclasses.replace(self, method_spec=None))
+        if not isinstance(own, Dense) and type(own) is not type(spec):  # (the same kind: a resumed run's own fields)
+            raise ValueError(f"--method {self.method_spec} and the options of {own.label()} select two methods; give "
+                             "one of them")
+        for name, value in spec.run_fields().items():
+            if name != "method_spec":
+                setattr(self, name, value)
+        check_types(self, f"--method {self.method_spec}")
 
     def distillation(self) -> Distillation:
         """The distillation loss these settings select (used when ``distill``)."""
@@ -232,6 +256,13 @@ def mod_options_without_router(given: dict[str, Any], router: Optional[str], iso
         _refuse_ignored(given, MOD_ONLY, "an MoD model; add --router (attention, standard, ...) or leave it out")
 
 
+def method_spec_alone(given: dict[str, Any]) -> None:
+    """Refuse ``--method`` given with the options of a method (``--router``, ``--tome-cost``, ...): one names it."""
+    if given.get("method_spec") is not None:
+        _refuse_ignored(given, METHOD_FIELDS + MOD_ONLY, "a run without --method: --method SPEC gives the whole "
+                        "method (e.g. mod:router=attention,capacity=0.5); give one or the other")
+
+
 def distill_options_without_distill(given: dict[str, Any], distill: bool, teacher: Optional[str]) -> None:
     """Refuse distillation's weights given for a run that does not distil, where they would be ignored without a
     word (``--teacher`` turns distillation on, ``--distill-logits`` and the others do not)."""
@@ -256,6 +287,7 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     cfg = RunConfig.from_dict(base, config or "options")
     if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
         raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
+    method_spec_alone({**yaml_values, **flags})
     mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
     distill_options_without_distill({**yaml_values, **flags}, cfg.distill, cfg.teacher)
     if not resume and "model" in {**yaml_values, **flags} and cfg.checkpoint:

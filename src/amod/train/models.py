@@ -286,7 +286,7 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
             teacher, trained_head = _from_weights_file(cfg, Path(cfg.checkpoint), num_classes, in_chans, img_size)
         else:
             dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, pitome_cost=None,
-                                        pitome_keep=None, any_cost=None)
+                                        pitome_keep=None, method_spec=None, any_cost=None)
             teacher = build_model(dense, num_classes, in_chans, img_size)
             trained_head = _trained_head(cfg, num_classes)
         if cfg.distill_logits > 0 and not trained_head:

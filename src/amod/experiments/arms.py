@@ -1,0 +1,85 @@
+"""One arm of an experiment: a name, a method, and the settings a study gives it. ``amod compare``, ``amod frontier``,
+the finetune study (``amod study --checkpoint``) and the routers study (``amod study``) all run lists of arms, and
+``--methods`` picks among them by name (``select``), or adds any registered method by its kind or spec
+(``amod.methods.parse_method``), the arm named by the text given."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from ..methods import Method, method_kinds, parse_method
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method of an experiment. ``method`` is set to each cost by ``at_cost`` (a method that ``needs_images``
+    chooses its setting on unlabeled images given there).
+
+    Compare: ``layers="last-two-thirds"``, a compare-only preset: the method on blocks depth // 3 .. depth - 1.
+
+    Finetune study: ``isoflop_of`` names the arm whose MoD setup the isoFLOP baseline matches;
+    ``every_block_below`` lets a bypass MoD arm that cannot reach a cost on alternate blocks place MoD on every
+    block after the first instead. ``distill``: trained against the study's dense teacher
+    (``FinetuneConfig.distillation``). ``any_cost``: one model per seed, trained at a cost drawn per step from this
+    range (``amod.train.any_cost``) and evaluated at each study cost. ``steps``: its own schedule length (the long
+    runs). ``best_of``: a long run of whichever of these arms has the best mean finetuned accuracy at the cost when
+    it starts. ``only_seeds``: run on the first seeds only. ``counterpart``: the arm the report compares it with."""
+
+    name: str
+    method: Optional[Method]  # None: set by ``best_of`` when the run is planned
+    layers: Optional[str] = None
+    isoflop_of: Optional[str] = None
+    every_block_below: bool = False
+    distill: bool = False
+    any_cost: Optional[tuple[float, float]] = None
+    steps: Optional[int] = None
+    best_of: tuple[str, ...] = ()
+    only_seeds: Optional[int] = None
+    counterpart: Optional[str] = None
+
+    @property
+    def needs_images(self) -> bool:
+        """Whether the arm's method chooses its setting on unlabeled images (``Method.needs_images``)."""
+        return self.method is not None and self.method.needs_images
+
+    def at_cost(self, dense: torch.nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> Method:
+        """The method at the cost closest to ``cost`` x the dense model's MACs."""
+        method = self.method
+        if self.layers == "last-two-thirds":
+            depth = len(dense.blocks)
+            method = dataclasses.replace(method, layers=tuple(range(max(1, depth // 3), depth)))
+        return method.at_cost(dense, cost, images)
+
+
+def select(arms: tuple[Arm, ...], names: Optional[Iterable[str]], keep: Iterable[str] = ()) -> tuple[Arm, ...]:
+    """The arms named in ``names`` (``--methods``) in their usual order, then one arm for each other name that is a
+    registered method's kind or spec (``tome:cost=0.5``), named by that text, in the order given; all of ``arms``
+    when none is named. ``keep``: arm names always kept, with the arms that any kept arm is compared with or chosen
+    from (``counterpart``, ``best_of``). Raises ValueError naming what is allowed."""
+    names = list(names or [])
+    if not names:
+        return arms
+    known = [a.name for a in arms]
+    extra: list[Arm] = []
+    for name in names:
+        if name in known or any(a.name == name for a in extra):
+            continue
+        try:
+            extra.append(Arm(name, parse_method(name)))
+        except ValueError as e:
+            kind = name.partition(":")[0].strip()
+            if kind in method_kinds():  # a registered method, badly set: what is wrong with its spec
+                raise ValueError(f"--methods {name!r}: {e}") from None
+            raise ValueError(f"unknown method {name!r} for --methods; choose from {', '.join(map(repr, known))}, or a "
+                             f"registered method ({', '.join(method_kinds())}) or its spec, e.g. "
+                             "'tome:cost=0.5'") from None
+    wanted = set(names) | set(keep)
+    while True:  # and what the named arms are compared with or chosen from
+        more = {n for a in arms if a.name in wanted for n in (a.counterpart, *a.best_of) if n} - wanted
+        if not more:
+            break
+        wanted |= more
+    return tuple(a for a in arms if a.name in wanted) + tuple(extra)
