@@ -732,7 +732,8 @@ COMMANDS: tuple[Command, ...] = (
 
 def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser of every command, or with ``only`` a command's name, of that one's flags alone (the others listed
-    with their help line): what ``main`` builds, so that a command imports its own modules only."""
+    with their help line; ``""``: no command's flags, for ``amod --help``): what ``main`` builds, so that a command
+    imports its own modules only."""
     parser = Parser(prog="amod", description="Mixture-of-Depths routing for timm ViTs")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -791,7 +792,7 @@ def _refused_on_every_process(e: BaseException) -> bool:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(only=_command_in(argv)).parse_args(argv)
+    args = build_parser(only=_command_in(argv) or "").parse_args(argv)
     run = next(c.run for c in COMMANDS if c.name == args.command)
     _setup_logging()
     try:
