@@ -196,7 +196,7 @@ def test_calibrations_an_older_study_kept_in_calibrations_json_are_read(tmp_path
     study's ``OUT/calibrations.json`` is still read for its backbone, and copied into the new file."""
     from types import SimpleNamespace
 
-    from amod.experiments.finetune import calibrations
+    from amod.experiments.finetune import STUDY_CALIBRATED, calibrations
 
     kept = MoD(skipped="fold", protect=0.0, capacity=0.4, layers=(0, 1, 2), shape=(1.5, 1.0, 0.5))
     (tmp_path / "calibrations.json").write_text(json.dumps({
@@ -204,10 +204,10 @@ def test_calibrations_an_older_study_kept_in_calibrations_json_are_read(tmp_path
         "d2:0.4": {"method": MoD(skipped="fold", capacity=0.9).metadata(), "tilt": 0.0, "fidelity": 1.0, "seconds": 1}}))
     prep = SimpleNamespace(digest="d1", probe_train=[(torch.zeros(3, 8, 8), 0)] * 4, start=None)
     calibrated = calibrations(tmp_path, prep, torch.device("cpu"))
-    assert calibrated(0.56) == MoD.from_metadata(kept.metadata())  # no calibration run: prep.start is None
+    assert calibrated(0.56, STUDY_CALIBRATED) == MoD.from_metadata(kept.metadata())  # no calibration run: prep.start is None
     (row,) = [json.loads(line) for line in (tmp_path / "calibrations_d1_4.jsonl").read_text().splitlines()]
     assert row["cost_target"] == 0.56 and row["report"] == {"tilt": -1.0, "fidelity": 0.9, "seconds": 3.0}
-    assert calibrations(tmp_path, prep, torch.device("cpu"))(0.56) == calibrated(0.56)
+    assert calibrations(tmp_path, prep, torch.device("cpu"))(0.56, STUDY_CALIBRATED) == calibrated(0.56, STUDY_CALIBRATED)
 
 
 def test_report_only_without_evaluations_says_so_and_does_nothing(backbone_path, tmp_path, capsys):
