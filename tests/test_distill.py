@@ -1,7 +1,7 @@
 """Distillation from a dense teacher (``amod.train.distill``) and the any-cost dial (``amod.train.any_cost``): the
 loss, the teacher wired into `amod finetune`, every method, gradient checkpointing, the refusals. DDP and resume
 after a kill of a distilled any-cost finetune: tests/test_pipeline.py; the study's distilled arms:
-tests/test_finetune.py."""
+tests/test_finetune_study.py."""
 import dataclasses
 import json
 

@@ -388,8 +388,8 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _study_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.finetune_plan import FinetuneConfig
-    from .experiments.study import StudyConfig
+    from .experiments.finetune_study_plan import FinetuneConfig
+    from .experiments.router_study import StudyConfig
 
     p.add_argument("--out", default=_default(StudyConfig, "out"))
     p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: the demo's, trained if missing)")
@@ -447,9 +447,9 @@ FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod st
 
 
 def study_for(checkpoint: Optional[str]) -> str:
-    """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune``: the methods
+    """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune_study``: the methods
     at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (``num_classes``
-    0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.study``:
+    0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.router_study``:
     routers x capacities x seeds, with the model's own classifier) for a model with one, or none given (the
     demo's model)."""
     if checkpoint is not None and skeleton(os.path.expanduser(checkpoint)).num_classes == 0:
@@ -458,11 +458,11 @@ def study_for(checkpoint: Optional[str]) -> str:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from .experiments.finetune_plan import FinetuneConfig
-    from .experiments.study import StudyConfig
+    from .experiments.finetune_study_plan import FinetuneConfig
+    from .experiments.router_study import StudyConfig
 
     if study_for(args.checkpoint) == FINETUNE_STUDY:
-        from .experiments.finetune import run_finetune_study
+        from .experiments.finetune_study import run_finetune_study
         from .train.distill import Distillation
 
         out = args.out if args.out != _default(StudyConfig, "out") else _default(FinetuneConfig, "out")
@@ -475,7 +475,7 @@ def _study(args: argparse.Namespace) -> int:
                                                                             args.distill_features)).only(args.methods)
         print(run_finetune_study(ft))
         return 0
-    from .experiments.study import run_study
+    from .experiments.router_study import run_study
 
     cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=tuple(args.capacity),
                       seeds=args.seeds, epochs=args.epochs, train_limit=args.train_limit)

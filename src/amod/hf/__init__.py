@@ -1,7 +1,7 @@
 """Hugging Face ``transformers`` models: loading, and weights from timm.
 
 ``load_hf_model`` loads a ``save_pretrained`` folder (``amod.hf.loading``); ``from_timm`` builds the Hugging Face model
-of a timm ViT with its weights (``amod.hf.weights``); ``amod.hf.common`` holds the names they and the families share.
+of a timm ViT with its weights (``amod.hf.timm_weights``); ``amod.hf.common`` holds the names they and the families share.
 The model families themselves are ``amod.families.hf_vit`` (ViT, DeiT, DINOv2), ``hf_clip`` and ``hf_siglip`` (the
 CLIP and SigLIP vision encoders) and ``detr``, above this package; ``amod.families.hf_base`` is what they share
 (amod's roles on transformers' layers by class swaps and views, ``save_pretrained`` that keeps a conversion,
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(loading, name)
     if name in ("from_timm", "timm_to_hf_state_dict", "hf_config_from_timm"):
-        from . import weights
+        from . import timm_weights
 
-        return getattr(weights, name)
+        return getattr(timm_weights, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,8 +12,8 @@ import numpy as np
 from ..files import write_json, write_text
 from ..stats import mean_std, paired_bootstrap_ci
 from ..train.distill import Distillation
-from .finetune_plan import ARMS, DENSE, LONG_STEPS, REFERENCE, Arm, FinetuneConfig, Planned, label
-from .finetune_rows import EvalRows, unpack
+from .finetune_study_plan import ARMS, DENSE, LONG_STEPS, REFERENCE, Arm, FinetuneConfig, Planned, label
+from .finetune_study_rows import EvalRows, unpack
 from .plots import accuracy_vs_steps
 from .probe import LinearProbe
 

@@ -14,9 +14,9 @@ import torch
 
 import amod
 from amod.cli import main as amod_main
-from amod.experiments.finetune import with_probe_head
-from amod.experiments.finetune_plan import ARMS, FinetuneConfig, plan
-from amod.experiments.finetune_rows import EvalRows, pack, unpack
+from amod.experiments.finetune_study import with_probe_head
+from amod.experiments.finetune_study_plan import ARMS, FinetuneConfig, plan
+from amod.experiments.finetune_study_rows import EvalRows, pack, unpack
 from amod.experiments.probe import fit_probe
 from amod.methods import Dense, MoD
 
@@ -152,7 +152,7 @@ def test_a_bf16_study_checks_bf16_against_one_fp32_dense_run(backbone_path, tmp_
 
 
 def test_rows_of_other_settings_are_not_reused(tmp_path, backbone_path):
-    from amod.experiments.finetune import weights_digest
+    from amod.experiments.finetune_study import weights_digest
 
     # the same weights saved again (other metadata, e.g. another conversion's timings) keep their rows
     again = amod.save(amod.load(backbone_path), tmp_path / "again.safetensors", metadata={"amod.note": "x"})
@@ -196,7 +196,7 @@ def test_calibrations_an_older_study_kept_in_calibrations_json_are_read(tmp_path
     study's ``OUT/calibrations.json`` is still read for its backbone, and copied into the new file."""
     from types import SimpleNamespace
 
-    from amod.experiments.finetune import STUDY_CALIBRATED, calibrations
+    from amod.experiments.finetune_study import STUDY_CALIBRATED, calibrations
 
     kept = MoD(skipped="fold", protect=0.0, capacity=0.4, layers=(0, 1, 2), shape=(1.5, 1.0, 0.5))
     (tmp_path / "calibrations.json").write_text(json.dumps({
@@ -236,7 +236,7 @@ def test_the_demo_on_a_backbone(backbone_path, tmp_path, capsys):
 def test_study_on_a_model_with_a_classifier_refuses_study_flags_it_cannot_use(tmp_path, capsys):
     path = amod.save(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
                                        num_classes=10), tmp_path / "clf.safetensors")
-    from amod.experiments.finetune import prepare
+    from amod.experiments.finetune_study import prepare
 
     with pytest.raises(ValueError, match="has a classifier"):
         prepare(FinetuneConfig(checkpoint=str(path)), tmp_path, torch.device("cpu"))

@@ -17,8 +17,8 @@ Beyond the paper's methods: the frontier's calibrated fold, distillation from a 
 run of seed 0, kept; ``amod.train.distill``), one any-cost model per seed (``amod.train.any_cost``) and 4x longer
 runs (``ARMS``).
 
-This module runs the study; its arms and plan are ``finetune_plan``, its rows ``finetune_rows``, its report
-``finetune_report``.
+This module runs the study; its arms and plan are ``finetune_study_plan``, its rows ``finetune_study_rows``, its report
+``finetune_study_report``.
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ from ..train.rundir import run_dir_name
 from .bench import time_models
 from .calibration import CalibrationCache, calibration_grid
 from .features import dense_features, dense_probe, features_key
-from .finetune_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
-from .finetune_report import write_report
-from .finetune_rows import EvalRows, pack
+from .finetune_study_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
+from .finetune_study_report import write_report
+from .finetune_study_rows import EvalRows, pack
 from .presets import check_not_hugging_face, run_in_directory
 from .probe import LinearProbe, probe_images
 
@@ -456,7 +456,7 @@ def study_teacher(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch
 CALIBRATION_NAME = "finetune start"  # the calibrations of the study's calibrated arms (all share them), as kept
 
 
-STUDY_CALIBRATED = Calibrated(protects=(0.0,))  # the method of the study's calibrated arms (``finetune_plan.ARMS``)
+STUDY_CALIBRATED = Calibrated(protects=(0.0,))  # the method of the study's calibrated arms (``finetune_study_plan.ARMS``)
 
 
 def calibrations(root: Path, prep: Prepared, device: torch.device) -> Callable[[float, Method], Method]:

@@ -1,6 +1,6 @@
 """The finetune study's arms, settings and plan: what ``amod study --checkpoint`` runs at each cost
 (``ARMS``, ``FinetuneConfig``) and each arm's matched setting (``plan``). Running them is ``finetune``; the
-report is ``finetune_report``."""
+report is ``finetune_study_report``."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +20,7 @@ from ..train.distill import Distillation
 from .arms import Arm, select
 
 if TYPE_CHECKING:
-    from .finetune_rows import EvalRows
+    from .finetune_study_rows import EvalRows
 
 
 REFERENCE = "A-MoD (paper)"
