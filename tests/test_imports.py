@@ -223,7 +223,8 @@ def test_the_library_does_not_import_training_or_experiments(layer):
 
 @pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint", "amod.detr",
                                   "amod.hf.adapter", "amod.hf.base", "amod.experiments.analysis",
-                                  "amod.experiments.stats"])
+                                  "amod.experiments.stats", "amod.experiments.finetune", "amod.experiments.study",
+                                  "amod.hf.weights"])
 def test_removed_modules_are_gone(name):
     """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept."""
     assert name not in MODULES
