@@ -1,5 +1,6 @@
-"""A router and a skipped mode are each one class: toys of both, defined here, are built, priced, trained,
-saved, loaded and chosen on the command line with nothing else of amod changed."""
+"""A router and a skipped mode are each one class, and a command one entry: toys of each, defined here, are built,
+priced, trained, saved, loaded, chosen and run on the command line with nothing else of amod changed. (A method's
+toy is in ``test_method_seam.py``.)"""
 from __future__ import annotations
 
 from typing import Optional
@@ -138,3 +139,35 @@ def test_the_command_line_offers_and_runs_registered_toys(toy_router, toy_mode, 
     model = amod.load(run / "model.safetensors")
     assert (model.amod_config.router, model.amod_config.skipped) == (toy_router, toy_mode)
     assert type(model.blocks[1].router) is ToyRouter
+
+
+def test_a_command_is_one_entry_of_commands(monkeypatch, capsys):
+    """A command is one ``Command`` in ``amod.cli.COMMANDS``: ``amod --help`` lists it, its flags are built only when it
+    runs, and a user's error in it is one line with exit status 2, as for every command."""
+    from amod import cli
+
+    built = []
+
+    def flags(p):
+        built.append(True)
+        p.add_argument("--blocks", type=cli.positive_int, required=True)
+
+    def run(args):
+        if args.blocks > 12:
+            raise ValueError(f"--blocks {args.blocks}: vit_tiny_patch16_224 has 12")
+        print(f"{args.blocks} of 12 blocks")
+        return 0
+
+    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (cli.Command("toy-blocks", "a toy command", flags, run),))
+    with pytest.raises(SystemExit) as exit_help:
+        cli.main(["--help"])
+    assert exit_help.value.code == 0 and "toy-blocks" in capsys.readouterr().out and built == []
+    assert cli.main(["flops", "vit_tiny_patch16_224"]) == 0 and built == []  # another command builds its own flags
+    capsys.readouterr()
+    assert cli.main(["toy-blocks", "--blocks", "3"]) == 0 and built == [True]
+    assert capsys.readouterr().out == "3 of 12 blocks\n"
+    assert cli.main(["toy-blocks", "--blocks", "13"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["amod toy-blocks: error: --blocks 13: vit_tiny_patch16_224 has 12"]
+    with pytest.raises(SystemExit) as bad_flag:
+        cli.main(["toy-blocks", "--blocks", "0"])
+    assert bad_flag.value.code == 2 and "amod toy-blocks: error: argument --blocks" in capsys.readouterr().err
