@@ -13,6 +13,7 @@ later (in any module imported before use) is found by all of them.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -413,13 +414,9 @@ class Calibrated(Method):
         rather than refuse."""
         if images is None:
             raise ValueError(f"{self.spec()} is set to a cost on unlabeled images; give images")
-        import copy
-
         model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
                           protects=self.protects, closest=closest)
-        report = model.amod_calibration
-        return MoD.of_model(model), {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
-                                     "candidates": [dataclasses.asdict(c) for c in report.candidates]}
+        return MoD.of_model(model), model.amod_calibration.report()
 
 
 def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:

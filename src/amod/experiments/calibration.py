@@ -19,8 +19,8 @@ import torch
 from ..checkpoint import check_dense_file, load, save, skeleton
 from ..cost import validate_cost
 from ..files import check_output_file, dumps, read_json_lines
-from ..methods import MoD
-from ..mod.calibrate import Calibration, calibrate
+from ..methods import Calibrated, MoD
+from ..mod.calibrate import calibrate
 from ..mod.routers import router_class
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
@@ -104,15 +104,9 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
 
 # ---------------------------------------------------------------- the calibrations a sweep keeps
 
-def calibration_report(report: Calibration) -> dict[str, Any]:
-    """What a sweep keeps of ``model.amod_calibration``: seconds, images, every candidate tried and the one chosen."""
-    return {"seconds": report.seconds, "images": report.images, "chosen": report.chosen,
-            "candidates": [dataclasses.asdict(c) for c in report.candidates]}
-
-
-def calibration_grid(router: str, protects: tuple[float, ...], tilts: tuple[float, ...]) -> str:
-    """The candidates a calibration chooses among, as a cache row names them."""
-    return repr((router, tuple(protects), tuple(tilts)))
+def calibration_grid(method: Calibrated) -> str:
+    """The candidates ``method`` chooses among (its router, protects and tilts), as a cache row names them."""
+    return repr((method.router, tuple(method.protects), tuple(method.tilts)))
 
 
 class CalibrationCache:
@@ -122,7 +116,7 @@ class CalibrationCache:
     images).
 
     A row: ``method`` (the name), ``cost_target``, ``grid`` (``calibration_grid``), ``setting`` (the chosen ``MoD``'s
-    fields) and ``report`` (``calibration_report``, or what ``older`` rows kept). A torn line (a killed run) is
+    fields) and ``report`` (``Calibration.report``, or what ``older`` rows kept). A torn line (a killed run) is
     skipped with a warning, and calibrated again.
 
     Args:
@@ -141,7 +135,7 @@ class CalibrationCache:
     def get(self, name: str, cost: float, grid: str,
             make: Callable[[torch.Tensor], tuple[MoD, dict[str, Any]]]) -> tuple[MoD, dict[str, Any]]:
         """The method kept for (``name``, ``cost``, ``grid``) and its report; where there is none, ``make(images)``
-        calibrates (returning the method and its ``calibration_report``), and the row is appended."""
+        calibrates (returning the method and its ``Calibration.report``), and the row is appended."""
         key = (name, cost, grid)
         row = self.done.get(key)
         if row is None:

@@ -466,7 +466,7 @@ def calibrations(root: Path, prep: Prepared, device: torch.device) -> Callable[[
     ``OUT/calibrations_DIGEST_N.jsonl`` (``calibration.CalibrationCache``, as `amod frontier` keeps its own; a
     study's ``OUT/calibrations.json`` of an older amod is still read)."""
     n = min(CALIBRATION_IMAGES, len(prep.probe_train))
-    study_grid = calibration_grid(STUDY_CALIBRATED.router, STUDY_CALIBRATED.protects, STUDY_CALIBRATED.tilts)
+    study_grid = calibration_grid(STUDY_CALIBRATED)
     cache = CalibrationCache(root / f"calibrations_{prep.digest}_{n}.jsonl",
                              lambda: torch.stack([prep.probe_train[i][0] for i in range(n)]).to(device),
                              older=_older_calibrations(root / "calibrations.json", prep.digest, study_grid))
@@ -482,8 +482,7 @@ def calibrations(root: Path, prep: Prepared, device: torch.device) -> Callable[[
 
     def calibrated(cost: float, method: Method) -> Method:
         name = CALIBRATION_NAME if method == STUDY_CALIBRATED else method.spec()  # (the study's arms share theirs)
-        grid = calibration_grid(method.router, method.protects, method.tilts)
-        return cache.get(name, cost, grid, make(cost, method))[0]
+        return cache.get(name, cost, calibration_grid(method), make(cost, method))[0]
 
     return calibrated
 

@@ -244,7 +244,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
         if entry.needs_images:
             calibrated = entry.method  # (a ``Calibrated``)
             method, calibration = calibrations.get(
-                entry.name, cost, calibration_grid(calibrated.router, calibrated.protects, calibrated.tilts),
+                entry.name, cost, calibration_grid(calibrated),
                 lambda images: calibrated.calibrated(dense, cost, images))
         else:
             method = entry.at_cost(dense, cost)

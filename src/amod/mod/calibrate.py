@@ -27,6 +27,7 @@ import copy
 import logging
 import math
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -78,6 +79,11 @@ class Calibration:
     @property
     def best(self) -> Candidate:
         return self.candidates[self.chosen]
+
+    def report(self) -> dict[str, Any]:
+        """What a sweep keeps of it (JSON): seconds, images, the chosen candidate's index and every candidate."""
+        return {"seconds": self.seconds, "images": self.images, "chosen": self.chosen,
+                "candidates": [dataclasses.asdict(c) for c in self.candidates]}
 
 
 @torch.no_grad()
