@@ -38,10 +38,6 @@ CHECKPOINT_FORMAT = 1
 RESUMABLE_CHANGES = {"out", "workers", "eval_batch_size", "skip_bad_images"}
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) training as ``cfg`` says; returns the final summary.
 
