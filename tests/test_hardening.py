@@ -301,10 +301,11 @@ def test_training_on_a_full_disk_stops_with_one_line_and_no_temporary_file(tmp_p
 @pytest.mark.parametrize("name", ["metrics.jsonl", "model.safetensors", "checkpoint.pt"])
 def test_a_full_disk_in_epoch_2_leaves_the_run_at_epoch_1(name, tmp_path, monkeypatch):
     real_write = files._RecordingWriter.write
-    writers = []  # every writer of <name>.tmp so far: one per epoch
+    writers = []  # every writer of a temporary file of <name> (<name>.<random>.tmp) so far: one per epoch
 
     def write(self, data):
-        if Path(self.f.name).name == name + ".tmp":
+        written = Path(self.f.name).name
+        if written.startswith(name + ".") and written.endswith(".tmp"):
             if not any(w is self for w in writers):
                 writers.append(self)
             if len(writers) == 2:

@@ -37,7 +37,7 @@ from torch import nn
 
 from .arch import pair
 from .family import family_of
-from .files import _remove_quietly, check_output_file, disk_full_error, naming_a_full_disk
+from .files import _remove_quietly, check_output_file, disk_full_error, naming_a_full_disk, temporary_beside
 from .methods import method_of
 from .mod.routers import SeededDraws
 
@@ -343,8 +343,8 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     example, source = check_inputs(model, check_images if given or dynamic else batch)
     example = example if dynamic else example[:batch]
     n = example.shape[0]
-    tmp = path.with_name(path.name + ".tmp")
     with _sigterm_cleans_up():
+        tmp = temporary_beside(path)  # (never a file of the user's: m.onnx.tmp may be the checkpoint)
         try:
             with frozen_draws(model, example):
                 try:
@@ -357,7 +357,7 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
                     if full is not None:
                         raise full from None
                     raise _export_error(e, exporter, label) from e
-                if not tmp.is_file():
+                if not tmp.is_file() or tmp.stat().st_size == 0:
                     raise RuntimeError(f"the {exporter} ONNX exporter wrote no file for {label}")
                 ops, written = _graph_summary(tmp)
                 if opset is not None and written != opset:

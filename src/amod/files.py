@@ -1,7 +1,8 @@
 """Writing files that a killed or failed process cannot leave half-written, and strict JSON.
 
-Every file amod writes goes through ``atomic_write``: the bytes go to ``<name>.tmp`` beside the
-target, are flushed to disk, and the temporary file is renamed over the target only when it is
+Every file amod writes goes through ``atomic_write``: the bytes go to a temporary file beside the
+target (``temporary_beside``: ``<name>.<random>.tmp``, created where no file of that name exists, so that it is never
+a file of the user's), are flushed to disk, and the temporary file is renamed over the target only when it is
 complete. On any failure the temporary file is removed and the previous file is left as it was;
 a full disk is reported as ``DiskFullError`` naming the file. Files get the usual permissions
 (0666 minus the process umask). ``write_together`` does the same for several files that must agree
@@ -24,6 +25,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,9 +82,35 @@ def _disk_full(code: int, path: Path) -> DiskFullError:
                                f"the previous {path.name} (if any) was kept")
 
 
+def temporary_beside(path: PathLike) -> Path:
+    """A new, empty file in ``path``'s directory for writing ``path`` and renaming it into place: named
+    ``<name>.<random>.tmp`` and created only where no file has that name (``O_EXCL``), so that neither another
+    writer's temporary file nor a file of the user's (``m.onnx.tmp`` given as the input of the command that writes
+    ``m.onnx``) is ever written over or removed. It gets the usual permissions (0666 minus the umask). Every
+    temporary file amod writes is made here; the caller removes it on failure.
+
+    Raises:
+        DiskFullError: the device has no room for another file.
+        OSError: the directory cannot be written.
+    """
+    path = Path(path)
+    while True:
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue  # (1 in 4 billion: draw another name)
+        except OSError as e:
+            if e.errno in _DISK_FULL:
+                raise _disk_full(e.errno, path) from None
+            raise
+
+
 def _write_temporary(path: Path, write: Callable[[BinaryIO], Any]) -> Path:
-    """Write the whole of ``<path>.tmp`` and flush it to disk; on any failure remove it and raise."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write the whole of a new ``temporary_beside(path)`` and flush it to disk; on any failure remove it and
+    raise."""
+    tmp = temporary_beside(path)
     try:
         with open(tmp, "wb") as raw:
             f = _RecordingWriter(raw)
