@@ -244,6 +244,70 @@ def test_a_second_run_into_a_busy_directory_is_refused(tmp_path, capsys):
     # test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architecture, whose run starts on one)
 
 
+# ---------------------------------------------------------------- single output files: temporary names, one writer
+
+# (command, flags, the output's name): the commands that write one --out file; a tiny calibration
+SINGLE_FILE_COMMANDS = [("export", [], "m.onnx"),
+                        ("calibrate", ["--images", "4", "--cost", "0.7"], "c.safetensors")]
+
+
+def _skip_without_extras(command: str) -> None:
+    for module in ("onnx", "onnxruntime", "onnxscript") if command == "export" else ():
+        pytest.importorskip(module, reason="amod export needs the onnx extra: pip install 'amod[onnx]'")
+
+
+def _check_written(command: str, path: Path) -> None:
+    """The file ``command`` wrote reads back as what it is: an ONNX graph, an amod model."""
+    if command == "export":
+        import onnx
+
+        assert onnx.load(str(path)).graph.node
+    else:
+        assert amod.get_config(amod.load(path)).skipped == "fold"
+
+
+@pytest.mark.parametrize("command, flags, name", SINGLE_FILE_COMMANDS, ids=[c for c, _, _ in SINGLE_FILE_COMMANDS])
+def test_a_single_output_file_has_one_writer_and_never_replaces_the_input(command, flags, name, checkpoints, tmp_path,
+                                                                          capsys, monkeypatch):
+    """Issue 55. amod wrote <out>.tmp and renamed it over --out, so `--checkpoint m.onnx.tmp --out m.onnx` exited 0
+    and the checkpoint was gone: every temporary file is now a new one (files.temporary_beside). Two commands writing
+    one --out both reported success and the last one's file won: the first now holds the file (a lock beside it, as a
+    run directory's) from its checks to its write, and a second one started meanwhile, even with --force, is refused
+    in one line naming it. A lock file left by a killed process blocks nobody, and none is left behind."""
+    import amod.experiments.calibration as calibration
+    import amod.experiments.export as export
+
+    _skip_without_extras(command)
+    source, out = tmp_path / (name + ".tmp"), tmp_path / name
+    source.write_bytes((checkpoints / "dense.safetensors").read_bytes())
+    weights = source.read_bytes()
+    (tmp_path / f".{name}.amod.lock").write_text("999999\n")  # a stale lock: its process is gone
+    argv = [command, "--checkpoint", str(source), "--out", str(out), *flags]
+    second = []
+    module, work = (export, "export") if command == "export" else (calibration, "calibrate")
+    real = getattr(module, work)
+
+    def second_command_meanwhile(*args, **kwargs):  # the first command's long part, with a second one started
+        if not second:  # (the second command's own call, if it gets that far, runs as it is)
+            second.append(None)
+            second[0] = run_in_process([*argv, "--force"], capsys)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, work, second_command_meanwhile)
+    res = cli_in_process(argv, capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    code, err = second[0]
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{out} is in use by another amod command (pid {os.getpid()})" in err
+    assert source.read_bytes() == weights, "the input was replaced"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, source.name])  # no lock or temporary file
+    _check_written(command, out)
+    from amod.train.rundir import output_file_lock
+
+    with output_file_lock(out):  # released
+        pass
+
+
 # ---------------------------------------------------------------- full disks
 
 def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):

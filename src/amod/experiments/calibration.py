@@ -24,6 +24,7 @@ from ..mod.calibrate import calibrate
 from ..mod.routers import router_class
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
+from ..train.rundir import output_file_lock
 from .presets import check_not_hugging_face
 
 log = logging.getLogger("amod")
@@ -74,8 +75,15 @@ def model_channels(model: torch.nn.Module, info: DataInfo) -> int:
 
 def run_calibrate(cfg: CalibrateConfig) -> Path:
     """Calibrate the dense checkpoint on the first ``images`` training images of the data and save it; returns the
-    file. Prints every candidate's fidelity and the one chosen."""
+    file. Prints every candidate's fidelity and the one chosen. ``out`` is held (``output_file_lock``) from the checks
+    to the save: a second command writing the same file meanwhile is refused."""
     cfg.validate()
+    with output_file_lock(cfg.out):
+        check_output_file(cfg.out, "the .safetensors file", cfg.force)  # (again, held: one just ended may have)
+        return _calibrate_and_save(cfg)
+
+
+def _calibrate_and_save(cfg: CalibrateConfig) -> Path:
     dense = load(cfg.checkpoint).eval()
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
     train, _, info = build_datasets(cfg.data, img_size, cfg.images, 1)

@@ -17,9 +17,10 @@ from torch import nn
 
 from ..arch import pair
 from ..checkpoint import load
-from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, export
+from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, _sigterm_cleans_up, export
 from ..files import check_output_file
 from ..train.data import TensorImages, load_fashion_mnist
+from ..train.rundir import output_file_lock
 
 log = logging.getLogger("amod")
 
@@ -47,7 +48,8 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[in
     """``amod export``: load any amod checkpoint and ``amod.export`` it to ``out``.
 
     ``out`` is checked before the checkpoint is read: it must not be the checkpoint itself, and an
-    existing file is replaced only with ``force``. The check's images are Fashion-MNIST's for a
+    existing file is replaced only with ``force``; it is held (``output_file_lock``) until written, so that a second
+    command writing it meanwhile is refused. The check's images are Fashion-MNIST's for a
     Fashion-MNIST model (``fashion_mnist_images``; the report's ``check.inputs`` says
     ``"fashion-mnist"``), random ones otherwise.
     """
@@ -56,11 +58,13 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[in
                                                          and os.path.samefile(out, checkpoint)):
         raise ValueError(f"--out {out} is the checkpoint being exported; write the ONNX file elsewhere")
     check_output_file(out, "the .onnx file", force)
-    model = load(checkpoint)
-    n = CHECK_IMAGES if batch == "dynamic" else batch
-    images = fashion_mnist_images(model, n, img_size) if isinstance(n, int) and n >= 1 else None
-    result = export(model, out, img_size=img_size, batch=batch, opset=opset, exporter=exporter,
-                    check_images=CHECK_IMAGES if images is None else images)
+    with _sigterm_cleans_up(), output_file_lock(out):  # (SIGTERM too lets the file go, leaving no lock file)
+        check_output_file(out, "the .onnx file", force)  # (again, held: a command just ended may have written it)
+        model = load(checkpoint)
+        n = CHECK_IMAGES if batch == "dynamic" else batch
+        images = fashion_mnist_images(model, n, img_size) if isinstance(n, int) and n >= 1 else None
+        result = export(model, out, img_size=img_size, batch=batch, opset=opset, exporter=exporter,
+                        check_images=CHECK_IMAGES if images is None else images)
     if images is not None:
         result["check"]["inputs"] = "fashion-mnist"
     return result
