@@ -66,3 +66,44 @@ def test_a_reducing_block_dispatches_a_handful_of_operations_more_than_a_dense_o
         extra = [m - d for m, d in zip(ops.per_block, dense.per_block)]
         assert all(0 < e <= EXTRA_OPS[name] for e in extra), (name, extra)
         assert ops.total - dense.total == sum(extra)  # all of it inside the blocks: nothing per forward outside
+
+
+@pytest.mark.parametrize("torch_takes_recompile_limit", [True, False], ids=["recompile_limit", "patched config"])
+def test_a_compiled_model_keeps_every_graph_past_torchs_limit_of_eight(torch_takes_recompile_limit, monkeypatch):
+    """Issue 55: amod.compile's 9th graph (a 9th capacity turned with set_capacity, or batch size) failed with
+    FailOnRecompileLimitHit, torch's limit of 8 graphs per function under fullgraph=True. amod's compiled models keep
+    up to amod.fast.GRAPHS, every one reused when its shape comes back; the global setting and the user's other
+    compiled functions keep torch's limit. (Batch sizes of a Linear recompile as a dial does, in milliseconds; on a
+    torch whose torch.compile takes no recompile_limit, the setting is patched around each call.)"""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    if not torch_takes_recompile_limit:
+        real = torch.compile
+
+        def older_compile(model, *, fullgraph=False, dynamic=None, backend="inductor", mode=None):
+            return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode)
+
+        monkeypatch.setattr(torch, "compile", older_compile)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 2).eval()
+    compiled = amod.compile(model, backend=backend)
+    sizes = range(1, 11)
+    with torch.inference_mode():
+        for _ in range(2):  # 10 graphs, then each one again
+            for b in sizes:
+                x = torch.randn(b, 4)
+                assert torch.allclose(compiled(x), model(x))
+    assert len(graphs) == 10
+    assert torch._dynamo.config.recompile_limit == 8
+    other = torch.compile(lambda x: x + 1, fullgraph=True, dynamic=False, backend=backend)
+    with pytest.raises(FailOnRecompileLimitHit):
+        for b in sizes:
+            other(torch.zeros(b))
+    assert len(graphs) == 10 + 8
+    torch._dynamo.reset()

@@ -11,10 +11,15 @@ time of a few forwards, its kernels are eager PyTorch's, its launches gone.
 Everything a converted model computes has static shapes at a given batch and image size (top-k, gathers and
 scatter-adds of fixed sizes; no boolean masks, no host synchronisation), and the settings its forward reads are
 compile-time constants (``amod.static``): changing the capacity, or the batch size, compiles a new graph (the first
-call after the change pays for it), and the graphs already compiled are kept for when they come back.
+call after the change pays for it), and the graphs already compiled are kept for when they come back: up to ``GRAPHS``
+of them per compiled model. Torch keeps 8 per function (``torch._dynamo.config.recompile_limit``), and with
+``fullgraph=True`` the 9th fails (``FailOnRecompileLimitHit``); amod raises the limit for its own compiled models
+only (``torch.compile(recompile_limit=)``, or the setting patched around each call on a torch without it), the
+user's other compiled functions keep torch's.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Optional
 
@@ -23,6 +28,7 @@ from torch import nn
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's
 MODES = (*COMPILE_MODES, "cuda-graphs")
+GRAPHS = 64  # graphs one compiled model keeps (a capacity, batch size or image size each); torch's own limit is 8
 
 
 class _Autocast(nn.Module):
@@ -58,7 +64,9 @@ def compile(model: nn.Module, example: Optional[torch.Tensor] = None, *, cuda_gr
     Returns:
         The compiled module; call it under ``torch.inference_mode()`` as the model. A graph break raises (the whole
         forward is one graph, or the call fails naming where it is not). With CUDA graphs, an output is overwritten
-        by the next call: clone what you keep.
+        by the next call: clone what you keep. Each capacity, batch size or image size it meets compiles a graph of
+        its own, kept for when it comes back, up to ``GRAPHS`` (64); a call that needs one more raises torch's
+        ``FailOnRecompileLimitHit`` (``torch._dynamo.reset()`` drops every compiled graph).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"amod.compile takes an nn.Module, got {type(model).__name__}")
@@ -79,12 +87,33 @@ def compile(model: nn.Module, example: Optional[torch.Tensor] = None, *, cuda_gr
         captured = CapturedGraph(target, example)
         captured.amod_compile_seconds = time.perf_counter() - start
         return captured
-    compiled = torch.compile(target, fullgraph=True, dynamic=False, mode=mode,
-                             **({} if backend is None else {"backend": backend}))
+    compiled = _compile_keeping_graphs(target, fullgraph=True, dynamic=False, mode=mode,
+                                       **({} if backend is None else {"backend": backend}))
     compiled.amod_compile_seconds = None
     if example is not None:
         compiled.amod_compile_seconds = warm_up(compiled, example)
     return compiled
+
+
+class _KeepingGraphs(nn.Module):
+    """``compiled`` called with torch's per-function graph limit raised to ``GRAPHS`` for the call (the limit is read
+    when a call compiles): a torch whose ``torch.compile`` takes no ``recompile_limit``."""
+
+    def __init__(self, compiled: nn.Module) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(cache_size_limit=GRAPHS):  # (the older name of recompile_limit)
+            return self.compiled(*args, **kwargs)
+
+
+def _compile_keeping_graphs(target: nn.Module, **kwargs: Any) -> nn.Module:
+    """``torch.compile(target, **kwargs)`` that keeps up to ``GRAPHS`` graphs, not torch's 8, without changing the limit
+    of any other compiled function."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(target, recompile_limit=GRAPHS, **kwargs)
+    return _KeepingGraphs(torch.compile(target, **kwargs))
 
 
 def warm_up(compiled: nn.Module, example: torch.Tensor, calls: int = 3) -> float:
