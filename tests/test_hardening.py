@@ -97,7 +97,7 @@ BAD_INVOCATIONS = [
     (["train", *TINY, "--tome-r", "1000", "--out", "{t}/r"], "r = 1000 is more than the 16 patch tokens"),
     (["analyze", "routing", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze routing needs an MoD model"),
     (["analyze", "loo", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/a"], "analyze loo needs an MoD model"),
-    (["study", "--checkpoint", "{c}/mod.safetensors", "--out", "{t}/s"], "is an MoD or token-merging model"),
+    (["study", "--checkpoint", "{c}/mod.safetensors", "--out", "{t}/s"], "is not a dense model (it runs attention@0.5)"),
     (["study", "--quick", "--capacity", "0", "--out", "{t}/s"], "capacity must be in (0, 1]"),
     # a model saved by amod keeps its architecture: other values are refused, not ignored
     (["finetune", "--checkpoint", "{c}/mod.safetensors", "--depth", "4", *SHORT, "--out", "{t}/r"],
@@ -143,6 +143,31 @@ def test_a_bad_invocation_gives_one_line_a_nonzero_exit_and_no_files(argv, messa
     assert len(err.splitlines()) == 1 and message in err, err
     assert err.startswith(f"amod {argv[0]}: error:")
     assert tree(tmp_path) == before_t and tree(checkpoints) == before_c, "a refused command must not create files"
+
+
+# issue 55: a spec whose fields conflict is refused alike by every command that takes one, in the method's own words
+CONFLICTING_SPECS = {"tome:r=8,cost=0.5": "tome: give r (tokens merged per block) or cost (a share of the dense MACs), "
+                                          "not both; got r=8, cost=0.5",
+                     "pitome:keep=0.7,cost=0.5": "pitome: give keep (the share of its patch tokens each block keeps) "
+                                                 "or cost (a share of the dense MACs), not both; got keep=0.7, cost=0.5",
+                     "mod:protect=0.1": "mod: protect=0.1 sets what skipped=fold protects and folds; skipped=bypass "
+                                        "has neither: give skipped=fold or drop it"}
+SPEC_COMMANDS = [["flops", "vit_tiny_patch16_224", "--method"], ["train", *TINY, "--out", "{t}/r", "--method"],
+                 ["finetune", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/r", "--method"],
+                 ["compare", "--out", "{t}/s", "--methods"],
+                 ["frontier", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/s", "--methods"],
+                 ["study", "--checkpoint", "{b}", "--out", "{t}/s", "--methods"]]  # (a backbone: the finetune study)
+
+
+@pytest.mark.parametrize("spec", CONFLICTING_SPECS)
+@pytest.mark.parametrize("argv", SPEC_COMMANDS, ids=lambda a: a[0])
+def test_a_spec_of_conflicting_fields_is_refused_in_one_line_by_every_command(argv, spec, checkpoints, backbone_path,
+                                                                              tmp_path, capsys):
+    argv = [a.format(c=checkpoints, t=tmp_path, b=backbone_path) for a in argv] + [spec]
+    before_t, before_c = tree(tmp_path), tree(checkpoints)
+    code, err = run_in_process(argv, capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and CONFLICTING_SPECS[spec] in err, err
+    assert tree(tmp_path) == before_t and tree(checkpoints) == before_c
 
 
 @pytest.mark.parametrize("command", ["train", "study"])

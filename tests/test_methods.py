@@ -2,10 +2,18 @@
 metadata entry names it; the run configuration and the checkpoint module ask the classes."""
 from __future__ import annotations
 
-import pytest
+import copy
+import dataclasses
+import json
 
+import pytest
+import torch
+from conftest import images, make_model
+
+import amod
 from amod.methods import (METHOD_CLASSES, Calibrated, Dense, IsoFLOP, MoD, PiToMe, TokenMerging, metadata_keys,
-                          method_classes, method_from_metadata, method_from_run_fields, parse_method, setting_text_of)
+                          method_classes, method_from_metadata, method_from_run_fields, method_of, parse_method,
+                          setting_text_of)
 from amod.train.config import RunConfig, resolve_run_config
 
 
@@ -33,7 +41,8 @@ def test_settings_that_select_two_methods_are_refused():
 
 
 def test_each_method_names_its_checkpoint_metadata():
-    assert metadata_keys() == ("amod.mod", "amod.merge", "amod.pitome")  # "amod.merge": the key predates amod.tome
+    # "amod.merge": the key predates amod.tome
+    assert metadata_keys() == ("amod.mod", "amod.merge", "amod.pitome", "amod.isoflop", "amod.calibrated")
     assert [cls.metadata_key for cls in method_classes() if cls.metadata_key] == list(metadata_keys())
     assert method_classes() == (MoD, TokenMerging, PiToMe, IsoFLOP, Calibrated, Dense)  # the lookup order; Dense last
     assert set(MoD(layers=(1, 3)).metadata()) == {"amod.mod"}
@@ -46,15 +55,130 @@ def test_each_method_names_its_checkpoint_metadata():
     assert method_from_metadata({}) == Dense() and Dense().metadata() == {}
 
 
-# One example of every registered method (a new method: one line here; Calibrated runs once set to a cost).
+# One example of every registered method (a new method: one line here; Calibrated runs once set to a cost), each
+# set by its own setting, by a cost, and with each option; ROUND_TRIPPED adds every registered class's defaults.
 EXAMPLES = [Dense(), MoD(), MoD(router="standard", capacity=0.25, layers=(1, 3), scale_output=False, skipped="kv"),
-            MoD(skipped="fold", layers="all", protect=0.1, shape=(1.5, 1.0, 0.5)), IsoFLOP(capacity=0.25),
-            TokenMerging(cost=0.6), TokenMerging(r=(2, 2)), TokenMerging(r=3), PiToMe(cost=0.6), PiToMe(keep=0.8),
-            Calibrated(router="random", protects=(0.0,))]
+            MoD(router="standard"), MoD(router="random", seed=5, layers="later"),
+            MoD(skipped="fold", layers="all", protect=0.1, shape=(1.5, 1.0, 0.5, 0.25)), IsoFLOP(capacity=0.25),
+            IsoFLOP(router="standard", layers=(1, 2, 3)), TokenMerging(cost=0.7), TokenMerging(r=(2, 2, 1, 1)),
+            TokenMerging(r=3), PiToMe(cost=0.6), PiToMe(keep=0.8), Calibrated(router="random", protects=(0.0,),
+                                                                              tilts=(0.0,))]
+ROUND_TRIPPED = EXAMPLES + [cls() for cls in method_classes() if cls() not in EXAMPLES]
 
 
 def test_every_registered_method_has_an_example():
     assert {m.kind for m in EXAMPLES} == set(METHOD_CLASSES)
+
+
+@pytest.mark.parametrize("method", ROUND_TRIPPED, ids=lambda m: m.spec())
+def test_every_method_reads_back_as_itself_from_its_metadata_its_run_fields_and_its_spec(method):
+    meta = method.metadata()  # set by a cost or not yet resolved: its fields as given, never an error
+    assert set(meta) == ({method.metadata_key} if method.metadata_key else set())
+    assert method_from_metadata(meta) == method  # (never Dense for another method)
+    assert method_from_metadata(json.loads(json.dumps(meta))) == method
+    assert RunConfig(**method.run_fields()).method() == method  # no field dropped on the way into a run
+    assert method_from_run_fields(dict(method.run_fields())) == method  # a report row's setting
+    assert parse_method(method.spec()) == method
+
+
+def _model_of(method, dense):
+    """The model ``method`` makes of ``dense``: a method that chooses its setting on images is set to a cost first."""
+    if method.needs_images:
+        method = method.at_cost(dense, 0.7, images(dense, 4))
+    return method.apply(dense)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return make_model("vit")  # (4 blocks, 16 patch tokens)
+
+
+@pytest.mark.parametrize("method", EXAMPLES, ids=lambda m: m.spec())
+def test_a_model_of_every_method_saves_loads_and_its_run_builds_it_again(method, dense, tmp_path):
+    model = _model_of(method, copy.deepcopy(dense))
+    running = method_of(model)
+    assert running.kind == ("mod" if isinstance(method, Calibrated) else method.kind)
+    if not isinstance(method, (TokenMerging, PiToMe, Calibrated)):  # (those resolve a cost to their setting)
+        assert method_from_metadata(running.metadata()) == running
+    loaded = amod.load(amod.save(model, tmp_path / "m.safetensors"))
+    assert method_of(loaded) == running and amod.flops(loaded).macs == amod.flops(model).macs
+    x = images(model, 2)
+    with torch.no_grad():  # (each model's first forward: a router that draws seeds each call by its number)
+        out = model(x)
+        assert torch.equal(loaded(x), out)
+        if not method.needs_images:  # a run of its spec builds the same model (no spec field dropped)
+            again = RunConfig(method_spec=method.spec(), seed=3).validate().method().apply(copy.deepcopy(dense))
+            again.load_state_dict(model.state_dict())  # (a learned router starts random)
+            assert torch.equal(again(x), out)
+
+
+def test_files_written_before_read_as_they_did(tmp_path):
+    """Files of 644c1f3: an MoD model's metadata is its MoDConfig's JSON, a ToMe model's {"schedule": [...]}, a
+    PiToMe model's {"keep": k} (still written so), and an isoFLOP model's none (a dense model of fewer blocks)."""
+    mod = amod.convert(make_model("vit"), router="standard", capacity=0.25, layers=[1, 3], seed=2)
+    merged = TokenMerging(r=(2, 2, 1, 1)).apply(make_model("vit"))
+    pitome = PiToMe(keep=0.8).apply(make_model("vit"))
+    assert method_of(mod).metadata() == {"amod.mod": mod.amod_config.to_json()}
+    assert method_of(merged).metadata() == {"amod.merge": '{"schedule": [2, 2, 1, 1]}'}
+    assert method_of(pitome).metadata() == {"amod.pitome": '{"keep": 0.8}'}
+    iso = IsoFLOP(capacity=0.25).apply(make_model("vit"))
+    del iso.amod_isoflop  # what 644c1f3 saved: no method
+    old = amod.load(amod.save(iso, tmp_path / "iso.safetensors"))
+    assert method_of(old) == Dense() and len(old.blocks) == len(iso.blocks) == 3
+    for old_mod in ({**json.loads(mod.amod_config.to_json()), "protect": 0.1},  # a protect that bypass ignored
+                    {k: v for k, v in json.loads(mod.amod_config.to_json()).items() if k not in ("protect", "shape")}):
+        assert method_from_metadata({"amod.mod": json.dumps(old_mod)}) == method_of(mod)
+
+
+def test_a_run_from_an_isoflop_file_keeps_and_records_its_method(dense, tmp_path):
+    from amod.train.models import build_model
+    from amod.train.run import _from_checkpoint_file
+
+    path = amod.save(IsoFLOP(capacity=0.25).apply(copy.deepcopy(dense)), tmp_path / "iso.safetensors")
+    cfg = _from_checkpoint_file(RunConfig(checkpoint=str(path)).validate())  # no method given: the file's
+    assert (cfg.method(), cfg.depth) == (IsoFLOP(capacity=0.25), 3)
+    model = build_model(cfg, 10, 3, 32)
+    assert method_of(model) == IsoFLOP(capacity=0.25) and len(model.blocks) == 3  # (not cut again)
+
+
+@pytest.mark.parametrize("spec, fields, message", [
+    ("tome:r=8,cost=0.5", dict(r=8, cost=0.5),
+     r"tome: give r \(tokens merged per block\) or cost \(a share of the dense MACs\), not both; got r=8, cost=0.5"),
+    ("tome:r=[1,1],cost=0.9", dict(r=(1, 1), cost=0.9), r"tome: give r .* or cost .*, not both; got r=\[1,1\], cost=0.9"),
+    ("pitome:keep=0.7,cost=0.5", dict(keep=0.7, cost=0.5), "pitome: give keep .* or cost .*, not both; got keep=0.7, "
+                                                           "cost=0.5"),
+    ("mod:protect=0.1", dict(protect=0.1),
+     "mod: protect=0.1 sets what skipped=fold protects and folds; skipped=bypass has neither"),
+    ("mod:skipped=kv,shape=[1,1],protect=0", dict(skipped="kv", shape=(1.0, 1.0), protect=0.0),
+     r"mod: protect=0.0 and shape=\[1.0,1.0\] set what skipped=fold protects and folds; skipped=kv has neither"),
+])
+def test_conflicting_fields_are_refused_in_one_line_when_the_method_is_made(spec, fields, message):
+    kind = spec.partition(":")[0]
+    for make in (lambda: parse_method(spec), lambda: METHOD_CLASSES[kind](**fields),
+                 lambda: RunConfig(method_spec=spec).validate()):  # the spec, the library, a run before any work
+        with pytest.raises(ValueError, match=message) as refused:
+            make()
+        assert len(str(refused.value).splitlines()) == 1
+
+
+def test_a_spec_s_seed_seeds_the_router_and_the_run_s_seed_the_training(tmp_path):
+    cfg = RunConfig(method_spec="mod:router=random,seed=5", seed=3).validate()
+    assert (cfg.method().seed, cfg.router_seed, cfg.seed) == (5, 5, 3)
+    # without one (or with seed 0, the default), the router takes the run's --seed, as --router alone does
+    assert RunConfig(method_spec="mod:router=random", seed=3).validate().method().seed == 3
+    assert RunConfig(router="random", seed=3).validate().method().seed == 3
+    assert RunConfig(router="random", router_seed=7, seed=3).validate().method().seed == 7
+    with pytest.raises(ValueError, match="--router-seed only applies to a run without --method"):
+        resolve_run_config({"method_spec": "mod:seed=5", "router_seed": 5})
+    # a saved router keeps its seed when a run of another --seed gives its method again
+    from amod.train.models import build_model
+
+    path = amod.save(amod.convert(make_model("vit"), router="random", capacity=0.5, seed=2), tmp_path / "m.safetensors")
+    again = RunConfig(checkpoint=str(path), router="random", capacity=0.5, layers=[1, 3], scale_output=False,
+                      seed=1).validate()
+    assert method_of(build_model(again, 10, 3, 32)).seed == 2
+    with pytest.raises(ValueError, match="already runs random@0.5"):  # another router seed is another method
+        build_model(dataclasses.replace(again, router_seed=4), 10, 3, 32)
 
 
 @pytest.mark.parametrize("method", EXAMPLES, ids=lambda m: m.spec())

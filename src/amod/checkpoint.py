@@ -107,7 +107,8 @@ def check_dense_file(path: PathLike) -> None:
     """Refuse a file that is not a readable amod checkpoint of a dense model (the start of a comparison)."""
     meta = read_metadata(path)
     if any(key in meta for key in metadata_keys()):
-        raise ValueError(f"{path} is an MoD or token-merging model; give a dense one")
+        raise ValueError(f"{path} is not a dense model (it runs {method_from_metadata(meta).label()}); give a dense "
+                         "one")
 
 
 def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, Any]]:
@@ -116,7 +117,7 @@ def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, A
         info = json.loads(meta["amod.model"])
         dense = family_for(info).rebuild(info, meta)
         info = {**info, "arch": info.get("arch") or info.get("hf")}  # what the errors below name
-        model = method_from_metadata(meta).apply(dense)
+        model = method_from_metadata(meta).restore(dense)  # (an isoFLOP file's blocks are the fewer already)
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
         raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model "
                          f"({type(e).__name__}: {e})") from None

@@ -183,6 +183,7 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
     g.add_argument("--layers", type=parse_layers, default=S,
                    help="alternate | later | all | 1,3,5 (default: all for --skipped fold, alternate otherwise)")
     g.add_argument("--scale-output", type=parse_bool, default=S, help="true | false (default: per router)")
+    g.add_argument("--router-seed", type=int, default=S, help="seed of a router that draws (default: --seed)")
     g.add_argument("--isoflop", action="store_true", default=S,
                    help="train the dense isoFLOP baseline of --router/--capacity/--layers instead")
     g.add_argument("--skipped", choices=skipped_mode_names(), default=S,

@@ -57,9 +57,21 @@ class Method:
     # whether ``at_cost`` chooses the setting on unlabeled images (callers pass them as ``images``)
     needs_images: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse fields that conflict (a ValueError, one line naming both): run when the method is made, so a spec
+        (``parse_method``), ``--method``, ``--methods`` and the library refuse them alike."""
+
     def apply(self, model: nn.Module) -> nn.Module:
         """Turn the dense timm ViT ``model`` into this method (in place where possible); returns the model."""
         raise NotImplementedError
+
+    def restore(self, model: nn.Module) -> nn.Module:
+        """This method on the dense model that a checkpoint's description rebuilds (``amod.load``): ``apply``, unless
+        the description already holds what the method changed (``IsoFLOP``'s fewer blocks)."""
+        return self.apply(model)
 
     def cost_of(self, dense: nn.Module, img_size=None) -> float:
         """This method's cost as a share of the dense model's MACs (priced on a weightless copy)."""
@@ -86,7 +98,9 @@ class Method:
 
     def metadata(self) -> dict[str, str]:
         """Entries of a checkpoint's metadata that rebuild this method (by default its fields as JSON under
-        ``metadata_key``; none without one, as for a dense model)."""
+        ``metadata_key``; none without one, as for a dense model); ``from_metadata`` reads them back as this method.
+        A file holds a model's (``method_of(model).metadata()``: the setting it runs); a method not yet set (a cost,
+        a default to resolve) writes its fields as given."""
         if self.metadata_key is None:
             return {}
         return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
@@ -104,7 +118,12 @@ class Method:
         ``metadata_key``)."""
         if cls.metadata_key is None or cls.metadata_key not in meta:
             return None
-        return cls(**{k: _as_tuple(v) for k, v in json.loads(meta[cls.metadata_key]).items()})
+        data = json.loads(meta[cls.metadata_key])
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{cls.metadata_key}: unknown fields {unknown}; {cls.kind} has {', '.join(names)}")
+        return cls(**{k: _as_tuple(v) for k, v in data.items()})
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["Method"]:
@@ -173,11 +192,20 @@ class MoD(Method):
     router: str = "attention"
     capacity: float = 0.5
     layers: Layers = None  # None: the skipped mode's default_layers ("all" for fold, "alternate" otherwise)
-    scale_output: Optional[bool] = None
-    seed: int = 0
+    scale_output: Optional[bool] = None  # None: the router's default_scale_output
+    seed: int = 0  # the router's seed (in a run: 0 leaves it to the run's --seed)
     skipped: str = "bypass"
-    protect: float = DEFAULT_PROTECT
-    shape: Optional[tuple[float, ...]] = None  # fold: one capacity exponent per block (``amod.calibrate``)
+    protect: float = DEFAULT_PROTECT  # fold only
+    shape: Optional[tuple[float, ...]] = None  # fold only: one capacity exponent per block (``amod.calibrate``)
+
+    def check(self) -> None:
+        if self.skipped != "fold":  # fold's settings would be dropped without a word by another mode
+            given = [f"{name}={_spec_value(getattr(self, name))}" for name, default in
+                     (("protect", DEFAULT_PROTECT), ("shape", None)) if getattr(self, name) != default]
+            if given:
+                raise ValueError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
+                                 f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
+                                 "skipped=fold or drop it")
 
     def __repr__(self) -> str:
         # shape is named only when set: a plain MoD keeps the repr that finished measurements are keyed by
@@ -211,6 +239,8 @@ class MoD(Method):
         fields = {"router": self.router, "capacity": self.capacity, "layers": layers, "skipped": self.skipped}
         if self.scale_output is not None:
             fields["scale_output"] = self.scale_output
+        if self.seed:  # (0: the run's --seed seeds the router, as --router alone does)
+            fields["router_seed"] = self.seed
         if self.skipped == "fold":
             fields["protect"] = self.protect
         if self.shape is not None:
@@ -218,27 +248,31 @@ class MoD(Method):
         return fields
 
     def metadata(self) -> dict[str, str]:
-        return {self.metadata_key: self.config().to_json()}
-
-    def config(self) -> MoDConfig:
-        """The ``MoDConfig`` of this method (layers must be resolved: take it from ``of_model``)."""
-        return MoDConfig(router=self.router, capacity=self.capacity, layers=list(self.layers or []),
-                         scale_output=bool(self.scale_output), seed=self.seed, skipped=self.skipped,
-                         protect=self.protect, shape=_as_list(self.shape))
+        # the MoDConfig's JSON for a model's (resolved) method; None, a preset name where they are given
+        return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
+                                               for f in dataclasses.fields(self)}, sort_keys=True)}
 
     @classmethod
     def from_run_fields(cls, fields: Any) -> Optional["MoD"]:
         if fields.router is None or fields.isoflop:
             return None
         layers = _as_tuple(fields.layers)
+        # the router's own seed, else the run's (a report row holds neither where it is 0)
+        seed = fields.router_seed if getattr(fields, "router_seed", None) is not None else fields.seed or 0
+        # protect is fold's: another mode's run ignored it (configs of before may hold one)
+        protect = fields.protect if fields.skipped == "fold" else DEFAULT_PROTECT
         return cls(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
-                   seed=fields.seed, skipped=fields.skipped, protect=fields.protect, shape=_as_tuple(fields.shape))
+                   seed=seed, skipped=fields.skipped, protect=protect, shape=_as_tuple(fields.shape))
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
         if cls.metadata_key not in meta:
             return None
-        return cls._of_config(MoDConfig.from_dict(json.loads(meta[cls.metadata_key])))
+        data = json.loads(meta[cls.metadata_key])
+        config = MoDConfig.from_dict(data)  # (refuses keys it does not know)
+        if isinstance(config.layers, list) and isinstance(config.scale_output, bool):
+            return cls._of_config(config)  # a model's: what every file holds
+        return cls(**{k: _as_tuple(v) for k, v in data.items()})  # a method's, as given (resolved when applied)
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["MoD"]:
@@ -247,12 +281,28 @@ class MoD(Method):
 
     @classmethod
     def _of_config(cls, config: MoDConfig) -> "MoD":
-        return cls(**{**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": _as_tuple(config.shape)})
+        fields = {**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": _as_tuple(config.shape)}
+        if fields["skipped"] != "fold":  # (amod.convert takes a protect for any mode; only fold reads it)
+            fields["protect"] = DEFAULT_PROTECT
+        return cls(**fields)
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "MoD":
         # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for
         model = dataclasses.replace(self, capacity=1.0).apply(skeleton(dense))
         return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
+
+
+def _one_of(kind: str, method: Method, names: tuple[str, str], meanings: tuple[str, str]) -> None:
+    """Refuse ``method`` where both of the fields ``names`` (one setting, two ways) are given."""
+    if all(getattr(method, n) is not None for n in names):
+        given = ", ".join(f"{n}={_spec_value(getattr(method, n))}" for n in names)
+        raise ValueError(f"{kind}: give {names[0]} ({meanings[0]}) or {names[1]} ({meanings[1]}), not both; got "
+                         f"{given}")
+
+
+def _merging_metadata(fields: dict[str, Any]) -> str:
+    """A token-merging method's metadata entry: the fields that are set."""
+    return json.dumps({k: _as_list(v) for k, v in fields.items() if v is not None})
 
 
 @register_method
@@ -264,6 +314,9 @@ class TokenMerging(Method):
     metadata_key: ClassVar[Optional[str]] = "amod.merge"  # the key predates amod.tome; files keep it
     r: Optional[Union[int, tuple[int, ...]]] = None
     cost: Optional[float] = None
+
+    def check(self) -> None:
+        _one_of(self.kind, self, ("r", "cost"), ("tokens merged per block", "a share of the dense MACs"))
 
     def apply(self, model: nn.Module) -> nn.Module:
         r = _as_list(self.r)
@@ -280,10 +333,13 @@ class TokenMerging(Method):
     def run_fields(self) -> dict[str, Any]:
         if self.cost is not None:
             return {"tome_cost": self.cost}
-        return {"tome_r": _as_list(self.r)}
+        if self.r is not None:
+            return {"tome_r": _as_list(self.r)}
+        return super().run_fields()  # not set yet: its spec
 
     def metadata(self) -> dict[str, str]:
-        return {self.metadata_key: json.dumps({"schedule": list(self.r)})}
+        # a model's schedule under "schedule", the name files have always had; a cost where one is given
+        return {self.metadata_key: _merging_metadata({"schedule": self.r, "cost": self.cost})}
 
     @classmethod
     def from_run_fields(cls, fields: Any) -> Optional["TokenMerging"]:
@@ -296,7 +352,8 @@ class TokenMerging(Method):
     def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
         if cls.metadata_key not in meta:
             return None
-        return cls(r=tuple(json.loads(meta[cls.metadata_key])["schedule"]))
+        data = json.loads(meta[cls.metadata_key])
+        return cls(r=_as_tuple(data.get("schedule")), cost=data.get("cost"))
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["TokenMerging"]:
@@ -317,6 +374,10 @@ class PiToMe(Method):
     keep: Optional[float] = None
     cost: Optional[float] = None
 
+    def check(self) -> None:
+        _one_of(self.kind, self, ("keep", "cost"), ("the share of its patch tokens each block keeps",
+                                                    "a share of the dense MACs"))
+
     def apply(self, model: nn.Module) -> nn.Module:
         return pitome.apply(model, keep=self.keep, cost=self.cost)
 
@@ -327,10 +388,14 @@ class PiToMe(Method):
         return f"keep {self.keep:g} a block" if self.keep is not None else f"cost {self.cost:g}"
 
     def run_fields(self) -> dict[str, Any]:
-        return {"pitome_keep": self.keep} if self.cost is None else {"pitome_cost": self.cost}
+        if self.cost is not None:
+            return {"pitome_cost": self.cost}
+        if self.keep is not None:
+            return {"pitome_keep": self.keep}
+        return super().run_fields()  # not set yet: its spec
 
     def metadata(self) -> dict[str, str]:
-        return {self.metadata_key: json.dumps({"keep": self.keep})}
+        return {self.metadata_key: _merging_metadata({"keep": self.keep, "cost": self.cost})}
 
     @classmethod
     def from_run_fields(cls, fields: Any) -> Optional["PiToMe"]:
@@ -342,7 +407,9 @@ class PiToMe(Method):
     def from_metadata(cls, meta: dict[str, str]) -> Optional["PiToMe"]:
         if cls.metadata_key not in meta:
             return None
-        return cls(keep=float(json.loads(meta[cls.metadata_key])["keep"]))
+        data = json.loads(meta[cls.metadata_key])
+        keep, cost = data.get("keep"), data.get("cost")
+        return cls(keep=None if keep is None else float(keep), cost=None if cost is None else float(cost))
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["PiToMe"]:
@@ -357,9 +424,11 @@ class PiToMe(Method):
 @register_method
 @dataclass(frozen=True)
 class IsoFLOP(Method):
-    """The dense baseline of an MoD setup: fewer blocks, the MoD model's cost (``amod.isoflop_baseline``)."""
+    """The dense baseline of an MoD setup: fewer blocks, the MoD model's cost (``amod.isoflop_baseline``). A file of
+    one is a dense model of the fewer blocks (its description) with this method's metadata, which marks it."""
 
     kind: ClassVar[str] = "isoflop"
+    metadata_key: ClassVar[Optional[str]] = "amod.isoflop"
     router: str = "attention"
     capacity: float = 0.5
     layers: Layers = "alternate"
@@ -367,6 +436,18 @@ class IsoFLOP(Method):
     def apply(self, model: nn.Module) -> nn.Module:
         layers = _as_list(self.layers)
         return isoflop_baseline(model, self.capacity, layers=layers or "alternate", router=self.router)
+
+    def restore(self, model: nn.Module) -> nn.Module:
+        # the file's description is of the fewer blocks already: marked, not cut again
+        model.amod_isoflop = {"router": self.router, "capacity": self.capacity, "layers": _as_list(self.layers)}
+        return model
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["IsoFLOP"]:
+        setup = getattr(model, "amod_isoflop", None)
+        if setup is None or "router" not in setup:
+            return None
+        return cls(router=setup["router"], capacity=setup["capacity"], layers=_as_tuple(setup["layers"]))
 
     def label(self) -> str:
         return f"isoflop@{self.capacity:g}"
@@ -391,9 +472,12 @@ class IsoFLOP(Method):
 class Calibrated(Method):
     """A-MoD fold on the per-block schedule (and protection) that ``amod.calibrate`` chooses at a cost on unlabeled
     images: ``at_cost(dense, cost, images)`` is the calibrated ``MoD`` (with its ``shape``). It runs only once set to
-    a cost; its ``router`` decides what is protected (``"random"``: the control)."""
+    a cost; its ``router`` decides what is protected (``"random"``: the control). A model it makes runs that ``MoD``
+    (``method_of``), which its file names; this method's own metadata (its fields) reads back as itself, and a file
+    of it is refused as ``apply`` is."""
 
     kind: ClassVar[str] = "calibrated"
+    metadata_key: ClassVar[Optional[str]] = "amod.calibrated"
     needs_images: ClassVar[bool] = True
     router: str = "attention"
     protects: tuple[float, ...] = DEFAULT_PROTECTS
@@ -425,7 +509,7 @@ def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:
 
 
 def method_of(model: nn.Module) -> Method:
-    """The method ``model`` runs (``Dense`` for a dense or isoFLOP model)."""
+    """The method ``model`` runs (``Dense`` for a dense model)."""
     for cls in method_classes():
         method = cls.of_model(model)
         if method is not None:

@@ -149,7 +149,7 @@ def _rebuild_conversion(model: nn.Module, path: Path, meta: dict[str, str],
     family.restore(model, json.loads(meta.get("amod.model", "{}")), meta)
     dense_keys = set(model.state_dict())
     try:
-        model = method_from_metadata(meta).apply(family.prepare(model))
+        model = method_from_metadata(meta).restore(family.prepare(model))
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{path / SIDECAR}: its conversion cannot be applied to the model in {path} "
                          f"({type(e).__name__}: {e})") from None

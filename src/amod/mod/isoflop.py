@@ -67,5 +67,7 @@ def isoflop_baseline(
         warnings.warn(
             f"isoFLOP baseline: {new_depth} dense blocks cost {got / target:.3f}x the MoD model; "
             "integer depth cannot match closer at this size", stacklevel=2)
-    dense.amod_isoflop = {"kept_blocks": keep, "mod_macs": target, "macs": got}
+    # the MoD setup it matches (``amod.methods.IsoFLOP.of_model`` reads it; a loaded file has only these) and the match
+    dense.amod_isoflop = {"router": router, "capacity": capacity, "layers": layers if isinstance(layers, str) else
+                          list(layers), "kept_blocks": keep, "mod_macs": target, "macs": got}
     return dense

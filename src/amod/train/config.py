@@ -26,7 +26,7 @@ from .distill import Distillation
 from .models import checkpoint_architecture
 
 # Fields that only mean something for an MoD model (a router given).
-MOD_ONLY = ("capacity", "layers", "scale_output", "skipped", "protect", "shape")
+MOD_ONLY = ("capacity", "layers", "scale_output", "router_seed", "skipped", "protect", "shape")
 # Fields that select a method by themselves (``method_spec`` replaces them all, with MOD_ONLY).
 METHOD_FIELDS = ("router", "isoflop", "tome_cost", "tome_r", "pitome_cost", "pitome_keep")
 # Fields that only mean something for a distilled run (--distill or --teacher given).
@@ -53,6 +53,7 @@ class RunConfig:
     capacity: float = 0.5
     layers: Optional[Union[str, list[int]]] = None  # None: the skipped mode's default_layers ("all" for fold)
     scale_output: Optional[bool] = None
+    router_seed: Optional[int] = None  # seed of a router that draws (random, ...); None: --seed (mod:seed=S gives S)
     isoflop: bool = False  # train the isoFLOP dense baseline of (router, capacity, layers) instead
     skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
     protect: float = DEFAULT_PROTECT  # fold: share of a fold block's patch tokens the router protects

@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import files
 from ..families import claimed
-from ..methods import Dense, method_from_metadata, method_from_run_fields, method_of
+from ..methods import Dense, MoD, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
 from ..checkpoint import load as load_amod, read_metadata, skeleton as skeleton_of_file
 
@@ -255,6 +255,8 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
                          "change --img-size or --patch-size")
     method = method_from_run_fields(cfg)
     running = method_of(model)
+    if isinstance(method, MoD) and isinstance(running, MoD) and getattr(cfg, "router_seed", None) is None:
+        method = dataclasses.replace(method, seed=running.seed)  # --seed alone does not reseed a saved router
     if isinstance(method, Dense) or (type(method) is type(running) and method.run_fields() == running.run_fields()):
         return model  # a checkpoint keeps the method it was saved with (``checkpoint_settings`` records it)
     if not isinstance(running, Dense):
