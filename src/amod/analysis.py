@@ -138,6 +138,12 @@ def attention_stats(model: nn.Module, images: torch.Tensor) -> dict[int, dict[st
     finally:
         for h in hooks:
             h.remove()
+    missing = [i for i in range(len(model.blocks)) if i not in captured]
+    if missing:  # e.g. an MoD kv block: its selected tokens attend to all of them, outside its attention module
+        config = getattr(model, "amod_config", None)
+        kind = f"an MoD block with skipped {config.skipped}" if config is not None else "its own code"
+        raise ValueError(f"attention statistics read the tokens each block's attention module takes; block "
+                         f"{missing[0]} computes its attention another way ({kind}), so there are none to read")
     for i, blk in enumerate(model.blocks):
         attn_mod, h = blk.attn, captured[i]
         B, N, _ = h.shape

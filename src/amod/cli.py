@@ -392,35 +392,45 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     from .experiments.finetune_study_plan import FinetuneConfig
     from .experiments.router_study import StudyConfig
 
-    p.add_argument("--out", default=_default(StudyConfig, "out"))
+    S = argparse.SUPPRESS  # a flag of one study is left out unless given: _study refuses it for the other
+    p.add_argument("--out", default=None, help=f"default {_default(StudyConfig, 'out')} (with a backbone: "
+                                               f"{_default(FinetuneConfig, 'out')})")
     p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: the demo's, trained if missing)")
     p.add_argument("--data", default=_default(StudyConfig, "data"))
-    p.add_argument("--capacity", type=float, nargs="+", default=_default(StudyConfig, "capacities"))
     p.add_argument("--seeds", type=positive_int, default=_default(StudyConfig, "seeds"))
-    p.add_argument("--epochs", type=positive_int, default=_default(StudyConfig, "epochs"))
-    p.add_argument("--train-limit", type=positive_int, default=_default(StudyConfig, "train_limit"))
-    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
+    r = p.add_argument_group("a model with a classifier (--checkpoint, or the demo's): the routers study")
+    r.add_argument("--capacity", type=float, nargs="+", default=S,
+                   help=f"default {' '.join(map(str, _default(StudyConfig, 'capacities')))}")
+    r.add_argument("--epochs", type=positive_int, default=S, help=f"default {_default(StudyConfig, 'epochs')}")
+    r.add_argument("--train-limit", type=positive_int, default=S,
+                   help=f"default {_default(StudyConfig, 'train_limit')}")
+    r.add_argument("--quick", action="store_true", default=S, help="a tiny version (for tests)")
     g = p.add_argument_group("a backbone without classifier (--checkpoint, e.g. DINOv2): the matched-cost finetune study")
-    g.add_argument("--cost", type=float, nargs="+", default=_default(FinetuneConfig, "costs"),
-                   help="cost points, shares of dense MACs")
-    g.add_argument("--img-size", type=positive_int, default=_default(FinetuneConfig, "img_size"))
-    g.add_argument("--steps", type=positive_int, default=_default(FinetuneConfig, "steps"),
-                   help="finetuning steps of every run")
-    g.add_argument("--batch-size", type=positive_int, default=_default(FinetuneConfig, "batch_size"))
-    g.add_argument("--lr", type=float, default=_default(FinetuneConfig, "lr"))
-    g.add_argument("--eval-images", type=positive_int, default=_default(FinetuneConfig, "eval_images"),
-                   help="the fixed test subset every evaluation uses")
-    g.add_argument("--probe-train", type=positive_int, default=_default(FinetuneConfig, "probe_train"),
-                   help="training images the linear probe (the starting head) is fitted on")
-    g.add_argument("--amp", choices=("bf16", "off"), default=_default(FinetuneConfig, "amp"))
-    g.add_argument("--no-fp32-check", action="store_true", help="skip the one fp32 dense run that checks bf16")
-    g.add_argument("--report-only", action="store_true",
+    costs = " ".join(map(str, _default(FinetuneConfig, "costs")))
+    g.add_argument("--cost", type=float, nargs="+", default=S,
+                   help=f"cost points, shares of dense MACs (default {costs})")
+    g.add_argument("--img-size", type=positive_int, default=S, help=f"default {_default(FinetuneConfig, 'img_size')}")
+    g.add_argument("--steps", type=positive_int, default=S,
+                   help=f"finetuning steps of every run (default {_default(FinetuneConfig, 'steps')})")
+    g.add_argument("--batch-size", type=positive_int, default=S,
+                   help=f"default {_default(FinetuneConfig, 'batch_size')}")
+    g.add_argument("--lr", type=float, default=S, help=f"default {_default(FinetuneConfig, 'lr')}")
+    g.add_argument("--eval-images", type=positive_int, default=S,
+                   help=f"the fixed test subset every evaluation uses (default "
+                        f"{_default(FinetuneConfig, 'eval_images')})")
+    g.add_argument("--probe-train", type=positive_int, default=S,
+                   help=f"training images the linear probe (the starting head) is fitted on (default "
+                        f"{_default(FinetuneConfig, 'probe_train')})")
+    g.add_argument("--amp", choices=("bf16", "off"), default=S, help=f"default {_default(FinetuneConfig, 'amp')}")
+    g.add_argument("--no-fp32-check", action="store_true", default=S,
+                   help="skip the one fp32 dense run that checks bf16")
+    g.add_argument("--report-only", action="store_true", default=S,
                    help="write the report from the evaluations in OUT/evals.jsonl; train nothing")
-    g.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+    g.add_argument("--methods", nargs="+", default=S, metavar="NAME",
                    help="only these methods (names as in the report), or any registered method by its kind or spec "
                         "(tome:cost=0.5); dense and 'A-MoD (paper)' are always run")
     _distill_flags(g, "the distilled methods' teacher: a dense model file with the probe's classes (default: the "
-                      "study's dense run of seed 0, done again with its final weights kept)")
+                      "study's dense run of seed 0, done again with its final weights kept)", suppress=True)
 
 
 def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool = False) -> None:
@@ -445,6 +455,30 @@ def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool
 
 
 FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod study` runs (study_for)
+# the flags (by dest) that only one study uses: given to the other, they are refused (``_refuse_other_mode``)
+STUDY_FLAGS = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
+               FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
+                                "no_fp32_check", "report_only", "methods", "teacher", "distill_logits",
+                                "distill_temperature", "distill_features")}
+
+
+def _refuse_other_mode(args: argparse.Namespace, mode: str, flags: dict[str, tuple[str, ...]], names: dict[str, str],
+                       why: str = "") -> None:
+    """Refuse, in one line naming them and the mode, the flags that only another mode of a command uses, which the
+    run would drop without a word. ``flags``: each mode's own flags by dest (SUPPRESS defaults: in ``args`` only when
+    given); ``names``: each mode in words; ``why``: which mode runs, and why, in words."""
+    for other, dests in flags.items():
+        given = [f"--{d.replace('_', '-')}" for d in dests if other != mode and hasattr(args, d)]
+        if given:
+            raise ValueError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to {names[other]}, "
+                             f"not to {names[mode]}{'; ' + why if why else ''}")
+
+
+def _given(args: argparse.Namespace, name: str, config: type, field: Optional[str] = None) -> Any:
+    """Flag ``name``'s value where it was given (a flag whose default is SUPPRESS or None), else the default of
+    ``config``'s ``field`` (default ``name``): a given 0 or empty value is kept, not replaced by the default."""
+    value = getattr(args, name, None)
+    return _default(config, field or name) if value is None else value
 
 
 def study_for(checkpoint: Optional[str]) -> str:
@@ -462,25 +496,37 @@ def _study(args: argparse.Namespace) -> int:
     from .experiments.finetune_study_plan import FinetuneConfig
     from .experiments.router_study import StudyConfig
 
-    if study_for(args.checkpoint) == FINETUNE_STUDY:
+    mode = study_for(args.checkpoint)
+    names = {ROUTER_STUDY: "the routers study", FINETUNE_STUDY: "the finetune study"}
+    why = (f"{args.checkpoint} is a backbone without classifier" if mode == FINETUNE_STUDY else
+           f"{args.checkpoint or 'the demo model (no --checkpoint)'} has a classifier") + f": {names[mode]} runs"
+    _refuse_other_mode(args, mode, STUDY_FLAGS, names, why)
+    if mode == FINETUNE_STUDY:
         from .experiments.finetune_study import run_finetune_study
         from .train.distill import Distillation
 
-        out = args.out if args.out != _default(StudyConfig, "out") else _default(FinetuneConfig, "out")
-        ft = FinetuneConfig(checkpoint=args.checkpoint, out=out, data=args.data, img_size=args.img_size,
-                            costs=tuple(args.cost), seeds=args.seeds, steps=args.steps, batch_size=args.batch_size,
-                            lr=args.lr, eval_images=args.eval_images, probe_train=args.probe_train, amp=args.amp,
-                            fp32_check=not args.no_fp32_check, report_only=args.report_only,
-                            teacher=args.teacher, distillation=Distillation(args.distill_logits,
-                                                                            args.distill_temperature,
-                                                                            args.distill_features)).only(args.methods)
+        ft = FinetuneConfig(checkpoint=args.checkpoint, out=_given(args, "out", FinetuneConfig), data=args.data,
+                            img_size=_given(args, "img_size", FinetuneConfig),
+                            costs=tuple(_given(args, "cost", FinetuneConfig, "costs")), seeds=args.seeds,
+                            steps=_given(args, "steps", FinetuneConfig),
+                            batch_size=_given(args, "batch_size", FinetuneConfig),
+                            lr=_given(args, "lr", FinetuneConfig),
+                            eval_images=_given(args, "eval_images", FinetuneConfig),
+                            probe_train=_given(args, "probe_train", FinetuneConfig),
+                            amp=_given(args, "amp", FinetuneConfig),
+                            fp32_check=not getattr(args, "no_fp32_check", False),
+                            report_only=getattr(args, "report_only", False), teacher=getattr(args, "teacher", None),
+                            distillation=Distillation(*(_given(args, f"distill_{k}", Distillation, k)
+                                                        for k in ("logits", "temperature", "features")))
+                            ).only(getattr(args, "methods", None))
         print(run_finetune_study(ft))
         return 0
     from .experiments.router_study import run_study
 
-    cfg = StudyConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, capacities=tuple(args.capacity),
-                      seeds=args.seeds, epochs=args.epochs, train_limit=args.train_limit)
-    print(run_study(cfg.as_quick() if args.quick else cfg))
+    cfg = StudyConfig(out=_given(args, "out", StudyConfig), checkpoint=args.checkpoint, data=args.data,
+                      capacities=tuple(_given(args, "capacity", StudyConfig, "capacities")), seeds=args.seeds,
+                      epochs=_given(args, "epochs", StudyConfig), train_limit=_given(args, "train_limit", StudyConfig))
+    print(run_study(cfg.as_quick() if getattr(args, "quick", False) else cfg))
     return 0
 
 
@@ -605,11 +651,11 @@ def _demo(args: argparse.Namespace) -> int:
     if args.toy:
         from .experiments.toy_demo import run_toy_demo
 
-        run_toy_demo(args.out or "runs/toy_demo", quick=args.quick)
+        run_toy_demo("runs/toy_demo" if args.out is None else args.out, quick=args.quick)
     else:
         from .experiments.demo import DemoConfig, run_demo
 
-        run_demo(DemoConfig(out=args.out or _default(DemoConfig, "out"), checkpoint=args.checkpoint, quick=args.quick))
+        run_demo(DemoConfig(out=_given(args, "out", DemoConfig), checkpoint=args.checkpoint, quick=args.quick))
     return 0
 
 
@@ -651,46 +697,60 @@ def _detect_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=_default(DetectConfig, "batch_size"))
     p.add_argument("--train-canvases", type=positive_int, default=_default(DetectConfig, "train_canvases"))
     p.add_argument("--val-canvases", type=positive_int, default=_default(DetectConfig, "val_canvases"))
+    S = argparse.SUPPRESS  # a flag of one action is left out unless given: _detect refuses it for the other
     t = p.add_argument_group("train")
-    t.add_argument("--init", default=None, help="an amod.save file of a DETR to finetune (default: a new small DETR)")
-    t.add_argument("--router", default=None, help="convert --init: attention, standard, random or feature-norm")
-    t.add_argument("--encoder-cost", type=float, default=_default(DetectConfig, "encoder_cost"),
-                   help="share of the dense encoder's MACs the converted encoder costs")
-    t.add_argument("--layers", type=int, nargs="+", default=None, help="MoD encoder layers (default: alternate)")
-    t.add_argument("--eval-every", type=positive_int, default=_default(DetectConfig, "eval_every"))
-    t.add_argument("--seed", type=int, default=_default(DetectConfig, "seed"))
-    t.add_argument("--amp", choices=("off", "bf16"), default=_default(DetectConfig, "amp"))
+    t.add_argument("--init", default=S, help="an amod.save file of a DETR to finetune (default: a new small DETR)")
+    t.add_argument("--router", default=S, help="convert --init: attention, standard, random or feature-norm")
+    t.add_argument("--encoder-cost", type=float, default=S,
+                   help=f"share of the dense encoder's MACs the converted encoder costs (default "
+                        f"{_default(DetectConfig, 'encoder_cost')})")
+    t.add_argument("--layers", type=int, nargs="+", default=S, help="MoD encoder layers (default: alternate)")
+    t.add_argument("--eval-every", type=positive_int, default=S, help=f"default {_default(DetectConfig, 'eval_every')}")
+    t.add_argument("--seed", type=int, default=S, help=f"default {_default(DetectConfig, 'seed')}")
+    t.add_argument("--amp", choices=("off", "bf16"), default=S, help=f"default {_default(DetectConfig, 'amp')}")
     st = p.add_argument_group("study")
-    st.add_argument("--dense", default=None, help="the dense detector (a train run's model.safetensors)")
-    st.add_argument("--cost", type=float, nargs="+", default=_default(DetectStudyConfig, "costs"),
-                    help="encoder costs, shares of the dense encoder's MACs")
-    st.add_argument("--routers", nargs="+", default=_default(DetectStudyConfig, "routers"))
-    st.add_argument("--seeds", type=positive_int, default=_default(DetectStudyConfig, "seeds"))
-    st.add_argument("--report-only", action="store_true", help="write the report from the finished runs; train nothing")
+    st.add_argument("--dense", default=S, help="the dense detector (a train run's model.safetensors)")
+    st.add_argument("--cost", type=float, nargs="+", default=S,
+                    help=f"encoder costs, shares of the dense encoder's MACs (default "
+                         f"{' '.join(map(str, _default(DetectStudyConfig, 'costs')))})")
+    st.add_argument("--routers", nargs="+", default=S,
+                    help=f"default {' '.join(_default(DetectStudyConfig, 'routers'))}")
+    st.add_argument("--seeds", type=positive_int, default=S, help=f"default {_default(DetectStudyConfig, 'seeds')}")
+    st.add_argument("--report-only", action="store_true", default=S,
+                    help="write the report from the finished runs; train nothing")
+
+
+# the flags (by dest) that only one action of `amod detect` uses: given to the other, they are refused
+DETECT_FLAGS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
+                "study": ("dense", "cost", "routers", "seeds", "report_only")}
 
 
 def _detect(args: argparse.Namespace) -> int:
     from .detect.config import DetectConfig, DetectStudyConfig
 
+    _refuse_other_mode(args, args.action, DETECT_FLAGS, {a: f"amod detect {a}" for a in DETECT_FLAGS})
     if args.action == "study":
         from .detect.study import run_detect_study  # (imports transformers: the optional extra)
-        if args.dense is None:
+        if not hasattr(args, "dense"):
             raise ValueError("amod detect study needs --dense (a dense detector's model.safetensors)")
-        cfg = DetectStudyConfig(dense=args.dense, out=args.out or _default(DetectStudyConfig, "out"),
-                                costs=tuple(args.cost), routers=tuple(args.routers), seeds=args.seeds,
-                                steps=args.steps or _default(DetectStudyConfig, "steps"),
-                                lr=args.lr or _default(DetectStudyConfig, "lr"), batch_size=args.batch_size,
-                                train_canvases=args.train_canvases, val_canvases=args.val_canvases,
-                                report_only=args.report_only)
+        cfg = DetectStudyConfig(dense=args.dense, out=_given(args, "out", DetectStudyConfig),
+                                costs=tuple(_given(args, "cost", DetectStudyConfig, "costs")),
+                                routers=tuple(_given(args, "routers", DetectStudyConfig)),
+                                seeds=_given(args, "seeds", DetectStudyConfig),
+                                steps=_given(args, "steps", DetectStudyConfig),
+                                lr=_given(args, "lr", DetectStudyConfig),
+                                batch_size=args.batch_size, train_canvases=args.train_canvases,
+                                val_canvases=args.val_canvases, report_only=getattr(args, "report_only", False))
         print(run_detect_study(cfg))
         return 0
     from .detect.train import train_detector  # (imports transformers: the optional extra)
-    out = args.out or _default(DetectConfig, "out")
-    cfg = DetectConfig(out=out, init=args.init, router=args.router, encoder_cost=args.encoder_cost,
-                       layers=args.layers, steps=args.steps or _default(DetectConfig, "steps"),
-                       batch_size=args.batch_size, lr=args.lr or _default(DetectConfig, "lr"),
-                       eval_every=args.eval_every, train_canvases=args.train_canvases,
-                       val_canvases=args.val_canvases, seed=args.seed, amp=args.amp)
+    out = _given(args, "out", DetectConfig)
+    cfg = DetectConfig(out=out, init=getattr(args, "init", None), router=getattr(args, "router", None),
+                       encoder_cost=_given(args, "encoder_cost", DetectConfig), layers=getattr(args, "layers", None),
+                       steps=_given(args, "steps", DetectConfig), batch_size=args.batch_size,
+                       lr=_given(args, "lr", DetectConfig), eval_every=_given(args, "eval_every", DetectConfig),
+                       train_canvases=args.train_canvases, val_canvases=args.val_canvases,
+                       seed=_given(args, "seed", DetectConfig), amp=_given(args, "amp", DetectConfig))
     row = train_detector(cfg)
     print(f"{out}: step {row['step']}, COCO AP {row['AP']:.4f}, AP50 {row['AP50']:.4f}")
     return 0

@@ -15,7 +15,8 @@ become ``null``.
 ``.pth``): with ``weights_only=True``, so a crafted pickle cannot run code, and with errors that name the file.
 
 ``check_output_file`` refuses, before any work, a single output file that cannot be written or, without ``force``,
-would replace one; ``read_json_lines`` reads the JSON-lines files amod appends to, naming the lines it skips.
+would replace one; ``read_json_lines`` reads the JSON-lines files amod appends to, naming the lines it skips;
+``made_directory`` creates a command's output directory and removes it again, still empty, when the command fails.
 """
 from __future__ import annotations
 
@@ -328,3 +329,27 @@ def dumps(obj: Any, **kwargs: Any) -> str:
 def write_json(path: PathLike, obj: Any, indent: int = 2) -> Path:
     """Write ``obj`` as strict JSON, atomically."""
     return write_text(path, dumps(obj, indent=indent) + "\n")
+
+
+@contextmanager
+def made_directory(path: PathLike) -> Iterator[Path]:
+    """Create the directory ``path`` (and its missing parents) for what the block writes there; if the block fails,
+    remove again the directories this created that are still empty, so that a failed command leaves no empty folder
+    behind (what the block did write is kept)."""
+    path = Path(path)
+    created = []  # the deepest first
+    missing = path
+    while not missing.exists() and missing != missing.parent:
+        created.append(missing)
+        missing = missing.parent
+    with naming_a_full_disk(path):
+        path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        for directory in created:
+            try:
+                directory.rmdir()
+            except OSError:  # not empty (or not ours to remove): it and its parents stay
+                break
+        raise

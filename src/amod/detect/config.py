@@ -54,7 +54,7 @@ class DetectConfig:
         for name in ("canvas_size", "train_canvases", "val_canvases", "steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0:
+        if not self.lr > 0:  # (NaN too)
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.amp not in ("off", "bf16"):
             raise ValueError(f"amp must be 'off' or 'bf16', got {self.amp!r}")

@@ -42,6 +42,9 @@ def arms(cfg: DetectStudyConfig) -> list[tuple[Optional[float], Optional[str]]]:
 
 def run_detect_study(cfg: DetectStudyConfig) -> Path:
     """Run (or resume) every run of the study, then write ``OUT/detr.md``, ``detr.json`` and the picture."""
+    if Path(cfg.dense).expanduser().is_dir():
+        raise ValueError(f"--dense {cfg.dense} is a directory; give the dense detector's file (a train run's "
+                         "model.safetensors)")
     if not Path(cfg.dense).expanduser().is_file():
         raise FileNotFoundError(f"no dense detector at {cfg.dense}; train one with `amod detect train`")
     cfg.validate()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..files import dumps, write_text
+from ..files import dumps, made_directory, write_text
 from ..mod.modes import mode_list, skipped_mode
 from ..checkpoint import load
 from ..train.data import build_datasets, first_images, normalization
@@ -55,19 +55,20 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[Any, str]:
         raise ValueError(f"the model takes {model.patch_embed.proj.in_channels}-channel images; {info.name} has "
                          f"{info.in_chans} channels")
     xs, ys = first_images(val, cfg.images)
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.analysis == "loo":
-        result = leave_one_out(model, xs, ys, tokens=cfg.tokens)
-        summary = dumps({str(k): {"router": v["router"], "random": v["random"]} for k, v in result["layers"].items()})
-    elif cfg.analysis == "routing":
-        mean, std = normalization(info)
-        png = routing_figure(model, xs[: min(len(ys), 8)], out / "routing.png", mean=mean, std=std)
-        frequency = {k: m.float().mean(dim=0) for k, m in kept_positions(model, xs).items()}
-        freq_png = keep_frequency_figure(frequency, tuple(model.patch_embed.grid_size), out / "keep_frequency.png")
-        result = {str(k): f.tolist() for k, f in frequency.items()}  # how often each position is kept
-        summary = f"routing pictures: {png}, {freq_png}"
-    else:
-        result = {str(k): v for k, v in attention_stats(model, xs).items()}
-        summary = dumps(result)
-    write_text(Path(out) / f"{cfg.analysis}.json", dumps(result, indent=1))
+    with made_directory(out):  # (an analysis that fails leaves no empty --out)
+        if cfg.analysis == "loo":
+            result = leave_one_out(model, xs, ys, tokens=cfg.tokens)
+            summary = dumps({str(k): {"router": v["router"], "random": v["random"]}
+                             for k, v in result["layers"].items()})
+        elif cfg.analysis == "routing":
+            mean, std = normalization(info)
+            png = routing_figure(model, xs[: min(len(ys), 8)], out / "routing.png", mean=mean, std=std)
+            frequency = {k: m.float().mean(dim=0) for k, m in kept_positions(model, xs).items()}
+            freq_png = keep_frequency_figure(frequency, tuple(model.patch_embed.grid_size), out / "keep_frequency.png")
+            result = {str(k): f.tolist() for k, f in frequency.items()}  # how often each position is kept
+            summary = f"routing pictures: {png}, {freq_png}"
+        else:
+            result = {str(k): v for k, v in attention_stats(model, xs).items()}
+            summary = dumps(result)
+        write_text(Path(out) / f"{cfg.analysis}.json", dumps(result, indent=1))
     return result, summary

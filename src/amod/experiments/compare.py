@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+from torch import nn
 
 from ..cost import COST_TOLERANCE, flops, validate_cost
 from ..files import dumps, write_json, write_text
@@ -36,13 +37,14 @@ from ..methods import Method, MoD, TokenMerging, cost_of, setting_text_of
 from ..train import engine
 from ..checkpoint import load, open_model, skeleton
 from ..train.data import DataInfo, build_datasets
+from ..arch import set_input_size
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
 from ..train.rundir import check_output_dir, run_dir_name
 from .arms import Arm, select
 from .bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
 from .plots import accuracy_vs_cost_panels
-from .presets import BASE, QUICK, check_settings, run_in_directory, run_once, starting_checkpoint
+from .presets import BASE, QUICK, check_settings, demo_skeleton, run_in_directory, run_once, starting_checkpoint
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
 from .probe import features, mean_cosine, probe_images
 
@@ -126,7 +128,8 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
     A model with a classifier is compared on the data it was trained for, at its own input size
     (its head and the finetunes take that data as it is); a backbone without one (probe protocol) is
     resampled to ``--img-size``, which must be a multiple of its patch size, and its linear probe needs enough
-    training images (``probe_images``).
+    training images (``probe_images``). Every method must come near every ``--cost`` on the model at that size
+    (``check_costs_reachable``).
     """
     train, _, info = build_datasets(cfg.data, None, None, None)
     if cfg.checkpoint is None:  # the demo's model, pretrained on this data at the data's own size
@@ -134,6 +137,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
             raise ValueError(f"--img-size {cfg.img_size}: the demo's model has a classifier and is compared at its own "
                              f"input size, {info.img_size} px ({info.name}); --img-size is for a backbone without "
                              "classifier (probe protocol)")
+        check_costs_reachable(cfg, demo_skeleton(cfg.data, cfg.quick, info))
         return info
     source = hf_source(cfg.checkpoint)
     if source is not None:  # a Hugging Face model: the probe protocol, at its config's image_size
@@ -146,6 +150,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
             raise ValueError(f"{cfg.checkpoint} takes {model.patch_embed.proj.in_channels}-channel images and "
                              f"{cfg.data} has {info.in_chans} channels")
         probe_images(len(train), cfg.probe_train, cfg.data)
+        check_costs_reachable(cfg, model)
         return info
     model = skeleton(cfg.checkpoint)
     h, w = model.patch_embed.img_size
@@ -156,6 +161,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
             raise ValueError(f"--img-size {cfg.img_size} is not a multiple of the patch size {ph}x{pw} of "
                              f"{cfg.checkpoint}")
         probe_images(len(train), cfg.probe_train, cfg.data)
+        check_costs_reachable(cfg, set_input_size(model, cfg.img_size) if cfg.img_size else model)
         return info
     if cfg.img_size is not None and (cfg.img_size, cfg.img_size) != (h, w):
         raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} has a classifier and is compared at its own "
@@ -166,7 +172,22 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
     if info.num_classes > model.num_classes:
         raise ValueError(f"{cfg.data} has {info.num_classes} classes and the classifier of {cfg.checkpoint} "
                          f"{model.num_classes}: a model with a classifier is compared on the data it was trained for")
+    check_costs_reachable(cfg, model)
     return info
+
+
+def check_costs_reachable(cfg: Any, model: nn.Module) -> None:
+    """Refuse, before any work, a ``--cost`` that a method of ``cfg.methods`` cannot come near on ``model`` (at the size
+    it runs at; a meta-device skeleton will do): ``Method.at_cost`` raises where the closest setting is too far off,
+    e.g. token merging on a model with few tokens. A method that chooses its setting on images takes its closest."""
+    for cost in cfg.costs:
+        for arm in cfg.methods:
+            if arm.needs_images:
+                continue
+            try:
+                arm.at_cost(model, cost)
+            except ValueError as e:
+                raise ValueError(f"--cost {cost:g} ({arm.name}): {e}") from None
 
 
 def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:

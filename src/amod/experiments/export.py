@@ -2,8 +2,8 @@
 where they are at hand.
 
 The check runs on the first Fashion-MNIST validation images for a Fashion-MNIST model (one channel,
-ten classes, square input) when the data is on disk, and on ``amod.export``'s seeded random images
-otherwise.
+ten classes, square input) when the data is on disk and holds the images the check needs (a fixed ``--batch`` of
+more than its 10,000 validation images does not), and on ``amod.export``'s seeded random images otherwise.
 """
 from __future__ import annotations
 
@@ -29,12 +29,17 @@ PathLike = Union[str, os.PathLike]
 
 def fashion_mnist_images(model: nn.Module, n: int, img_size: Optional[int] = None) -> Optional[torch.Tensor]:
     """The first ``n`` Fashion-MNIST validation images at ``img_size`` (default the model's input size),
-    for a one-channel, ten-class model with a square input when the data is at hand; ``None`` otherwise."""
+    for a one-channel, ten-class model with a square input when the data is at hand and holds ``n`` images;
+    ``None`` otherwise."""
     h, w = pair(img_size if img_size is not None else model.patch_embed.img_size)
     if model.patch_embed.proj.in_channels != 1 or getattr(model, "num_classes", None) != 10 or h != w:
         return None
     try:
         images, labels = load_fashion_mnist("val")
+        if len(images) < n:
+            log.info("a batch of %d is more than the %d Fashion-MNIST validation images; checking on random inputs",
+                     n, len(images))
+            return None
         ds = TensorImages(images[:n], labels[:n], False, h)
         return torch.stack([ds[i][0] for i in range(len(ds))])
     except (ValueError, OSError) as e:

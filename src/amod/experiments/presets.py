@@ -14,9 +14,13 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+import torch
+from torch import nn
+
 from ..checkpoint import check_dense_file
 from ..hf.loading import hf_source
-from ..train.data import build_datasets
+from ..train.data import DataInfo, build_datasets
+from ..train.models import build_model
 from ..train.config import RunConfig
 from ..train.run import train
 from ..train.rundir import RunDirectory, check_output_dir
@@ -42,15 +46,28 @@ def run_once(cfg: RunConfig) -> dict[str, Any]:
     return train(cfg, resume=(out / "checkpoint.pt").exists())
 
 
-def pretrain_dense(out: Path, data: str = "fashion-mnist", quick: bool = False, train_limit: Optional[int] = None,
-                   val_limit: Optional[int] = None) -> tuple[dict[str, Any], Path]:
-    """Pretrain the demo's dense ViT into ``out`` (or reuse it there); returns its summary and weights file."""
+def pretrain_config(out: Path, data: str = "fashion-mnist", quick: bool = False, train_limit: Optional[int] = None,
+                    val_limit: Optional[int] = None) -> RunConfig:
+    """The run of ``pretrain_dense``: the demo's dense ViT trained on ``data`` into ``out``."""
     small = {k: QUICK[k] for k in ("depth", "embed_dim")} if quick else {}
     cfg = RunConfig(**{**BASE, **small, "data": data}, **PRETRAIN, train_limit=train_limit, val_limit=val_limit,
                     out=str(out))
     if quick:
         cfg.epochs = QUICK["epochs"]
-    return run_once(cfg), out / "model.safetensors"
+    return cfg
+
+
+def pretrain_dense(out: Path, data: str = "fashion-mnist", quick: bool = False, train_limit: Optional[int] = None,
+                   val_limit: Optional[int] = None) -> tuple[dict[str, Any], Path]:
+    """Pretrain the demo's dense ViT into ``out`` (or reuse it there); returns its summary and weights file."""
+    return run_once(pretrain_config(out, data, quick, train_limit, val_limit)), out / "model.safetensors"
+
+
+def demo_skeleton(data: str, quick: bool, info: DataInfo) -> nn.Module:
+    """The demo's dense ViT as ``pretrain_dense`` makes it for ``data`` (``info``: what it is), on the meta device (no
+    weights, no memory): what a command that would pretrain it checks its settings against before any work."""
+    with torch.device("meta"):
+        return build_model(pretrain_config(Path("."), data, quick), info.num_classes, info.in_chans, info.img_size)
 
 
 def check_settings(cfg: Any, positive: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:

@@ -302,6 +302,8 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
 
 def load_yaml_config(path: Union[str, Path]) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {path} is a directory; give the YAML file")
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
@@ -310,4 +312,7 @@ def load_yaml_config(path: Union[str, Path]) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of option: value")
+    odd = [k for k in data if not isinstance(k, str)]  # YAML reads `1:` as an int and `~:` as None
+    if odd:
+        raise ValueError(f"config file {path}: option names are words (epochs, lr, ...), got the key {odd[0]!r}")
     return {k.replace("-", "_"): v for k, v in data.items()}

