@@ -527,6 +527,29 @@ def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architect
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.log"} == before
 
 
+def test_an_isoflop_run_is_priced_against_the_dense_model_it_replaces(checkpoints, tmp_path, capsys):
+    """The isoFLOP baseline (fewer dense blocks) is dense in itself: its cost is a share of the dense model it was
+    cut from, not of itself (issue 55: "1.000 of dense", flop_ratio 1.0), in the run's log and summary, in
+    ``IsoFLOP.cost_of`` and in ``amod flops --method isoflop``."""
+    dense = amod.load(checkpoints / "dense.safetensors")
+    expected = amod.flops(amod.isoflop_baseline(dense, 0.125)).macs / amod.flops(dense).macs
+    assert 0.45 < expected < 0.55  # one of the two blocks
+    assert amod.IsoFLOP(capacity=0.125).cost_of(dense) == pytest.approx(expected)
+    out = tmp_path / "iso"
+    code, err = run_in_process(["finetune", "--checkpoint", str(checkpoints / "dense.safetensors"), "--isoflop",
+                                "--router", "attention", "--capacity", "0.125", *SHORT, "--out", str(out)], capsys)
+    assert code == 0, err
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["variant"] == "isoflop@0.125" and summary["flop_ratio"] == pytest.approx(expected)
+    assert f"({expected:.3f} of dense)" in (out / "train.log").read_text()
+    res = cli_in_process(["flops", "vit_tiny_patch16_224", "--capacity", "1", "--method", "isoflop:capacity=0.125"],
+                         capsys)
+    assert res.returncode == 0, res.stderr
+    row = next(line.split() for line in res.stdout.splitlines() if "isoflop:capacity=0.125" in line)
+    assert float(row[-2]) == pytest.approx(amod.IsoFLOP(capacity=0.125).cost_of(
+        timm.create_model("vit_tiny_patch16_224")), abs=1e-3) and float(row[-2]) < 0.7
+
+
 # ---------------------------------------------------------------- no network
 
 def test_pretrained_weights_without_a_network_fail_fast_with_one_line(tmp_path):

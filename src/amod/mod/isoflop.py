@@ -49,6 +49,11 @@ def isoflop_baseline(
             dense timm ViT (copied, not changed).
         capacity, layers, router: the MoD setup to match (as in ``amod.convert``).
         img_size: the input size at which costs are matched; defaults to the model's.
+
+    Returns:
+        the baseline, whose ``amod_isoflop`` holds ``kept_blocks``, the MoD model's MACs (``mod_macs``), its own
+        (``macs``) and the dense model's it was cut from (``dense_macs``: ``flops(baseline).ratio`` is 1, a share of
+        its own dense MACs; ``macs / dense_macs`` is its share of the model it replaces).
     """
     if isinstance(name_or_model, str):
         dense = timm.create_model(name_or_model, pretrained=pretrained, **create_kwargs)
@@ -58,6 +63,7 @@ def isoflop_baseline(
         dense = copy.deepcopy(name_or_model)
     mod = convert(copy.deepcopy(dense), router=router, capacity=capacity, layers=layers)
     target = flops(mod, img_size).macs
+    dense_macs = flops(dense, img_size).macs  # what the baseline is the baseline of (the model it is cut from)
     depth = len(dense.blocks)
     new_depth = min(depth, isoflop_depth(dense, target, img_size))
     keep = kept_block_indices(depth, new_depth)
@@ -67,5 +73,5 @@ def isoflop_baseline(
         warnings.warn(
             f"isoFLOP baseline: {new_depth} dense blocks cost {got / target:.3f}x the MoD model; "
             "integer depth cannot match closer at this size", stacklevel=2)
-    dense.amod_isoflop = {"kept_blocks": keep, "mod_macs": target, "macs": got}
+    dense.amod_isoflop = {"kept_blocks": keep, "mod_macs": target, "macs": got, "dense_macs": dense_macs}
     return dense
