@@ -17,8 +17,9 @@ from torch import nn
 
 from .. import files
 from ..families import claimed
-from ..methods import Dense, method_from_metadata, method_from_run_fields, method_of
+from ..methods import Dense, Method, MoD, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
+from ..mod.convert import set_capacity
 from ..checkpoint import load as load_amod, read_metadata, skeleton as skeleton_of_file
 
 log = logging.getLogger("amod")
@@ -197,6 +198,15 @@ def checkpoint_architecture(path: Any) -> Optional[tuple[str, dict[str, Any]]]:
         return None
 
 
+def saved_method(path: Any) -> Optional[Method]:
+    """The method a model saved by amod runs (``Dense`` for a dense one); None for any other file or a path that is not
+    a file (``build_model`` says what is wrong with those)."""
+    path = Path(path)
+    if not path.is_file() or not _is_amod_file(path):
+        return None
+    return method_from_metadata(read_metadata(path))
+
+
 def checkpoint_settings(cfg: Any) -> dict[str, Any]:
     """The run-config fields that a model saved by amod (``cfg.checkpoint``) decides, with its values:
     the architecture (model, patch_size, depth, embed_dim, num_heads) and, when ``cfg`` selects no
@@ -257,9 +267,15 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     running = method_of(model)
     if isinstance(method, Dense) or (type(method) is type(running) and method.run_fields() == running.run_fields()):
         return model  # a checkpoint keeps the method it was saved with (``checkpoint_settings`` records it)
+    if isinstance(running, MoD) and type(method) is type(running) and \
+            {**method.run_fields(), "capacity": running.capacity} == running.run_fields():
+        set_capacity(model, method.capacity)  # its method at another capacity: the dial, as amod eval --capacity turns it
+        log.info("capacity set from %g to %g", running.capacity, method.capacity)
+        return model
     if not isinstance(running, Dense):
+        dial = " (--capacity alone sets its capacity)" if isinstance(running, MoD) else ""
         raise ValueError(f"the checkpoint already runs {running.label()}; drop the method options "
-                         "(--router, --tome-cost, ...) to keep it")
+                         f"(--router, --tome-cost, ...) to keep it{dial}")
     return method.apply(model)
 
 
