@@ -302,3 +302,19 @@ def test_the_training_commands_refuse_an_amod_file_of_a_hf_model_in_one_line(arg
                                                          f"Face ViT, DeiT and DINOv2"), err
     assert f"amod {argv[0]} takes timm models only" in err and "compare and frontier take Hugging Face models" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_analyze_loo_on_an_amod_file_of_a_hf_mod_model(hf_files, tmp_path, capsys):
+    """Leave-one-out runs the model's own forward (it called timm's patch_embed, a view on a Hugging Face model); a
+    backbone, which has no loss to measure, is refused in one line."""
+    out = tmp_path / "loo"
+    assert main(["analyze", "loo", "--checkpoint", str(hf_files["classifier_mod"]), "--images", "2", "--tokens", "3",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "loo.json").read_text())
+    assert set(data["layers"]) == {"1"} and [len(i) for i in data["importance"]["1"]] == [3, 3]
+    capsys.readouterr()
+    assert main(["analyze", "loo", "--checkpoint", str(hf_files["backbone_mod"]), "--images", "2", "--out",
+                 str(tmp_path / "bb")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no classifier (a backbone)" in err, err
+    assert not (tmp_path / "bb").exists()
