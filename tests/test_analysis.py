@@ -67,6 +67,27 @@ def test_leave_one_out_matches_a_brute_force_loop_over_tokens():
         assert -1 <= res["layers"][layer]["router"] <= 1 and -1 <= res["layers"][layer]["random"] <= 1
 
 
+def test_leave_one_out_of_a_hugging_face_model_is_the_timm_models():
+    """Leave-one-out runs each family's own forward (it called timm's patch_embed and forward_head, which a Hugging
+    Face model shows as views only): on the same weights, a Hugging Face DeiT with its distillation head measures
+    what the timm model measures."""
+    pytest.importorskip("transformers")
+    timm_model = make_model("deit_distilled")
+    hf_model = amod.hf.from_timm(timm_model, "DeiTForImageClassificationWithTeacher")
+    x, y = images(timm_model, 1), torch.tensor([3])
+    ours, theirs = (leave_one_out(amod.convert(m, router="attention", capacity=0.5, layers=[1, 3]), x, y, tokens=4)
+                    for m in (timm_model, hf_model))
+    assert theirs["tokens"] == ours["tokens"]
+    for layer in (1, 3):
+        assert np.allclose(theirs["importance"][layer], ours["importance"][layer], atol=1e-4)
+        assert np.allclose(theirs["scores"][layer], ours["scores"][layer], atol=1e-5)
+    backbone = make_model("vit")
+    backbone.reset_classifier(0)
+    backbone = amod.convert(backbone, router="attention", capacity=0.5)
+    with pytest.raises(ValueError, match="has no classifier"):
+        leave_one_out(backbone, images(backbone, 1), torch.tensor([3]))
+
+
 def test_attention_stats_and_routing_pictures(tmp_path):
     model = amod.convert(make_model("registers"), router="attention", capacity=0.25)
     x = images(model, 3)

@@ -3,6 +3,7 @@ one run per directory, full disks, diverging runs, unreadable images, strict JSO
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import json
 import os
@@ -44,8 +45,8 @@ def tree(root: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A dense and an MoD (bypass and kv) amod checkpoint of a 28-px, 1-channel Fashion-MNIST model, its backbone
-    without classifier, a .pth of another width, and a safetensors file whose amod metadata is broken."""
+    """A dense, a PiToMe, a fold and an MoD (bypass and kv) amod checkpoint of a 28-px, 1-channel Fashion-MNIST model,
+    its backbone without classifier, a .pth of another width, and a safetensors file whose amod metadata is broken."""
     root = tmp_path_factory.mktemp("ckpt")
     kwargs = dict(patch_size=7, depth=2, embed_dim=32, num_heads=2, img_size=28, in_chans=1, num_classes=10)
     torch.manual_seed(0)
@@ -54,6 +55,7 @@ def checkpoints(tmp_path_factory):
     amod.save(amod.pitome.apply(copy.deepcopy(dense), cost=0.7), root / "pitome.safetensors")
     kv = amod.convert(copy.deepcopy(dense), router="attention", capacity=0.5, skipped="kv")
     amod.save(kv, root / "kv.safetensors")
+    amod.save(amod.convert(copy.deepcopy(dense), skipped="fold", capacity=0.8), root / "fold.safetensors")
     amod.save(amod.convert(dense, router="attention", capacity=0.5), root / "mod.safetensors")
     backbone = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**kwargs, "num_classes": 0})
     amod.save(backbone, root / "backbone.safetensors")
@@ -118,6 +120,17 @@ BAD_INVOCATIONS = [
      "the directory of {t}/no/x.safetensors does not exist"),
     (["demo", "--checkpoint", "{c}/badmeta.safetensors", "--out", "{t}/d"], "its amod metadata cannot be rebuilt"),
     (["demo", "--checkpoint", "{c}/dense.safetensors", "--out", "{t}/d"], "dense.safetensors has a classifier"),
+    # issue 55: MoD options with a checkpoint that runs a method: --capacity is its dial, the rest are its own
+    (["finetune", "--checkpoint", "{c}/fold.safetensors", "--layers", "1", "--capacity", "0.5", *SHORT, "--out",
+      "{t}/r"], "{c}/fold.safetensors already runs attention@0.8 skipped=fold, which --layers cannot change (only "
+     "--capacity turns its dial): drop --layers"),
+    (["finetune", "--checkpoint", "{c}/mod.safetensors", "--protect", "0.1", *SHORT, "--out", "{t}/r"],
+     "{c}/mod.safetensors already runs attention@0.5, which --protect cannot change"),
+    (["finetune", "--checkpoint", "{c}/pitome.safetensors", "--capacity", "0.5", *SHORT, "--out", "{t}/r"],
+     "--capacity only applies to an MoD model; {c}/pitome.safetensors runs pitome"),
+    (["finetune", "--checkpoint", "{c}/fold.safetensors", "--router", "attention", "--capacity", "0.5", *SHORT,
+      "--out", "{t}/r"], "the checkpoint already runs attention@0.8 skipped=fold; drop the method options (--router, "
+     "--tome-cost, ...) to keep it (--capacity alone sets its capacity)"),
     (["eval", "--checkpoint", "{c}/pitome.safetensors", "--capacity", "0.5"],
      "--capacity turns the dial of an MoD model (a router, or fold); {c}/pitome.safetensors runs pitome"),
     *[([*argv, "--router", "feature-norm"], "argument --router: invalid choice: 'feature-norm'") for argv in (
@@ -716,6 +729,50 @@ def test_resume_refuses_the_checkpoint_of_another_run_and_changes_nothing(tmp_pa
     assert f"{runs[2] / 'checkpoint.pt'} is not the checkpoint of the run in {runs[2]} (it has seed=1; config.yaml " \
            "has seed=2); nothing was changed" in err
     assert {p.name: p.read_bytes() for p in runs[2].iterdir()} == before
+
+
+@pytest.mark.parametrize("saved", ["mod", "fold"])
+def test_capacity_given_for_a_checkpoint_that_runs_mod_or_fold_is_the_capacity_it_runs_at(saved, checkpoints, tmp_path,
+                                                                                         capsys):
+    """``finetune --checkpoint FILE --capacity C`` of a file that runs MoD or fold (issue 55: "add --router", to a model
+    that has one): the file's method at capacity C, as ``amod eval --capacity`` turns the dial, recorded as such."""
+    import yaml
+
+    out = tmp_path / "ft"
+    code, err = run_in_process(["finetune", "--checkpoint", str(checkpoints / f"{saved}.safetensors"), "--capacity",
+                                "0.6", *SHORT, "--batch-size", "32", "--out", str(out)], capsys)
+    assert code == 0, err
+    before = amod.methods.method_of(amod.load(checkpoints / f"{saved}.safetensors"))
+    after = amod.methods.method_of(amod.load(out / "model.safetensors"))
+    assert after == dataclasses.replace(before, capacity=0.6)  # the same router, layers, skipped mode, protect
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert (config["router"], config["capacity"], config["skipped"]) == ("attention", 0.6, before.skipped)
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["variant"] == after.label() and summary["flop_ratio"] == pytest.approx(
+        amod.flops(amod.load(out / "model.safetensors")).ratio)
+
+
+def test_an_isoflop_run_is_priced_against_the_dense_model_it_replaces(checkpoints, tmp_path, capsys):
+    """The isoFLOP baseline (fewer dense blocks) is dense in itself: its cost is a share of the dense model it was
+    cut from, not of itself (issue 55: "1.000 of dense", flop_ratio 1.0), in the run's log and summary, in
+    ``IsoFLOP.cost_of`` and in ``amod flops --method isoflop``."""
+    dense = amod.load(checkpoints / "dense.safetensors")
+    expected = amod.flops(amod.isoflop_baseline(dense, 0.125)).macs / amod.flops(dense).macs
+    assert 0.45 < expected < 0.55  # one of the two blocks
+    assert amod.IsoFLOP(capacity=0.125).cost_of(dense) == pytest.approx(expected)
+    out = tmp_path / "iso"
+    code, err = run_in_process(["finetune", "--checkpoint", str(checkpoints / "dense.safetensors"), "--isoflop",
+                                "--router", "attention", "--capacity", "0.125", *SHORT, "--out", str(out)], capsys)
+    assert code == 0, err
+    summary = strict_json((out / "summary.json").read_text())
+    assert summary["variant"] == "isoflop@0.125" and summary["flop_ratio"] == pytest.approx(expected)
+    assert f"({expected:.3f} of dense)" in (out / "train.log").read_text()
+    res = cli_in_process(["flops", "vit_tiny_patch16_224", "--capacity", "1", "--method", "isoflop:capacity=0.125"],
+                         capsys)
+    assert res.returncode == 0, res.stderr
+    row = next(line.split() for line in res.stdout.splitlines() if "isoflop:capacity=0.125" in line)
+    assert float(row[-2]) == pytest.approx(amod.IsoFLOP(capacity=0.125).cost_of(
+        timm.create_model("vit_tiny_patch16_224")), abs=1e-3) and float(row[-2]) < 0.7
 
 
 # ---------------------------------------------------------------- no network

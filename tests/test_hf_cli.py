@@ -86,7 +86,7 @@ def test_eval_directory_and_amod_save_file_of_a_hf_model(vit_dir, tmp_path, caps
     assert len(err.splitlines()) == 1 and "no classifier" in err
 
 
-def test_compare_runs_the_probe_protocol_on_a_hf_model(vit_dir, tmp_path, capsys):
+def test_compare_runs_the_probe_protocol_on_a_hf_model(vit_dir, one_thread, tmp_path, capsys):
     argv = ["compare", "--checkpoint", str(vit_dir), "--cost", "0.75", "--methods", "ToMe", "A-MoD",
             "--probe-train", "100", "--val-limit", "50", "--speed-batch", "4", "--speed-repeats", "1",
             "--out", str(tmp_path / "cmp")]
@@ -227,3 +227,94 @@ def test_eval_of_a_hf_backbone_points_to_the_commands_that_take_it(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "has no classifier (a backbone)" in err and "amod compare or amod frontier" in err
     assert "amod finetune" not in err  # (it takes timm models)
+
+
+# ---------------------------------------------------------------- amod.save files of Hugging Face models (issue 55)
+
+@pytest.fixture(scope="module")
+def hf_files(tmp_path_factory):
+    """``amod.save`` files of Hugging Face models: a ViT classifier (dense, and A-MoD at 0.5) and a DINOv2 backbone
+    without a head (dense, and A-MoD at 0.5); 1 channel, 28 px."""
+    import copy
+
+    root = tmp_path_factory.mktemp("hf_files")
+    torch.manual_seed(0)
+    classifier = transformers.ViTForImageClassification(transformers.ViTConfig(**SMALL, num_labels=10)).eval()
+    backbone = transformers.Dinov2Model(transformers.Dinov2Config(**SMALL)).eval()
+    files = {"classifier": amod.save(classifier, root / "classifier.safetensors"),
+             "backbone": amod.save(backbone, root / "backbone.safetensors")}
+    for name, model in (("classifier", classifier), ("backbone", backbone)):
+        files[f"{name}_mod"] = amod.save(amod.convert(copy.deepcopy(model), router="attention", capacity=0.5),
+                                         root / f"{name}_mod.safetensors")
+    return files
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread while a linear probe is fitted on a few dozen features: on the 2 shared cores of the test
+    machine a second thread makes each L-BFGS step many times slower, and the probe's answer is the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("command, model", [("compare", "classifier"), ("frontier", "backbone")])
+def test_compare_and_frontier_measure_an_amod_file_of_a_hf_model_by_the_probe_protocol(command, model, hf_files,
+                                                                                        one_thread, tmp_path, capsys):
+    """An ``amod.save`` file of a Hugging Face model is what its folder is to these commands (they crashed on
+    ``model.num_classes``): the probe protocol at its own input size, a classifier included (amod does not train it)."""
+    out = tmp_path / command
+    argv = [command, "--checkpoint", str(hf_files[model]), "--cost", "0.75", "--methods", "ToMe", "--probe-train",
+            "40", "--val-limit", "8", "--speed-batch", "2", "--speed-repeats", "1", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / f"{command}.json").read_text())
+    assert [r["method"] for r in report["rows"]] == ["ToMe"]
+    if command == "compare":
+        assert report["protocol"] == "probe" and report["img_size"] == 28
+    assert abs(report["rows"][0]["cost"] - 0.75) / 0.75 < 0.05
+    capsys.readouterr()
+    assert main(argv[:-1] + [str(tmp_path / "again"), "--img-size", "56"]) == 2  # it runs at its own size
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "image_size" in err and "drop --img-size" in err, err
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["finetune", "--checkpoint", "{classifier}"], "--checkpoint"),
+    (["finetune", "--checkpoint", "{classifier_mod}", "--capacity", "0.25"], "--checkpoint"),
+    (["finetune", "--checkpoint", "{timm}", "--teacher", "{classifier}"], "--teacher"),
+    (["study", "--checkpoint", "{backbone}", "--img-size", "28"], "--checkpoint"),  # the finetune study
+    (["study", "--checkpoint", "{classifier}", "--quick"], "--checkpoint"),  # the routers' study
+    (["demo", "--checkpoint", "{backbone}", "--quick"], "--checkpoint"),
+])
+def test_the_training_commands_refuse_an_amod_file_of_a_hf_model_in_one_line(argv, option, hf_files, tmp_path, capsys):
+    """finetune, study and demo train timm models: an amod file of a Hugging Face model is refused in one line that
+    names what it holds and which commands take it (they crashed on ``num_classes``; a teacher was said to have
+    "None classes"), and nothing is created."""
+    timm_model = pytest.importorskip("timm").create_model("vit_tiny_patch16_224", img_size=28, patch_size=7, in_chans=1,
+                                                          depth=2, embed_dim=32, num_heads=2, num_classes=10)
+    names = {**hf_files, "timm": amod.save(timm_model, tmp_path / "timm.safetensors")}
+    argv = [a.format(**names) for a in argv] + ["--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    path = argv[argv.index(option) + 1]
+    assert len(err.splitlines()) == 1 and err.startswith(f"amod {argv[0]}: error: {option} {path} holds a Hugging "
+                                                         f"Face ViT, DeiT and DINOv2"), err
+    assert f"amod {argv[0]} takes timm models only" in err and "compare and frontier take Hugging Face models" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_analyze_loo_on_an_amod_file_of_a_hf_mod_model(hf_files, tmp_path, capsys):
+    """Leave-one-out runs the model's own forward (it called timm's patch_embed, a view on a Hugging Face model); a
+    backbone, which has no loss to measure, is refused in one line."""
+    out = tmp_path / "loo"
+    assert main(["analyze", "loo", "--checkpoint", str(hf_files["classifier_mod"]), "--images", "2", "--tokens", "3",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "loo.json").read_text())
+    assert set(data["layers"]) == {"1"} and [len(i) for i in data["importance"]["1"]] == [3, 3]
+    capsys.readouterr()
+    assert main(["analyze", "loo", "--checkpoint", str(hf_files["backbone_mod"]), "--images", "2", "--out",
+                 str(tmp_path / "bb")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no classifier (a backbone)" in err, err
+    assert not (tmp_path / "bb").exists()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .family import family_of
 from .mod.convert import mod_blocks, set_recording
 from .mod.modes import mode_list, skipped_mode
 from .ops import attention_inputs, attention_probs, received_attention
@@ -20,34 +21,48 @@ def in_handoff(blk: nn.Module) -> Optional[Any]:
     return getattr(getattr(blk, "amod", None), "in_handoff", None)
 
 
-def _embed(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Tokens entering block 0, as timm's forward_features makes them."""
-    x = model.patch_embed(x)
-    x = model._pos_embed(x)
-    x = model.patch_drop(x)
-    return model.norm_pre(x)
+class _Reached(Exception):
+    """Stops a forward at a block (``run_until``), carrying the tokens that entered it."""
 
-
-def _head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model.forward_head(model.norm(x))
+    def __init__(self, tokens: torch.Tensor) -> None:
+        super().__init__()
+        self.tokens = tokens
 
 
 def run_until(model: nn.Module, images: torch.Tensor, layer: int) -> torch.Tensor:
-    """Tokens entering block ``layer``; the scores block ``layer`` reads are left in its handoff."""
-    x = _embed(model, images)
-    for blk in model.blocks[:layer]:
-        x = blk(x)
-    return x
+    """Tokens entering block ``layer``: the model's own forward (its family's ``tensor_module``, so any family),
+    stopped there; the scores block ``layer`` reads are left in its handoff."""
+
+    def stop(module: nn.Module, args: tuple) -> None:
+        raise _Reached(args[0])
+
+    hook = model.blocks[layer].register_forward_pre_hook(stop)
+    try:
+        family_of(model).tensor_module(model)(images)
+    except _Reached as reached:
+        return reached.tokens
+    finally:
+        hook.remove()
+    raise RuntimeError(f"block {layer} did not run in the model's forward")
 
 
-def run_from(model: nn.Module, x: torch.Tensor, layer: int, scores: Optional[torch.Tensor]) -> torch.Tensor:
-    """Logits from tokens entering block ``layer`` (with the scores that block reads, if any)."""
-    handoff = in_handoff(model.blocks[layer])
-    if handoff is not None:
-        handoff.scores = scores
-    for blk in model.blocks[layer:]:
-        x = blk(x)
-    return _head(model, x)
+def run_from(model: nn.Module, images: torch.Tensor, x: torch.Tensor, layer: int,
+             scores: Optional[torch.Tensor]) -> torch.Tensor:
+    """Logits of the model's own forward on ``images`` with the tokens entering block ``layer`` replaced by ``x``
+    (the blocks from ``layer`` on, and the head, run on ``x``'s rows, however many) and the scores that block reads
+    by ``scores``."""
+
+    def replace(module: nn.Module, args: tuple) -> tuple:
+        handoff = in_handoff(module)
+        if handoff is not None:
+            handoff.scores = scores
+        return (x, *args[1:])
+
+    hook = model.blocks[layer].register_forward_pre_hook(replace)
+    try:
+        return family_of(model).tensor_module(model)(images)
+    finally:
+        hook.remove()
 
 
 def _drop_token(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -60,8 +75,12 @@ def _drop_token(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def check_loo_model(model: nn.Module, name: str = "the model") -> None:
-    """Refuse a model leave-one-out cannot judge: one whose skipped mode has its blocks route on the attention
-    they compute themselves (``own_attention``: fold), so no scores exist at a block's input to compare with."""
+    """Refuse a model leave-one-out cannot judge: one without a classifier (a backbone: there is no loss to
+    measure), or one whose skipped mode has its blocks route on the attention they compute themselves
+    (``own_attention``: fold), so no scores exist at a block's input to compare with."""
+    if family_of(model).num_classes(model) == 0:
+        raise ValueError(f"leave-one-out measures how much the loss of the model's classifier rises without each "
+                         f"token; {name} has no classifier (a backbone)")
     config = getattr(model, "amod_config", None)
     if config is not None and skipped_mode(config.skipped).own_attention:
         raise ValueError(f"leave-one-out needs an MoD model with skipped {mode_list(lambda m: not m.own_attention)}; "
@@ -105,13 +124,13 @@ def leave_one_out(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
             n = x.shape[1] - p
             sample = np.arange(n) if tokens is None or tokens >= n else np.sort(gen.choice(n, tokens, replace=False))
             router_scores = blk.router.score(x[:, p:], None if full_scores is None else full_scores[:, p:])[0]
-            base = F.cross_entropy(run_from(model, x, layer, full_scores), label[None]).item()
+            base = F.cross_entropy(run_from(model, img[None], x, layer, full_scores), label[None]).item()
             deltas = []
             for start in range(0, len(sample), batch):
                 idx = torch.as_tensor(sample[start:start + batch] + p, device=x.device)
                 xs = _drop_token(x, idx)
                 ss = None if full_scores is None else _drop_token(full_scores, idx)
-                logits = run_from(model, xs, layer, ss)
+                logits = run_from(model, img[None], xs, layer, ss)
                 deltas.append(F.cross_entropy(logits, label.expand(len(idx)), reduction="none") - base)
             delta = torch.cat(deltas).cpu().numpy()
             chosen = router_scores[torch.as_tensor(sample, device=x.device)].float().cpu().numpy()

@@ -2,7 +2,8 @@
 and its input size.
 
 Checkpoints store these arguments; cost searches price a weightless ("meta") copy of a model instead
-of a full one; ``set_input_size`` resamples a model's position grid once for another input size.
+of a full one; ``set_input_size`` resamples a model's position grid once for another input size, and
+``set_input_channels`` adapts its patch embedding to images of another number of channels.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from timm.layers import LayerScale
+from timm.models._manipulate import adapt_input_conv
 from torch import nn
 
 try:
@@ -140,4 +142,22 @@ def set_input_size(model: nn.Module, img_size: Size) -> nn.Module:
     pe.num_patches = new_grid[0] * new_grid[1]
     if update_model_input_size is not None:  # timm >= 1.0.2x records the size it would be rebuilt at
         update_model_input_size(model, (h, w))
+    return model
+
+
+def set_input_channels(model: nn.Module, in_chans: int) -> nn.Module:
+    """Make a timm ViT take ``in_chans``-channel images; in place. The patch embedding's filters are adapted by
+    timm's ``adapt_input_conv`` (e.g. an RGB model's filters summed for gray images, which is the same as feeding the
+    gray image in all three channels) into a new ``Conv2d``: build optimisers after calling this."""
+    proj = model.patch_embed.proj
+    if proj.in_channels == in_chans:
+        return model
+    weight = adapt_input_conv(in_chans, proj.weight.detach())
+    new = nn.Conv2d(in_chans, proj.out_channels, proj.kernel_size, proj.stride, proj.padding,
+                    bias=proj.bias is not None).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if proj.bias is not None:
+            new.bias.copy_(proj.bias)
+    model.patch_embed.proj = new
     return model

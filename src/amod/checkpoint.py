@@ -21,7 +21,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from . import files
-from .family import family_for, family_of
+from .family import Family, family_for, family_of
 from .hf.loading import hf_source, load_hf_model, load_hf_source
 from .methods import metadata_keys, method_from_metadata, method_of
 
@@ -109,6 +109,20 @@ def check_dense_file(path: PathLike) -> None:
     if any(key in meta for key in metadata_keys()):
         raise ValueError(f"{path} is not a dense model (it runs {method_from_metadata(meta).label()}); give a dense "
                          "one")
+
+
+def family_of_file(path: PathLike) -> Family:
+    """The family of the model an ``amod.save`` file holds, read from its metadata: nothing is built (to check a
+    command's model before any work). Raises as ``read_metadata`` does, and a ValueError for metadata that names no
+    family of this amod."""
+    meta = read_metadata(path)
+    try:
+        info = json.loads(meta["amod.model"])
+        if not isinstance(info, dict):
+            raise ValueError(f"amod.model is a {type(info).__name__}, not a description")
+        return family_for(info)
+    except ValueError as e:
+        raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model ({type(e).__name__}: {e})") from None
 
 
 def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, Any]]:

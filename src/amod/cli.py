@@ -23,6 +23,7 @@ from yaml import YAMLError
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
 from .checkpoint import skeleton
 from .deploy import EXPORTERS
+from .family import family_of
 from .files import dumps
 from .methods import method_kinds, parse_method
 from .mod.config import validate_capacity
@@ -235,14 +236,14 @@ def run_config_from_args(args: argparse.Namespace, finetune: bool = False) -> Ru
 
 
 def _train(args: argparse.Namespace, finetune: bool = False) -> int:
-    from .experiments.presets import check_not_hugging_face
+    from .experiments.presets import check_trainable
     from .train.engine import refused_alike, world_size
     from .train.run import train
 
     cfg = run_config_from_args(args, finetune)
     with refused_alike(world_size()):  # (train and finetune take timm models; the library's loaders say less)
         for option in ("checkpoint", "teacher"):
-            check_not_hugging_face(getattr(cfg, option), f"--{option}", args.command,
+            check_trainable(getattr(cfg, option), f"--{option}", args.command,
                                    "timm models: an amod .safetensors file or a timm/DeiT .pth")
     summary = train(cfg, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":
@@ -483,11 +484,14 @@ def _given(args: argparse.Namespace, name: str, config: type, field: Optional[st
 
 def study_for(checkpoint: Optional[str]) -> str:
     """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune_study``: the methods
-    at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (``num_classes``
-    0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.router_study``:
+    at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (its family's
+    ``num_classes`` 0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.router_study``:
     routers x capacities x seeds, with the model's own classifier) for a model with one, or none given (the
     demo's model)."""
-    if checkpoint is not None and skeleton(os.path.expanduser(checkpoint)).num_classes == 0:
+    if checkpoint is None:
+        return ROUTER_STUDY
+    model = skeleton(os.path.expanduser(checkpoint))
+    if family_of(model).num_classes(model) == 0:
         return FINETUNE_STUDY
     return ROUTER_STUDY
 

@@ -19,7 +19,8 @@ What a family knows (the methods below; ``amod.families.vit.ViTFamily`` gives th
   ``merge_apply``: token merging, ToMe or PiToMe);
 - what it costs (``flops``: the blocks price themselves, the family prices the rest);
 - how a checkpoint describes and rebuilds it (``describe``, ``rebuild``), a weightless copy (``skeleton``), what it
-  exports and evaluates (``tensor_module``, ``feature_module``).
+  exports and evaluates (``tensor_module``, ``feature_module``), its classifier's classes (``num_classes``);
+- whether amod's classifier training takes its models (``trainable``).
 
 This module imports nothing of amod: it is the bottom of the package, so the library's modules (``cost``, ``mod``,
 ``tome``, ``methods``, ``checkpoint``, ...) all ask it, and the family modules, which build on them, register here.
@@ -45,6 +46,10 @@ class Family:
 
     name: str = ""
     models: str = ""
+    # whether amod's classifier training (``amod train``/``finetune``, and the studies and demo built on it) takes the
+    # family's models: that loop reads timm's classifier interface (logits out of ``forward``, ``reset_classifier``,
+    # ``head``); the other families are measured without training (a linear probe on ``feature_module``)
+    trainable: bool = False
 
     # ------------------------------------------------------------ which models
 

@@ -74,8 +74,10 @@ class Method:
         return self.apply(model)
 
     def cost_of(self, dense: nn.Module, img_size=None) -> float:
-        """This method's cost as a share of the dense model's MACs (priced on a weightless copy)."""
-        return flops(self.apply(skeleton(dense)), img_size).ratio
+        """This method's cost as a share of the dense model's MACs (priced on a weightless copy). Over ``dense``'s
+        own MACs, not the method's model's ``flops(...).ratio``: a model with fewer blocks (``IsoFLOP``) is dense in
+        itself."""
+        return flops(self.apply(skeleton(dense)), img_size).macs / flops(dense, img_size).dense_macs
 
     def spec(self) -> str:
         """The spec string that selects this method (``parse_method``): its kind, then the fields that differ from

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..cost import COST_TOLERANCE, flops, validate_cost
+from ..family import family_of
 from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of, setting_text_of
@@ -128,8 +129,9 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
     A model with a classifier is compared on the data it was trained for, at its own input size
     (its head and the finetunes take that data as it is); a backbone without one (probe protocol) is
     resampled to ``--img-size``, which must be a multiple of its patch size, and its linear probe needs enough
-    training images (``probe_images``). Every method must come near every ``--cost`` on the model at that size
-    (``check_costs_reachable``).
+    training images (``probe_images``). A model amod does not train (its family is not ``trainable``: a Hugging Face
+    folder, ``hf:ID`` or ``amod.save`` file of one) is compared by the probe protocol at its own input size and
+    channels. Every method must come near every ``--cost`` on the model at that size (``check_costs_reachable``).
     """
     train, _, info = build_datasets(cfg.data, None, None, None)
     if cfg.checkpoint is None:  # the demo's model, pretrained on this data at the data's own size
@@ -139,24 +141,24 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
                              "classifier (probe protocol)")
         check_costs_reachable(cfg, demo_skeleton(cfg.data, cfg.quick, info))
         return info
-    source = hf_source(cfg.checkpoint)
-    if source is not None:  # a Hugging Face model: the probe protocol, at its config's image_size
-        model = open_model(cfg.checkpoint)
-        native = model.patch_embed.img_size[0]
-        if cfg.img_size is not None and cfg.img_size != native:
-            raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} is a Hugging Face model of {native}-px "
-                             "images (its config's image_size); drop --img-size")
-        if model.patch_embed.proj.in_channels != info.in_chans:
-            raise ValueError(f"{cfg.checkpoint} takes {model.patch_embed.proj.in_channels}-channel images and "
-                             f"{cfg.data} has {info.in_chans} channels")
-        probe_images(len(train), cfg.probe_train, cfg.data)
-        check_costs_reachable(cfg, model)
-        return info
-    model = skeleton(cfg.checkpoint)
+    # the model without its weights (an amod file), or as loaded (a Hugging Face folder or hf:ID)
+    model = open_model(cfg.checkpoint) if hf_source(cfg.checkpoint) is not None else skeleton(cfg.checkpoint)
+    family = family_of(model)
     h, w = model.patch_embed.img_size
     ph, pw = model.patch_embed.patch_size
     chans = model.patch_embed.proj.in_channels
-    if model.num_classes == 0:
+    if not family.trainable:  # (a Hugging Face model) the probe protocol, at its own input size and channels
+        if cfg.img_size is not None and cfg.img_size != h:
+            raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} is a {family.models} model of {h}-px "
+                             "images (its config's image_size); drop --img-size")
+        if chans != info.in_chans:
+            raise ValueError(f"{cfg.checkpoint} takes {chans}-channel images and {cfg.data} has {info.in_chans} "
+                             "channels")
+        probe_images(len(train), cfg.probe_train, cfg.data)
+        check_costs_reachable(cfg, model)
+        return info
+    classes = family.num_classes(model)
+    if classes == 0:
         if cfg.img_size is not None and (cfg.img_size % ph or cfg.img_size % pw):
             raise ValueError(f"--img-size {cfg.img_size} is not a multiple of the patch size {ph}x{pw} of "
                              f"{cfg.checkpoint}")
@@ -169,9 +171,9 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
     if info.in_chans != chans:
         raise ValueError(f"{cfg.checkpoint} takes {chans}-channel images and {cfg.data} has {info.in_chans} "
                          "channels: a model with a classifier is compared on the data it was trained for")
-    if info.num_classes > model.num_classes:
+    if info.num_classes > classes:
         raise ValueError(f"{cfg.data} has {info.num_classes} classes and the classifier of {cfg.checkpoint} "
-                         f"{model.num_classes}: a model with a classifier is compared on the data it was trained for")
+                         f"{classes}: a model with a classifier is compared on the data it was trained for")
     check_costs_reachable(cfg, model)
     return info
 
@@ -193,13 +195,13 @@ def check_costs_reachable(cfg: Any, model: nn.Module) -> None:
 def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:
     pretrained = starting_checkpoint(cfg, root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    source = hf_source(pretrained) if cfg.checkpoint else None
     dense = open_model(pretrained, device)
+    family = family_of(dense)
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
-    probe_mode = source is not None or dense.num_classes == 0
+    # a model amod does not train (a Hugging Face one) is compared by the probe protocol, as a backbone is
+    probe_mode = not family.trainable or family.num_classes(dense) == 0
     train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train if probe_mode else None, cfg.val_limit)
-    if source is None:  # (a Hugging Face model was checked to fit the data by check_inputs)
-        fit_to_data(dense, info.in_chans, img_size)
+    fit_to_data(dense, info.in_chans, img_size)  # (nothing to do for a model check_inputs found at its own size)
     if probe_mode:
         rows, dense_acc = _probe_rows(cfg, root, dense, pretrained, train, val, device)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -69,6 +70,8 @@ def flops_table(models: Sequence[str], methods: Sequence[tuple[str, Method]],
     for name, make, saved in dense_models(models):
         if saved is not None:
             rows.append((name, SAVED, flops(saved, img_size)))
+        with torch.device("meta"):  # what every row is a share of (an isoFLOP row's own model has fewer blocks)
+            dense_macs = flops(make(), img_size).macs
         for label, method in methods:
             with torch.device("meta"), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a fold capacity below its floor: floor_notes says so, at this size
@@ -77,7 +80,7 @@ def flops_table(models: Sequence[str], methods: Sequence[tuple[str, Method]],
                     model = TokenMerging(r=tuple(schedule_for_cost(model, method.cost, img_size))).apply(model)
                 else:
                     model = method.apply(model)
-            rows.append((name, label, flops(model, img_size)))
+            rows.append((name, label, dataclasses.replace(flops(model, img_size), dense_macs=dense_macs)))
     return rows
 
 

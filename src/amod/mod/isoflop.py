@@ -49,6 +49,11 @@ def isoflop_baseline(
             dense timm ViT (copied, not changed).
         capacity, layers, router: the MoD setup to match (as in ``amod.convert``).
         img_size: the input size at which costs are matched; defaults to the model's.
+
+    Returns:
+        the baseline, whose ``amod_isoflop`` holds ``kept_blocks``, the MoD model's MACs (``mod_macs``), its own
+        (``macs``) and the dense model's it was cut from (``dense_macs``: ``flops(baseline).ratio`` is 1, a share of
+        its own dense MACs; ``macs / dense_macs`` is its share of the model it replaces).
     """
     if isinstance(name_or_model, str):
         dense = timm.create_model(name_or_model, pretrained=pretrained, **create_kwargs)
@@ -58,6 +63,7 @@ def isoflop_baseline(
         dense = copy.deepcopy(name_or_model)
     mod = convert(copy.deepcopy(dense), router=router, capacity=capacity, layers=layers)
     target = flops(mod, img_size).macs
+    dense_macs = flops(dense, img_size).macs  # what the baseline is the baseline of (the model it is cut from)
     depth = len(dense.blocks)
     new_depth = min(depth, isoflop_depth(dense, target, img_size))
     keep = kept_block_indices(depth, new_depth)
@@ -69,5 +75,5 @@ def isoflop_baseline(
             "integer depth cannot match closer at this size", stacklevel=2)
     # the MoD setup it matches (``amod.methods.IsoFLOP.of_model`` reads it; a loaded file has only these) and the match
     dense.amod_isoflop = {"router": router, "capacity": capacity, "layers": layers if isinstance(layers, str) else
-                          list(layers), "kept_blocks": keep, "mod_macs": target, "macs": got}
+                          list(layers), "kept_blocks": keep, "mod_macs": target, "macs": got, "dense_macs": dense_macs}
     return dense

@@ -23,7 +23,7 @@ from ..mod.modes import skipped_mode
 from . import engine
 from .any_cost import NEEDS_MOD
 from .distill import Distillation
-from .models import checkpoint_architecture
+from .models import checkpoint_architecture, saved_method
 
 # Fields that only mean something for an MoD model (a router given).
 MOD_ONLY = ("capacity", "layers", "scale_output", "router_seed", "skipped", "protect", "shape")
@@ -257,6 +257,29 @@ def mod_options_without_router(given: dict[str, Any], router: Optional[str], iso
         _refuse_ignored(given, MOD_ONLY, "an MoD model; add --router (attention, standard, ...) or leave it out")
 
 
+def mod_options_of_a_saved_method(cfg: RunConfig, given: dict[str, Any]) -> RunConfig:
+    """``cfg`` with the method of its ``--checkpoint`` written in where MoD options are given without a method (no
+    --router) and the file runs MoD or fold: ``--capacity`` is then the capacity it runs at (as ``amod eval
+    --capacity`` turns the dial). The options that would rebuild its blocks (``--layers``, ``--skipped``, ...) are
+    refused, and so is any MoD option for a file that runs another method (ToMe, PiToMe); a dense file, or any other,
+    is left to ``mod_options_without_router``."""
+    asked = [k for k in MOD_ONLY if k in given]
+    if not asked or cfg.router is not None or cfg.isoflop or cfg.method_spec is not None or not cfg.checkpoint:
+        return cfg
+    saved = saved_method(cfg.checkpoint)
+    if saved is None or isinstance(saved, Dense):
+        return cfg
+    flags = ", ".join(f"--{_flag(k)}" for k in asked)
+    if not isinstance(saved, MoD):
+        raise ValueError(f"{flags} only {'applies' if len(asked) == 1 else 'apply'} to an MoD model; {cfg.checkpoint} "
+                         f"runs {saved.label()}: drop {flags}")
+    fixed = [f"--{_flag(k)}" for k in asked if k != "capacity"]
+    if fixed:
+        raise ValueError(f"{cfg.checkpoint} already runs {saved.label()}, which {', '.join(fixed)} cannot change (only "
+                         f"--capacity turns its dial): drop {', '.join(fixed)}")
+    return dataclasses.replace(cfg, **{**saved.run_fields(), "capacity": cfg.capacity}).validate()
+
+
 def method_spec_alone(given: dict[str, Any]) -> None:
     """Refuse ``--method`` given with the options of a method (``--router``, ``--tome-cost``, ...): one names it."""
     if given.get("method_spec") is not None:
@@ -289,6 +312,8 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
         raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
     method_spec_alone({**yaml_values, **flags})
+    if not resume:
+        cfg = mod_options_of_a_saved_method(cfg, {**yaml_values, **flags})
     mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
     distill_options_without_distill({**yaml_values, **flags}, cfg.distill, cfg.teacher)
     if not resume and "model" in {**yaml_values, **flags} and cfg.checkpoint:

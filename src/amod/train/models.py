@@ -16,9 +16,10 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from torch import nn
 
 from .. import files
-from ..families import claimed
-from ..methods import Dense, MoD, method_from_metadata, method_from_run_fields, method_of
+from ..families import claimed, family_of
+from ..methods import Dense, Method, MoD, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
+from ..mod.convert import set_capacity
 from ..checkpoint import load as load_amod, read_metadata, skeleton as skeleton_of_file
 
 log = logging.getLogger("amod")
@@ -94,24 +95,19 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path, hin
 
 
 def fit_to_data(model: nn.Module, in_chans: int, img_size: int) -> nn.Module:
-    """Adapt a loaded ViT to the data, in place: its patch embedding to ``in_chans`` channels (timm's
-    ``adapt_input_conv``: e.g. an RGB model sums its filters for grayscale images, which is the same as
-    feeding the gray image three times), and its position grid to ``img_size`` (resampled once, bicubic
-    without antialiasing: ``amod.arch.set_input_size``). Each change is logged."""
-    proj = model.patch_embed.proj
-    if proj.in_channels != in_chans:
-        weight = adapt_input_conv(in_chans, proj.weight.detach())
-        new = nn.Conv2d(in_chans, proj.out_channels, proj.kernel_size, proj.stride, proj.padding,
-                        bias=proj.bias is not None).to(weight.device, weight.dtype)
-        with torch.no_grad():
-            new.weight.copy_(weight)
-            if proj.bias is not None:
-                new.bias.copy_(proj.bias)
-        model.patch_embed.proj = new
-        log.info("patch embedding adapted from %d to %d input channels", proj.in_channels, in_chans)
+    """Adapt a loaded ViT to the data, in place, through its family: its patch embedding to ``in_chans`` channels
+    (``set_input_channels``; a timm model's filters by timm's ``adapt_input_conv``: e.g. an RGB model sums its filters
+    for grayscale images, which is the same as feeding the gray image three times), and its position grid to
+    ``img_size`` (``set_input_size``; a timm model's resampled once, bicubic without antialiasing:
+    ``amod.arch.set_input_size``). Each change is logged; a family that cannot make one refuses it (ValueError)."""
+    family = family_of(model)
+    chans = model.patch_embed.proj.in_channels
+    if chans != in_chans:
+        family.set_input_channels(model, in_chans)
+        log.info("patch embedding adapted from %d to %d input channels", chans, in_chans)
     if tuple(model.patch_embed.img_size) != (img_size, img_size):
         old = model.patch_embed.img_size[0]
-        set_input_size(model, img_size)
+        family.set_input_size(model, img_size)
         log.info("position grid resampled from %d px to %d px (bicubic, no antialiasing)", old, img_size)
     return model
 
@@ -197,6 +193,15 @@ def checkpoint_architecture(path: Any) -> Optional[tuple[str, dict[str, Any]]]:
         return None
 
 
+def saved_method(path: Any) -> Optional[Method]:
+    """The method a model saved by amod runs (``Dense`` for a dense one); None for any other file or a path that is not
+    a file (``build_model`` says what is wrong with those)."""
+    path = Path(path)
+    if not path.is_file() or not _is_amod_file(path):
+        return None
+    return method_from_metadata(read_metadata(path))
+
+
 def checkpoint_settings(cfg: Any) -> dict[str, Any]:
     """The run-config fields that a model saved by amod (``cfg.checkpoint``) decides, with its values:
     the architecture (model, patch_size, depth, embed_dim, num_heads) and, when ``cfg`` selects no
@@ -229,6 +234,16 @@ def checkpoint_settings(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if getattr(cfg, k) != v}
 
 
+def check_trainable(model: nn.Module, source: str) -> nn.Module:
+    """``model`` if amod's classifier training takes it (its family is ``trainable``); a ValueError naming
+    ``source`` otherwise (e.g. a Hugging Face model saved by amod: it has no timm classifier to train)."""
+    family = family_of(model)
+    if not family.trainable:
+        raise ValueError(f"{source} holds a {family.models} model, which amod's training does not take (it trains "
+                         "timm models); amod compare and amod frontier measure it without training")
+    return model
+
+
 def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
     """The model of a run, before any training.
 
@@ -243,10 +258,11 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         if _is_amod_file(path):
-            model = fit_to_data(load_amod(path), in_chans, img_size)  # an amod file knows its architecture
+            model = load_amod(path)  # an amod file knows its architecture
+            fit_to_data(check_trainable(model, f"checkpoint {path}"), in_chans, img_size)
         else:
             model, _ = _from_weights_file(cfg, path, num_classes, in_chans, img_size)
-        if model.num_classes != num_classes:
+        if family_of(model).num_classes(model) != num_classes:
             model.reset_classifier(num_classes)
             log.info("classifier reset to %d classes", num_classes)
     else:
@@ -262,9 +278,15 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         method = dataclasses.replace(method, seed=running.seed)  # --seed alone does not reseed a saved router
     if isinstance(method, Dense) or (type(method) is type(running) and method.run_fields() == running.run_fields()):
         return model  # a checkpoint keeps the method it was saved with (``checkpoint_settings`` records it)
+    if isinstance(running, MoD) and type(method) is type(running) and \
+            {**method.run_fields(), "capacity": running.capacity} == running.run_fields():
+        set_capacity(model, method.capacity)  # its method at another capacity: the dial, as amod eval --capacity turns it
+        log.info("capacity set from %g to %g", running.capacity, method.capacity)
+        return model
     if not isinstance(running, Dense):
+        dial = " (--capacity alone sets its capacity)" if isinstance(running, MoD) else ""
         raise ValueError(f"the checkpoint already runs {running.label()}; drop the method options "
-                         "(--router, --tome-cost, ...) to keep it")
+                         f"(--router, --tome-cost, ...) to keep it{dial}")
     return method.apply(model)
 
 
@@ -280,7 +302,7 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
         if not path.is_file():
             raise FileNotFoundError(f"no teacher at {path}")
         if _is_amod_file(path):
-            teacher = fit_to_data(load_amod(path), in_chans, img_size)
+            teacher = fit_to_data(check_trainable(load_amod(path), f"the teacher {path}"), in_chans, img_size)
         else:
             teacher, head_loaded = _from_weights_file(cfg, path, num_classes, in_chans, img_size, TEACHER_HINT)
             if not head_loaded and cfg.distill_logits > 0:
@@ -303,9 +325,10 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
                              "data), or distil features alone (--distill-logits 0 --distill-features 1)")
     if not isinstance(method_of(teacher), Dense):
         raise ValueError(f"the teacher ({source}) runs {method_of(teacher).label()}; distil from a dense model")
-    if getattr(teacher, "num_classes", None) != num_classes and cfg.distill_logits > 0:
-        raise ValueError(f"the teacher ({source}) has {getattr(teacher, 'num_classes', None)} classes and the data "
-                         f"{num_classes}: distil from a teacher trained on the same classes")
+    classes = family_of(teacher).num_classes(teacher)
+    if classes != num_classes and cfg.distill_logits > 0:
+        raise ValueError(f"the teacher ({source}) has {classes} classes and the data {num_classes}: distil from a "
+                         "teacher trained on the same classes")
     return teacher
 
 
@@ -324,7 +347,10 @@ def _trained_head(cfg: Any, num_classes: int) -> bool:
     ``_from_weights_file``)."""
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
-        return _is_amod_file(path) and skeleton_of_file(path).num_classes == num_classes
+        if not _is_amod_file(path):
+            return False
+        model = skeleton_of_file(path)
+        return family_of(model).num_classes(model) == num_classes
     if cfg.pretrained:
         pretrained = timm.models.get_pretrained_cfg(cfg.model)
         return pretrained is not None and pretrained.num_classes == num_classes

@@ -110,6 +110,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
     ckpt_path = out / "checkpoint.pt"
     start_epoch = 1 if state is None else state["epoch"] + 1
     cost = flops(model)
+    ratio = _share_of_dense(model, cost)
     optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay), lr=cfg.lr)
     steps_per_epoch = len(engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, 0, dist_info))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(
@@ -132,7 +133,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         else:
             writer.truncate_after(state["epoch"])
     log.info("%s: %s on %s (%d train / %d val images), %.4f GMACs per image (%.3f of dense)", out,
-             cfg.method().label(), info.name, len(train_ds), len(val_ds), cost.gmacs, cost.ratio)
+             cfg.method().label(), info.name, len(train_ds), len(val_ds), cost.gmacs, ratio)
 
     bad_images = engine.BadImages(skip=cfg.skip_bad_images)
     val_loader = engine.make_loader(val_ds, cfg.eval_batch_size, False, cfg.seed, 0, dist_info, cfg.workers)
@@ -174,7 +175,14 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         last_saved = epoch
     if bad_images.paths:
         log.warning("skipped %d unreadable images (first: %s)", len(bad_images.paths), next(iter(bad_images.paths)))
-    return _summary(cfg, out, cost, dist_info, _rank_checksums(model, dist_info), len(bad_images.paths))
+    return _summary(cfg, out, cost.macs, ratio, dist_info, _rank_checksums(model, dist_info), len(bad_images.paths))
+
+
+def _share_of_dense(model: torch.nn.Module, cost: Any) -> float:
+    """The run's MACs as a share of the dense model it started from: an isoFLOP baseline's over the deeper model it
+    was cut from (``amod_isoflop``; its own ``cost.ratio`` is 1), any other model's ``cost.ratio``."""
+    cut = getattr(model, "amod_isoflop", None)
+    return cost.macs / cut["dense_macs"] if cut else cost.ratio
 
 
 def _check_finite(model: torch.nn.Module, metrics: dict[str, float], epoch: int) -> None:
@@ -200,11 +208,11 @@ def _rank_checksums(model: torch.nn.Module, dist_info: engine.Dist) -> list[floa
     return gathered
 
 
-def _summary(cfg: RunConfig, out: Path, cost: Any, dist_info: engine.Dist, checksums: list[float],
+def _summary(cfg: RunConfig, out: Path, macs: int, ratio: float, dist_info: engine.Dist, checksums: list[float],
              skipped_images: int) -> dict[str, Any]:
     rows = engine.read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
     last = rows[-1] if rows else {}
-    summary = {"variant": cfg.method().label(), "epochs": cfg.epochs, "macs": cost.macs, "flop_ratio": cost.ratio,
+    summary = {"variant": cfg.method().label(), "epochs": cfg.epochs, "macs": macs, "flop_ratio": ratio,
                "val_top1": last.get("val_top1"), "val_top5": last.get("val_top5"), "val_loss": last.get("val_loss"),
                "val_images": last.get("val_images"), "skipped_images": skipped_images,
                "out": str(out), "world_size": dist_info.world, "rank_weight_checksums": checksums}
