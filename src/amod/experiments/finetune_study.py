@@ -148,8 +148,9 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         except UnreadableFileError as e:
             raise ValueError(f"{e}; remove it to run {name} at cost {cost:g} (seed {seed}) again from step 0") from None
         # (the rows of the evaluations up to the state's step are written before it: a state without them is not used)
-        if state.get("fingerprint") == rows.fingerprint and all(
-                rows.get(seed, p.cost_target, name, amp, s) for p in evaluated for s in eval_steps if s <= state["step"]):
+        if state.get("fingerprint") == rows.fingerprint and all(rows.get(seed, p.cost_target, name, amp, s)
+                                                                for p in evaluated for s in eval_steps
+                                                                if s <= state["step"]):
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
@@ -543,9 +544,10 @@ def speeds_of(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned], dev
         log.info("the timing of %d models at batch %d, finished before, reused (%s)", len(models), cfg.speed_batch,
                  rounds)
     else:
-        log.info("timing %d models interleaved at batch %d: 2 warm-up rounds, then %d rounds%s", len(models),
-                 cfg.speed_batch, cfg.speed_repeats - reused, f" (and {reused} saved in {rounds.name})" if reused
-                 else "")
+        missing = cfg.speed_repeats - reused
+        log.info("timing %d models interleaved at batch %d: 2 warm-up rounds, then %d round%s%s", len(models),
+                 cfg.speed_batch, missing, "" if missing == 1 else "s",
+                 f" (and {reused} saved in {rounds.name})" if reused else "")
     timed = time_models(models, x, repeats=cfg.speed_repeats, warmup=2, rounds=saved)
     return {label(p): timed[same[label(p)]]["images_per_s"] for p in planned}
 
