@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when i
 from _common import ensure_tunables, machine  # noqa: E402
 
 import amod  # noqa: E402
-from amod.experiments.bench import time_callables, time_models  # noqa: E402
+from amod.experiments.bench import same_setting_as, time_callables, time_models  # noqa: E402
 from amod.files import dumps, write_json, write_text  # noqa: E402
 from amod.ops import attention_scores_explicit, attention_with_scores  # noqa: E402
 
@@ -792,34 +792,35 @@ def frontier_models(spec: dict[str, Any], s: dict[str, Any], only: Optional[list
                     ) -> tuple[dict[str, nn.Module], dict[str, dict[str, Any]]]:
     """Dense and every (method, cost) point of section 5 on ``spec`` (``only``: these points), on the CPU, and each
     point's record: its cost, setting, where the setting comes from, and the CPU frontier's accuracy where the point
-    is that frontier's own computation. A point whose setting repeats an earlier one of its method (a cost below its
-    floor) is recorded as such and not built twice."""
+    is that frontier's own computation. A point whose setting repeats an earlier point's, of its method (a cost below
+    its floor) or of another, is recorded as such (``same_as``) and not built or timed twice: ``same_setting_as``, the
+    rule by which `amod frontier` times."""
     rows_cpu = cpu_frontier_rows()
     same_model = spec["name"] == s["cpu_frontier_model"]
     dense = build_model(spec)
     points: dict[str, dict[str, Any]] = {}
-    models: dict[str, nn.Module] = {"dense": dense}
-    built: dict[str, str] = {}  # repr(method) -> the point that has it
+    methods: dict[str, amod.Method] = {}
     for name in s["methods"]:
         for cost in s["costs"]:
             key = f"{name} @ {cost:g}"
             if only is not None and key not in only:
                 continue
             try:
-                method, source = frontier_method(name, dense, cost, rows_cpu, same_model)
+                methods[key], source = frontier_method(name, dense, cost, rows_cpu, same_model)
             except ValueError as e:
                 points[key] = {"method": name, "cost_target": cost, "error": str(e)}
                 continue
             cpu = next((r for r in rows_cpu if same_model and r["method"] == name and r["cost_target"] == cost
-                        and r["method_repr"] == repr(method)), None)
-            points[key] = {"method": name, "cost_target": cost, "setting": repr(method), "source": source,
+                        and r["method_repr"] == repr(methods[key])), None)
+            points[key] = {"method": name, "cost_target": cost, "setting": repr(methods[key]), "source": source,
                            "cpu_top1": None if cpu is None else cpu["top1"]}
-            if repr(method) in built:
-                points[key]["same_as"] = built[repr(method)]
-                continue
-            built[repr(method)] = key
-            models[key] = method.apply(copy.deepcopy(dense)).eval()
-            points[key]["cost"] = amod.flops(models[key]).ratio
+    models: dict[str, nn.Module] = {"dense": dense}
+    for key, first in same_setting_as({k: repr(m) for k, m in methods.items()}).items():  # (amod frontier's rule)
+        if first != key:
+            points[key]["same_as"] = first
+            continue
+        models[key] = methods[key].apply(copy.deepcopy(dense)).eval()
+        points[key]["cost"] = amod.flops(models[key]).ratio
     return models, points
 
 

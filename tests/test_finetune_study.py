@@ -1,7 +1,9 @@
 """The matched-cost finetune study on a backbone (`amod study --checkpoint BACKBONE`) and the real-model demo,
 on a small random backbone: the probe's head, matched costs, resume after a kill, the report."""
+import collections
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -220,17 +222,82 @@ def test_report_only_without_evaluations_says_so_and_does_nothing(backbone_path,
         assert sorted(out.iterdir()) == [] if out.exists() else out.name == "missing"
 
 
-def test_the_demo_on_a_backbone(backbone_path, tmp_path, capsys):
-    out = tmp_path / "demo"
-    assert amod_main(["demo", "--checkpoint", str(backbone_path), "--quick", "--out", str(out)]) == 0
-    text = (out / "report.md").read_text()
+class Killed(BaseException):
+    """A kill at a chosen point of a demo run in this process (nothing of amod catches it)."""
+
+
+def test_the_demo_on_a_backbone_and_a_killed_demo_goes_on_where_it_stopped(backbone_path, tmp_path, monkeypatch):
+    """The whole demo; then one killed in its timing and again in its finetune (a state saved after every step in
+    --quick) and run on: the second sitting times only the round the first did not save, the third times nothing and
+    goes on from step 3, and every evaluation, down to each image and the training loss, is the uninterrupted run's."""
+    from amod.experiments import bench
+    from amod.train import engine
+
+    calls, starts, kill = collections.Counter(), [], {}
+    time_callables, train_steps = bench.time_callables, engine.train_steps
+
+    def counted(fns, *args, **kwargs):  # each timed call counted by model; the kill["call"]-th one killed
+        def count(name, fn):
+            def run():
+                calls[name] += 1
+                if sum(calls.values()) == kill.get("call"):
+                    raise Killed
+                return fn()
+            return run
+        return time_callables({n: count(n, f) for n, f in fns.items()}, *args, **kwargs)
+
+    def stepped(*args, on_step, step, **kwargs):  # a kill right after step kill["step"] (its on_step done)
+        def on(done, out):
+            on_step(done, out)
+            if done == kill.get("step"):
+                raise Killed
+        starts.append(step)
+        return train_steps(*args, on_step=on, step=step, **kwargs)
+
+    monkeypatch.setattr(bench, "time_callables", counted)
+    monkeypatch.setattr(engine, "train_steps", stepped)
+
+    def demo(out):
+        calls.clear()
+        return amod_main(["demo", "--checkpoint", str(backbone_path), "--quick", "--out", str(out)])
+
+    whole = tmp_path / "demo"
+    assert demo(whole) == 0
+    text = (whole / "report.md").read_text()
     for cost in ("0.56", "0.4"):
         for name in ("ToMe", "A-MoD fold", "A-MoD (paper)"):
             assert f"| {cost} | {name} |" in text
     assert "| 1 | dense |" in text and "Wall time:" in text and "Finetune of the best reduced model" in text
-    data = json.loads((out / "report.json").read_text())
+    data = json.loads((whole / "report.json").read_text())
     assert [e["step"] for e in data["finetune"]["evals"]] == [2, 4]
     assert all(r["images_per_s"] > 0 for r in data["rows"])
+    models = len(calls)  # each distinct model, 2 warm-up and 2 kept rounds (--quick)
+    assert set(calls.values()) == {4} and starts == [0]
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    for cache in [*whole.glob("dense_features_*.pt"), *whole.glob("dense_probe_*.pt")]:  # (no second probe fit)
+        shutil.copy(cache, killed / cache.name)
+    kill.update(call=3 * models + 2)  # in the second kept round
+    with pytest.raises(Killed):
+        demo(killed)
+    kill.update(call=None, step=3)
+    with pytest.raises(Killed):
+        demo(killed)
+    assert set(calls.values()) == {3}  # the warm-up rounds again, then the one round missing
+    kill.clear()
+    assert demo(killed) == 0
+    assert not calls and starts[-1] == 3  # nothing timed again; the finetune went on after step 3
+    assert not list(killed.glob("finetune/state.pt"))
+
+    def evaluations(out):
+        return {(r["seed"], r["cost_target"], r["method"], r["step"]): (r["top1"], r["correct"], r.get("train_loss"))
+                for r in map(json.loads, (out / "evals.jsonl").read_text().splitlines())}
+
+    assert evaluations(killed) == evaluations(whole)
+    (rounds,) = killed.glob("speed_rounds_*.jsonl")
+    assert len(rounds.read_text().splitlines()) == 2
+    assert all(r["images_per_s"] > 0 for r in json.loads((killed / "report.json").read_text())["rows"])
 
 
 def test_study_on_a_model_with_a_classifier_refuses_study_flags_it_cannot_use(tmp_path, capsys):

@@ -81,6 +81,33 @@ def test_compile_times_every_model_compiled_and_says_how_long_each_took(backbone
         assert all(r["speed"][b]["compile_s"] > 0 and r["speed"][b]["images_per_s"] > 0 for b in ("2", "1"))
 
 
+def test_points_of_one_setting_are_timed_once_and_share_one_speed_up(backbone_path, tmp_path, capsys, monkeypatch):
+    """ToMe and the registered tome are one method: at each cost they resolve to one model, timed once, one speed-up
+    for both rows. ToMe at 0.48 and 0.5 reach the same r on this backbone: measured once, and the report says so."""
+    from amod.experiments import bench
+
+    timed, time_callables = [], bench.time_callables
+    monkeypatch.setattr(bench, "time_callables", lambda fns, *a, **k: timed.append(list(fns)) or time_callables(
+        fns, *a, **k))
+    out = tmp_path / "frontier"
+    argv = ["frontier", "--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.48", "0.5", "0.8",
+            "--probe-train", "20", "--val-limit", "8", "--speed-batch", "2", "--speed-repeats", "1", "--speedups",
+            "1.05", "--methods", "ToMe", "tome", "--out", str(out)]
+    res = cli_in_process(argv, capsys)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert timed == [["dense", "ToMe @ 0.48", "ToMe @ 0.8"]]
+    data = json.loads((out / "frontier.json").read_text())
+    rows = {(r["method"], r["cost_target"]): r for r in data["rows"]}
+    assert set(rows) == {(m, c) for m in ("ToMe", "tome") for c in (0.48, 0.8)}  # (0.5: the setting of 0.48)
+    for cost in (0.48, 0.8):
+        assert rows[("tome", cost)]["speed"] == rows[("ToMe", cost)]["speed"]
+        assert rows[("tome", cost)]["timed_as"] == f"ToMe @ {cost:g}" and "timed_as" not in rows[("ToMe", cost)]
+    assert data["same_setting"] == {"ToMe @ 0.5": "ToMe @ 0.48", "tome @ 0.48": "ToMe @ 0.48",
+                                    "tome @ 0.5": "ToMe @ 0.48", "tome @ 0.8": "ToMe @ 0.8"}
+    assert ("Points of one setting are one model, timed once: ToMe @ 0.5 is ToMe @ 0.48 (measured once, no row of its "
+            "own); tome @ 0.48 shares the speed-up of ToMe @ 0.48;") in (out / "frontier.md").read_text()
+
+
 @pytest.mark.parametrize("extra, message", [(["--speedups", "1"], "--speedups must be finite numbers above 1"),
                                             (["--speedups", "inf"], "--speedups must be finite numbers above 1"),
                                             (["--cost", "0"], "--cost must be a number in (0, 1]"),

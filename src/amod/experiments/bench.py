@@ -2,6 +2,7 @@
 alternately in one process, warm-up runs are thrown away, and medians are reported."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -10,6 +11,7 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 from ..cost import flops
 from ..deploy import export, onnx_session
 from ..families import family_of
+from ..files import dumps, read_json_lines
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
 from ..methods import Dense, method_of
@@ -51,8 +54,8 @@ REFERENCE_EVERY = 4  # with a reference, it runs again after every this many oth
 
 @torch.no_grad()
 def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup: int = 2,
-                   device: torch.device = torch.device("cpu"), reference: Optional[str] = None
-                   ) -> dict[str, dict[str, Any]]:
+                   device: torch.device = torch.device("cpu"), reference: Optional[str] = None,
+                   rounds: Optional[TimingRounds] = None) -> dict[str, dict[str, Any]]:
     """Median seconds per call of each callable, measured interleaved: amod's one timing loop.
 
     Round r calls every function once, in a rotating order (so none always goes first), the device synchronised
@@ -65,14 +68,44 @@ def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup:
     and after the call, over the call's own seconds, so that a slow spell of a shared machine touches both sides of
     a ratio) and ``speedup`` (their median); the reference's ``times`` are the median of its runs in each round and
     its ratios 1.
+
+    ``rounds``: where each kept round is saved as it finishes (``TimingRounds``). Every kept round times every
+    callable, so a round is a whole comparison: the kept rounds a killed timing saved are reused, and only the
+    missing ones are run, after ``warmup`` rounds of this sitting (none when no round is missing).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     if reference is not None and reference not in fns:
         raise ValueError(f"the reference {reference!r} is not one of the callables timed ({', '.join(fns)})")
+    kept = list(rounds.rounds[:repeats]) if rounds is not None else []
+    for saved in kept:
+        if set(saved["times"]) != set(fns) or (reference is not None and set(saved.get("ratios", ())) != set(fns)):
+            raise ValueError(f"a saved round of {rounds.path} times {', '.join(saved['times'])}, not "
+                             f"{', '.join(fns)}{' against ' + reference if reference else ''}")
+    if len(kept) < repeats:
+        for r in range(warmup):
+            _round(fns, r, device, reference)
+        for r in range(warmup + len(kept), warmup + repeats):  # (the rotation an unbroken run would use)
+            kept.append(_round(fns, r, device, reference))
+            if rounds is not None:
+                rounds.add(kept[-1])
+    out: dict[str, dict[str, Any]] = {}
+    for n in fns:
+        t = [k["times"][n] for k in kept]
+        median = statistics.median(t)
+        out[n] = {"seconds": median, "spread": (max(t) - min(t)) / median, "times": t}
+        if reference is not None:
+            ratios = [k["ratios"][n] for k in kept]
+            out[n].update(ratios=ratios, speedup=statistics.median(ratios))
+    return out
+
+
+def _round(fns: dict[str, Callable[[], Any]], r: int, device: torch.device, reference: Optional[str]
+           ) -> dict[str, dict[str, float]]:
+    """One round of ``time_callables`` (its ``r``-th, which decides the order): ``{"times": {name: seconds}}``, and
+    with a ``reference`` ``"ratios"`` too."""
     others = [n for n in fns if n != reference]
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    ratios: dict[str, list[float]] = {n: [] for n in fns}
+    order = others[r % len(others):] + others[:r % len(others)] if others else []
 
     def timed(name: str) -> float:
         sync_device(device)
@@ -81,45 +114,70 @@ def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup:
         sync_device(device)
         return time.perf_counter() - start
 
-    for r in range(warmup + repeats):
-        kept = r >= warmup
-        order = others[r % len(others):] + others[:r % len(others)] if others else []
-        if reference is None:
-            for name in order:
-                t = timed(name)
-                if kept:
-                    times[name].append(t)
-            continue
-        before = timed(reference)
-        reference_runs, group = [before], []
-        for i, name in enumerate(order, start=1):
-            group.append((name, timed(name)))
-            if i % REFERENCE_EVERY == 0 or i == len(order):
-                after = timed(reference)
-                reference_runs.append(after)
-                for n, t in group:
-                    if kept:
-                        times[n].append(t)
-                        ratios[n].append((before + after) / 2 / t)
-                before, group = after, []
-        if kept:
-            times[reference].append(statistics.median(reference_runs))
-            ratios[reference].append(1.0)
-    out: dict[str, dict[str, Any]] = {}
-    for n, t in times.items():
-        median = statistics.median(t)
-        out[n] = {"seconds": median, "spread": (max(t) - min(t)) / median, "times": t}
-        if reference is not None:
-            out[n].update(ratios=ratios[n], speedup=statistics.median(ratios[n]))
-    return out
+    if reference is None:
+        return {"times": {name: timed(name) for name in order}}
+    times, ratios = {}, {}
+    before = timed(reference)
+    reference_runs, group = [before], []
+    for i, name in enumerate(order, start=1):
+        group.append((name, timed(name)))
+        if i % REFERENCE_EVERY == 0 or i == len(order):
+            after = timed(reference)
+            reference_runs.append(after)
+            for n, t in group:
+                times[n], ratios[n] = t, (before + after) / 2 / t
+            before, group = after, []
+    times[reference], ratios[reference] = statistics.median(reference_runs), 1.0
+    return {"times": times, "ratios": ratios}
+
+
+class TimingRounds:
+    """The kept rounds of one interleaved timing (``time_callables``'s ``rounds``), each appended to a JSON-lines
+    file as it finishes, so that a killed timing goes on with the rounds it is missing. ``key`` names what the rounds
+    measure (``timing_key``); rows of another key in the file are not read; a torn last line is skipped with a
+    warning and timed again."""
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = Path(path), key
+        self.rounds: list[dict[str, dict[str, float]]] = read_json_lines(
+            self.path, lambda r: {k: r[k] for k in ("times", "ratios") if k in r} if r["key"] == key else None,
+            "a timing round")
+
+    def done(self, repeats: int) -> bool:
+        """Whether ``repeats`` rounds are saved: the timing is finished and times nothing again."""
+        return len(self.rounds) >= repeats
+
+    def add(self, timed: dict[str, dict[str, float]]) -> None:
+        with open(self.path, "a") as f:
+            f.write(dumps({"key": self.key, **timed}) + "\n")
+            f.flush()
+        self.rounds.append(timed)
+
+
+def timing_key(*settings: Any) -> str:
+    """What a timing's rounds depend on, as 16 hex digits: the caller's ``settings`` (the models' settings, the
+    input) with this process's thread count and ``GLIBC_TUNABLES``, so that rounds of another set-up are not mixed
+    into one median."""
+    fields = [*map(str, settings), torch.get_num_threads(), os.environ.get("GLIBC_TUNABLES")]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+
+def same_setting_as(settings: dict[str, Any]) -> dict[str, str]:
+    """{name: the first name whose setting equals its own} of the (name, setting) pairs of ``settings`` (a setting:
+    a method's ``repr``): points that resolve to one model are built and timed once, and share that measurement
+    (every other name maps to itself). The one rule of `amod frontier`, the finetune study's timing and the GPU
+    check."""
+    first: dict[Any, str] = {}
+    return {name: first.setdefault(setting, name) for name, setting in settings.items()}
 
 
 def time_models(models: dict[str, nn.Module], x: torch.Tensor, repeats: int = 10, warmup: int = 2,
-                amp: str = "off", reference: Optional[str] = None, forwards_per_call: int = 1
-                ) -> dict[str, dict[str, Any]]:
+                amp: str = "off", reference: Optional[str] = None, forwards_per_call: int = 1,
+                rounds: Optional[TimingRounds] = None) -> dict[str, dict[str, Any]]:
     """``time_callables`` for models on one batch ``x`` (each call ``forwards_per_call`` forwards under
     ``torch.inference_mode`` and ``amp``'s autocast; several make a batch-1 call long enough to time); adds
-    ``images_per_s``. ``reference``: as ``time_callables`` (ratios to it, round by round)."""
+    ``images_per_s``. ``reference`` and ``rounds``: as ``time_callables`` (ratios to it, round by round; the kept
+    rounds saved as they finish)."""
     for m in models.values():
         m.eval()
 
@@ -131,7 +189,7 @@ def time_models(models: dict[str, nn.Module], x: torch.Tensor, repeats: int = 10
             return out
         return run
 
-    timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, x.device, reference)
+    timed = time_callables({n: call(m) for n, m in models.items()}, repeats, warmup, x.device, reference, rounds)
     for t in timed.values():
         t["images_per_s"] = x.shape[0] * forwards_per_call / t["seconds"]
     return timed

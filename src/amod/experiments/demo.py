@@ -6,8 +6,10 @@
    accuracy on a fixed test subset, cost as a share of dense MACs, and images/s (interleaved).
 3. A short finetune of the best reduced model at the lower cost, evaluated halfway and at the end.
 
-Every measurement is appended to ``evals.jsonl`` as it finishes, so a killed demo continues where it
-stopped. ``amod demo --toy`` runs the paper's comparison on a small ViT pretrained here instead.
+A killed demo continues where it stopped: every accuracy is appended to ``evals.jsonl`` as it finishes, every
+round of the timing to ``speed_rounds_DIGEST.jsonl`` (a restart times only the rounds missing), and the finetune saves
+its state at least every ``FINETUNE_STATE_EVERY_S`` seconds. ``amod demo --toy`` runs the paper's comparison on a
+small ViT pretrained here instead.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from .presets import run_in_directory
 
 log = logging.getLogger("amod")
 DEMO_ARMS = ("dense", "ToMe", "A-MoD fold", REFERENCE)
+FINETUNE_STATE_EVERY_S = 30.0  # a kill loses at most this much of the finetune (a state: weights and AdamW, 245 MiB)
 
 
 @dataclass
@@ -47,10 +50,11 @@ class DemoConfig:
         cfg = FinetuneConfig(checkpoint=checkpoint, out=self.out, img_size=self.img_size, costs=self.costs, seeds=1,
                              steps=self.steps, batch_size=self.batch_size, eval_at=(0.5, 1.0),
                              eval_images=self.eval_images, probe_train=self.probe_train, fp32_check=False,
-                             arms=tuple(a for a in ARMS if a.name in DEMO_ARMS), speed_repeats=5)
-        if self.quick:
+                             arms=tuple(a for a in ARMS if a.name in DEMO_ARMS), speed_repeats=5,
+                             state_every_s=FINETUNE_STATE_EVERY_S)
+        if self.quick:  # (the state after every step: what a test of the resume kills between)
             cfg = dataclasses.replace(cfg, steps=4, eval_images=64, probe_train=64, speed_repeats=2, speed_batch=8,
-                                      img_size=min(self.img_size, 56))
+                                      img_size=min(self.img_size, 56), state_every_s=0.0)
         return cfg.validate()
 
 
@@ -75,7 +79,7 @@ def _run_demo(cfg: DemoConfig, root: Path, started: float) -> Path:
     log.info("step 2/3: dense, ToMe, A-MoD fold and A-MoD at costs %s with zero training, on %d test images",
              ", ".join(f"{c:g}" for c in study.costs), prep.n_test)
     zero = {label(p): zero_training(prep, p, study.amp, device)["top1"] for p in planned}
-    speeds = speeds_of(study, prep.start, planned, device)
+    speeds = speeds_of(study, prep.start, planned, device, root / f"speed_rounds_{prep.digest}.jsonl")
     lowest = min(study.costs)
     best = max((p for p in planned if p.cost_target == lowest and p.arm.name != DENSE), key=lambda p: zero[label(p)])
     log.info("step 3/3: finetune the best reduced model at cost %g, %s, for %d steps of %d images", lowest,

@@ -48,7 +48,7 @@ from ..train.data import DataInfo, TensorImages, build_datasets, collate_checked
 from ..train.distill import Distillation, Teacher, TeacherOutputs, classifiers_of, training_loss
 from ..train.models import fit_to_data
 from ..train.rundir import run_dir_name
-from .bench import time_models
+from .bench import TimingRounds, same_setting_as, time_models, timing_key
 from .calibration import CalibrationCache, calibration_grid
 from .features import dense_features, dense_probe, features_key
 from .finetune_study_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
@@ -124,7 +124,8 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
                  distilled: Optional[Distilled] = None, also: tuple[Planned, ...] = (),
                  keep: Optional[Path] = None) -> None:
     """Finetune ``planned`` from ``start`` for its steps (the arm's, else ``cfg.steps``), evaluating at
-    ``cfg.eval_steps``; resumes from ``run_dir/state.pt`` (the state at the last evaluation) when there is one.
+    ``cfg.eval_steps``; resumes from ``run_dir/state.pt`` when there is one: the state saved at the last evaluation,
+    or later where ``cfg.state_every_s`` passed since (a resumed run draws the same random numbers as an unbroken one).
 
     ``distilled``: the teacher of a distilled arm. ``also``: the same arm at other costs, evaluated on the same
     model (an any-cost arm: its capacity is drawn per step). ``keep``: save the final model there (the teacher)."""
@@ -147,7 +148,10 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
             state = load_torch(state_path)
         except UnreadableFileError as e:
             raise ValueError(f"{e}; remove it to run {name} at cost {cost:g} (seed {seed}) again from step 0") from None
-        if state.get("fingerprint") == rows.fingerprint and rows.get(seed, cost, name, amp, state["step"]):
+        # (the rows of the evaluations up to the state's step are written before it: a state without them is not used)
+        if state.get("fingerprint") == rows.fingerprint and all(rows.get(seed, p.cost_target, name, amp, s)
+                                                                for p in evaluated for s in eval_steps
+                                                                if s <= state["step"]):
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
@@ -177,12 +181,16 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         return engine.StepLoss(loss, len(y))
 
     started, seen = time.perf_counter(), 0
+    saved = started  # when the state was last saved (or the run started, or resumed)
 
     def on_step(done: int, out: engine.StepLoss) -> None:
-        """At an evaluation step: a row per evaluated cost, then the run's state (kill-safe: rows first)."""
-        nonlocal started, seen
+        """At an evaluation step: a row per evaluated cost, then the run's state (kill-safe: rows first); between
+        them, the state alone once ``cfg.state_every_s`` passed since it was last saved."""
+        nonlocal started, seen, saved
         seen += out.images
         if done not in eval_steps:
+            if cfg.state_every_s is not None and time.perf_counter() - saved >= cfg.state_every_s:
+                save_state(done)
             return
         train_s = time.perf_counter() - started
         for p in evaluated:
@@ -196,14 +204,22 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
             log.info("    step %d/%d%s: top-1 %.4f (%.1f training images/s)", done, steps,
                      f" at cost {p.cost_target:g}" if also else "", correct.double().mean().item(),
                      seen / max(train_s, 1e-9))
-        if distilled is not None and distilled.outputs is not None:
-            distilled.outputs.flush()
         if done < steps:
-            torch_save({"fingerprint": rows.fingerprint, "step": done, "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                        "router": engine.router_state(model), "rng": engine.rng_state()}, state_path)
+            save_state(done)
+        elif distilled is not None and distilled.outputs is not None:
+            distilled.outputs.flush()
         model.train()
         started, seen = time.perf_counter(), 0
+
+    def save_state(done: int) -> None:
+        """What a resumed run needs to go on from step ``done`` as an unbroken one (the teacher's outputs first)."""
+        nonlocal saved
+        if distilled is not None and distilled.outputs is not None:
+            distilled.outputs.flush()
+        torch_save({"fingerprint": rows.fingerprint, "step": done, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "router": engine.router_state(model), "rng": engine.rng_state()}, state_path)
+        saved = time.perf_counter()
 
     engine.train_steps(model, engine.image_batches(_train_batches(train, order, step, cfg.batch_size)), optimizer,
                        scheduler, loss_fn, device=device, amp=amp, clip_grad=1.0, step=step, steps=steps,
@@ -386,7 +402,8 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
             for seed, p, amp, also in _runs(cfg, planned, seeds):
                 _run_one(cfg, prep, root, device, p, seed, amp, also, distilled if p.arm.distill else None)
         planned = plan(cfg, prep.start, calibrated, prep.rows)
-    speeds = saved_speeds(root) if cfg.report_only else speeds_of(cfg, prep.start, planned, device)
+    speeds = saved_speeds(root) if cfg.report_only else \
+        speeds_of(cfg, prep.start, planned, device, root / f"speed_rounds_{prep.digest}.jsonl")
     report = write_report(root, cfg, Path(cfg.checkpoint).expanduser(), planned, prep.rows, speeds, prep.n_test,
                           prep.probe)
     log.info("finetune study finished in %.0f s (this sitting)", time.perf_counter() - started)
@@ -510,17 +527,32 @@ def _older_calibrations(path: Path, digest: str, grid: str) -> dict[tuple[str, f
     return rows
 
 
-def speeds_of(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned], device: torch.device) -> dict[str, float]:
+def speeds_of(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned], device: torch.device,
+              rounds: Optional[Path] = None) -> dict[str, float]:
     """Inference images/s of every (cost, arm) architecture, all interleaved in one process (an architecture that
-    several arms share, trained differently, is timed once)."""
-    distinct: dict[str, Planned] = {}
-    for p in planned:
-        distinct.setdefault(repr(p.method), p)
-    models = {key: p.method.apply(copy.deepcopy(start)).eval().to(device) for key, p in distinct.items()}
+    several arms share, trained differently, is timed once: ``same_setting_as``).
+
+    ``rounds``: a JSON-lines file where each kept round of the timing is saved as it finishes (``TimingRounds``): a
+    killed timing goes on with the rounds it is missing, and a finished one times nothing again."""
+    settings = {label(p): repr(p.method) for p in planned}
+    same = same_setting_as(settings)
+    models = {key: p.method.apply(copy.deepcopy(start)).eval().to(device) for p in planned
+              if same[key := label(p)] == key}
     x = torch.randn(cfg.speed_batch, start.patch_embed.proj.in_channels, cfg.img_size, cfg.img_size,
                     generator=torch.Generator().manual_seed(0)).to(device)
-    timed = time_models(models, x, repeats=cfg.speed_repeats, warmup=2)
-    return {label(p): timed[repr(p.method)]["images_per_s"] for p in planned}
+    saved = None if rounds is None else \
+        TimingRounds(rounds, timing_key({k: settings[k] for k in models}, tuple(x.shape), device.type))
+    reused = min(len(saved.rounds), cfg.speed_repeats) if saved else 0
+    if reused == cfg.speed_repeats:
+        log.info("the timing of %d models at batch %d, finished before, reused (%s)", len(models), cfg.speed_batch,
+                 rounds)
+    else:
+        missing = cfg.speed_repeats - reused
+        log.info("timing %d models interleaved at batch %d: 2 warm-up rounds, then %d round%s%s", len(models),
+                 cfg.speed_batch, missing, "" if missing == 1 else "s",
+                 f" (and {reused} saved in {rounds.name})" if reused else "")
+    timed = time_models(models, x, repeats=cfg.speed_repeats, warmup=2, rounds=saved)
+    return {label(p): timed[same[label(p)]]["images_per_s"] for p in planned}
 
 
 def saved_speeds(root: Path) -> dict[str, float]:

@@ -80,6 +80,9 @@ class FinetuneConfig:
     arms: tuple[Arm, ...] = field(default=ARMS)
     speed_batch: int = 32
     speed_repeats: int = 5
+    # also save a run's state between its evaluations once this many seconds of training passed since the last save
+    # (None: at its evaluations only), so that a kill loses at most that much of it; results do not depend on it
+    state_every_s: Optional[float] = None
     report_only: bool = False  # write the report from the finished evaluations; train nothing
     # the distilled arms: the loss's weights, and the teacher (None: the study's dense run of seed 0, kept)
     distillation: Distillation = field(default_factory=Distillation)
@@ -105,6 +108,8 @@ class FinetuneConfig:
             raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.state_every_s is not None and not self.state_every_s >= 0:
+            raise ValueError(f"state_every_s must be None or at least 0 seconds, got {self.state_every_s}")
         self.distillation.validate()
         return self
 

@@ -40,7 +40,7 @@ from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES
 from .arms import Arm, select
-from .bench import IMPLAUSIBLE_NOTE, resolve_device, speedup_text, time_models, warn_implausible
+from .bench import IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models, warn_implausible
 from .calibration import CalibrationCache, calibration_grid
 from .compare import check_inputs
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
@@ -190,13 +190,18 @@ def _run(cfg: FrontierConfig, root: Path) -> Path:
                  **_scores(probe, cached["test"], cached["test_labels"]), "cosine": 1.0}
     log.info("dense model %s at %d px: probe top-1 %.4f on %d test images", cfg.checkpoint, img_size,
              dense_row["top1"], len(val))
-    rows = _measure(cfg, root, key, probe, dense, cached, train, val, device)
-    models = {"dense": dense, **{_key(r): r.pop("model") for r in rows}}
+    rows, same = _measure(cfg, root, key, probe, dense, cached, train, val, device)
+    models = {"dense": dense, **{_key(r): r["model"] for r in rows if same[_key(r)] == _key(r)}}
+    for r in rows:
+        del r["model"]
     speeds = _time(cfg, models, device)
-    for r in [dense_row, *rows]:
-        r["speed"] = speeds[_key(r) if r is not dense_row else "dense"]
+    dense_row["speed"] = speeds["dense"]
+    for r in rows:  # a point of another's setting shares its measurement: one model, one speed-up
+        r["speed"] = copy.deepcopy(speeds[same[_key(r)]])
+        if same[_key(r)] != _key(r):
+            r["timed_as"] = same[_key(r)]
     flag_implausible(rows, cfg.speed_batches)
-    return _write_report(root, cfg, info.name, len(train), len(val), img_size, dense_row, rows)
+    return _write_report(root, cfg, info.name, len(train), len(val), img_size, dense_row, rows, same)
 
 
 def _key(row: dict[str, Any]) -> str:
@@ -225,10 +230,12 @@ def _scores(probe: LinearProbe, feats: torch.Tensor, labels: torch.Tensor) -> di
 
 
 def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dense: torch.nn.Module,
-             cached: dict[str, torch.Tensor], train, val, device: torch.device) -> list[dict[str, Any]]:
+             cached: dict[str, torch.Tensor], train, val, device: torch.device
+             ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Every (method, cost) point's accuracy, each appended to a file as it finishes (a killed sweep resumes
-    after the last one); returns the rows with their models (``model``), for timing. A cost whose closest
-    setting is one the method already has at another cost is not measured twice."""
+    after the last one); returns the rows with their models (``model``), for timing, and for every point the point
+    whose setting it has (``bench.same_setting_as``: timed once). A cost whose closest setting is one the method
+    already has at another cost is not measured twice: it has no row."""
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
     done_path = root / f"frontier_rows_{key}_{probe.l2:g}.jsonl"
     finished = finished_probe_rows(done_path)
@@ -236,6 +243,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
         root / f"calibrations_{key}_{cfg.calibration_images}.jsonl",
         lambda: torch.stack([train[i][0] for i in range(cfg.calibration_images)]).to(device))
     rows: list[dict[str, Any]] = []
+    settings: dict[str, str] = {}  # every point's setting, the points without a row too
     pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
     for number, (entry, cost) in enumerate(pairs, start=1):
         calibration = None
@@ -246,6 +254,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
                 lambda images: calibrated.calibrated(dense, cost, images))
         else:
             method = entry.at_cost(dense, cost)
+        settings[f"{entry.name} @ {cost:g}"] = repr(method)
         if any(r["method"] == entry.name and r["method_repr"] == repr(method) for r in rows):
             log.info("[%d/%d] %s at cost %g: the same setting as at another cost, measured once", number,
                      len(pairs), entry.name, cost)
@@ -262,7 +271,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
         log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f (halves %.4f, %.4f)", number, len(pairs),
                  entry.name, cost, measured["cost"], measured["top1"], *measured["halves"])
         rows.append({**measured, "model": model, **({"calibration": calibration} if calibration else {})})
-    return rows
+    return rows, same_setting_as(settings)
 
 
 def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
@@ -315,7 +324,7 @@ def readings(rows: list[dict[str, Any]], dense_row: dict[str, Any], batch: int, 
 
 
 def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int, n_val: int, img_size: int,
-                  dense_row: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+                  dense_row: dict[str, Any], rows: list[dict[str, Any]], same: dict[str, str]) -> Path:
     methods = [e.name for e in cfg.methods]
     batches = [str(b) for b in cfg.speed_batches]
     tunables = os.environ.get("GLIBC_TUNABLES")
@@ -357,6 +366,12 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
                   ""]
     if not all(_trusted(r, b) for r in rows for b in batches):
         lines += [IMPLAUSIBLE_NOTE + "; the readings above leave it out.", ""]
+    shared = {k: v for k, v in same.items() if k != v}
+    if shared:
+        measured = {_key(r) for r in rows}
+        lines += ["Points of one setting are one model, timed once: " + "; ".join(
+            f"{k} shares the speed-up of {v}" if k in measured else f"{k} is {v} (measured once, no row of its own)"
+            for k, v in shared.items()) + ".", ""]
     calibrated = [r for r in rows if "calibration" in r]
     if calibrated:
         lines += ["## Calibration", "",
@@ -387,7 +402,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
         "checkpoint": str(cfg.checkpoint), "data": data_name, "img_size": img_size, "test_images": n_val,
         "probe_train": n_train, "threads": torch.get_num_threads(), "glibc_tunables": tunables,
         "speed_repeats": cfg.speed_repeats, "dense": dense_row, "rows": rows,
-        "readings": read})
+        "readings": read, "same_setting": shared})
     print("\n".join(lines[4:]))
     log.info("report written to %s", report)
     return report
