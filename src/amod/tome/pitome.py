@@ -98,7 +98,7 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
         sim_ab = sim.gather(1, a.unsqueeze(-1).expand(-1, -1, n)).gather(2, b.unsqueeze(1).expand(-1, a.shape[1], -1))
         into = sim_ab.argmax(-1)  # (B, |A|): each A token's partner, an index into b
         if match_all:  # the A tokens from the most similar partner down: the first r merge
-            best = descending_order(sim_ab.gather(2, into.unsqueeze(-1)).squeeze(-1))
+            best = descending_order(sim_ab.amax(-1))
     xs = with_sizes(x, size)  # (B, N, D + 1): one gather and one scatter-add move features and sizes together
     C = xs.shape[-1]
     patches = xs[:, p:].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # in energy order
