@@ -1,26 +1,34 @@
 """PiToMe (Tran et al., NeurIPS 2024, "Accelerating Transformers with Spectrum-Preserving Token Merging"): token
-merging that protects the isolated tokens. A peer of ToMe in amod's comparisons, written from the paper.
+merging guided by an energy score that finds the isolated tokens. A peer of ToMe in amod's comparisons, written from
+the paper and matched to the public code (hchautran/PiToMe at 550b5de: ``algo/pitome/merge.py`` and its timm patch).
 
 In every block, after attention and before the MLP, a block with t patch tokens removes r = min(floor(t − keep · t),
 t // 2) of them (``keep``: the share of its patch tokens a block keeps, the same in every block, so the count falls
 geometrically):
 
 - *energy*: on the keys averaged over heads (ToMe's metric), each patch token's energy is the mean over all patch
-  tokens j of ELU(cos(k_i, k_j) − m), with the block's margin m = 0.9 − 0.8 · l / L (block l of L); a token with
-  many close neighbours has a high energy, an isolated one a low energy;
-- the 2r tokens of highest energy are the merge candidates, the others are *protected* (kept as they are);
-- the candidates, in energy order, alternate into sets A and B; each of the r A tokens merges into its most similar
-  B token, by size-weighted average (every A token merges: the candidates are already the most redundant);
-- proportional attention: as in ToMe, a merged token counts as the patches it holds (log size in the logits).
+  tokens j (itself included) of ELU(cos(k_i, k_j) − m), with the block's margin m = 0.75 − 0.75 · l / L (block l of
+  L); a token with many close neighbours has a high energy, an isolated one a low energy;
+- the patch tokens, in energy order (highest first), alternate into sets A and B, and each A token's partner is its
+  most similar B token;
+- in the first ceil(L / 2) blocks (``match_all``) every patch token takes part: the r A tokens with the most similar
+  partners merge (ToMe's bipartite matching, with the sets split by energy rank instead of position);
+- in the later blocks only the 2r tokens of highest energy are candidates, the others are *protected* (kept as they
+  are), and every candidate A token merges into its partner;
+- merges are size-weighted averages; proportional attention: as in ToMe, a merged token counts as the patches it holds
+  (log size in the logits).
 
-Where this version differs from the public code (hchautran/PiToMe, ``algo/pitome``):
+Where this version differs from the public code:
 
+- proportional attention: the public timm block never passes the sizes to its attention, so there a merged token
+  counts once; amod weighs it by its size, as ToMe does. DINOv2 ViT-S/14 at 224 px, cost 0.56, 500 Fashion-MNIST test
+  images (``docs/frontier.md``, ``benchmarks/bench_pitome_probe.py``): probe top-1 79.2 % with it, 74.0 % without;
 - prefix tokens (class, distillation, registers) never merge and take no part in the energy (the public code sets
   aside the class token only);
 - the energy's cosine matrix is priced in the MACs (``amod.flops``, checked against FlopCounterMode): n² · head_dim
   per merging block, n the patch tokens, where the public FLOP count leaves it out;
-- equal energies are ordered by position (``amod.tokens.descending_order``, the same in every backend), where the
-  public code's ``argsort`` leaves their order to the sort.
+- equal energies, and equal best matches, are ordered by position (``amod.tokens.descending_order``, the same in every
+  backend), where the public code's ``argsort`` leaves their order to the sort.
 
 ``apply(model, keep=0.9)`` or ``apply(model, cost=0.56)`` makes a dense model of any family that takes token
 merging (``amod.families``) merge in place; ``set_keep`` changes the share kept.
@@ -39,15 +47,21 @@ from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
-from ..tokens import TokenSizes, descending_order, with_sizes, without_sizes
+from ..tokens import TokenSizes, descending_order, merge_matched, with_sizes, without_sizes
 from .merging import check_mergeable
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
 
 
 def margin(block: int, depth: int) -> float:
-    """The energy's margin in block ``block`` of ``depth``: 0.9 falling to 0.1 + 0.8 / depth (the paper's schedule)."""
-    return 0.9 - 0.8 * block / depth
+    """The energy's margin in block ``block`` of ``depth``: 0.75 falling to 0.75 / depth (the public code's)."""
+    return 0.75 - 0.75 * block / depth
+
+
+def matches_all(block: int, depth: int) -> bool:
+    """Whether block ``block`` of ``depth`` matches every patch token (the first ceil(depth / 2) blocks, as the public
+    code does) rather than protecting those outside the 2r of highest energy."""
+    return block < math.ceil(depth / 2)
 
 
 def pitome_count(keep: float, tokens: int) -> int:
@@ -56,7 +70,7 @@ def pitome_count(keep: float, tokens: int) -> int:
 
 
 def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, r: int, num_prefix: int,
-                 block_margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_margin: float, match_all: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Remove r patch tokens of ``x`` (B, N, D) by PiToMe's rule (see the module docstring); prefix tokens stay.
 
     Args:
@@ -64,10 +78,13 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
             heads, as unit vectors.
         r: tokens removed, at most half of the patch tokens.
         block_margin: the energy's margin in this block.
+        match_all: every patch token takes part in the matching and the r best-matched A tokens merge (the early
+            blocks); otherwise the 2r tokens of highest energy are the candidates and the rest are protected.
 
     Returns:
-        The tokens left (B, N - r, D): prefix, the protected tokens (in energy order, lowest last), then set B with
-        set A merged in; and their sizes (B, N - r, 1).
+        The tokens left (B, N - r, D) and their sizes (B, N - r, 1): prefix, then with ``match_all`` set A's unmerged
+        tokens (best match first) and set B with set A's merged in; otherwise the protected tokens (in energy order,
+        lowest last) and set B with set A merged in.
     """
     p = num_prefix
     with torch.no_grad():  # which tokens merge is a discrete choice: no gradient through it
@@ -75,13 +92,18 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
         sim = torch.bmm(m, m.transpose(1, 2))  # (B, n, n) cosine similarities of the patch tokens
         energy = F.elu(sim - block_margin, alpha=ALPHA).mean(-1)  # (B, n)
         order = descending_order(energy)  # highest energy first, ties by position
-        a, b = order[:, 0:2 * r:2], order[:, 1:2 * r:2]
         n = sim.shape[-1]
-        sim_ab = sim.gather(1, a.unsqueeze(-1).expand(-1, -1, n)).gather(2, b.unsqueeze(1).expand(-1, r, -1))
-        into = sim_ab.argmax(-1)  # (B, r): each A token's partner, an index into b
+        split = n if match_all else 2 * r  # the tokens in energy order that alternate into A and B
+        a, b = order[:, 0:split:2], order[:, 1:split:2]
+        sim_ab = sim.gather(1, a.unsqueeze(-1).expand(-1, -1, n)).gather(2, b.unsqueeze(1).expand(-1, a.shape[1], -1))
+        into = sim_ab.argmax(-1)  # (B, |A|): each A token's partner, an index into b
+        if match_all:  # the A tokens from the most similar partner down: the first r merge
+            best = descending_order(sim_ab.amax(-1))
     xs = with_sizes(x, size)  # (B, N, D + 1): one gather and one scatter-add move features and sizes together
     C = xs.shape[-1]
     patches = xs[:, p:].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # in energy order
+    if match_all:  # set A: the even energy ranks, set B: the odd ones
+        return without_sizes(merge_matched(torch.cat([xs[:, :p], patches], dim=1), best, into, r, p))
     merged = patches[:, 1:2 * r:2].scatter_add(1, into.unsqueeze(-1).expand(-1, -1, C), patches[:, 0:2 * r:2])
     return without_sizes(torch.cat([xs[:, :p], patches[:, 2 * r:], merged], dim=1))
 
@@ -91,7 +113,8 @@ class PiToMeSettings(StaticNumbers, SizedSettings):
     """What a PiToMe block knows besides its weights, beyond every reduction block's ``SizedSettings``."""
 
     keep: float = 1.0  # the share of its patch tokens the block keeps (1: it merges nothing)
-    margin: float = 0.9  # the energy's margin in this block
+    margin: float = 0.75  # the energy's margin in this block
+    match_all: bool = False  # every patch token takes part in the matching (the early blocks), none protected
 
 
 class PiToMeBlock(SizedTokensBlock):
@@ -107,7 +130,7 @@ class PiToMeBlock(SizedTokensBlock):
 
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return energy_merge(x, size, metric, r, self.amod.num_prefix, self.amod.margin)
+        return energy_merge(x, size, metric, r, self.amod.num_prefix, self.amod.margin, self.amod.match_all)
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
         """ToMe's block MACs with the energy's n x n cosine matrix in place of the |A| x |B| matching."""
@@ -157,7 +180,8 @@ def _merging_blocks(model: nn.Module, keep: Optional[float], cost: Optional[floa
     sizes, depth = TokenSizes(), len(model.blocks)
     for i, blk in enumerate(model.blocks):
         family.make_sized(blk, PiToMeBlock, PiToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes,
-                                                           first=i == 0, margin=margin(i, depth)))
+                                                           first=i == 0, margin=margin(i, depth),
+                                                           match_all=matches_all(i, depth)))
     model.amod_pitome = PiToMeConfig(keep=1.0)
     return set_keep(model, keep)
 
