@@ -72,9 +72,9 @@ def test_export_matches_pytorch_with_routing_ops_in_the_graph(name, tmp_path):
     r = amod.export(model, path, **({} if given is None else {"check_images": given}))
     assert r["exporter"] == "dynamo" and r["batch"] == "dynamic"
     assert r["check"]["max_abs_diff"] <= 1e-4 and r["check"]["same_top1"]
-    # two batch sizes through one graph: 8 random images by default, or the given ones and 3 of them
+    # two batch sizes through one graph: 8 images with flat regions by default, or the given ones and 3 of them
     assert r["check"]["batches"] == ([5, 3] if given is not None else [8, 3])
-    assert r["check"]["inputs"] == ("given" if given is not None else "random")
+    assert r["check"]["inputs"] == ("given" if given is not None else "flat-region")
     assert path.is_file() and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
     assert_routing_ops(name, path, r)
 
@@ -387,6 +387,22 @@ def test_tied_scores_are_ordered_by_position_in_eager_compiled_and_onnxruntime(t
         assert torch.equal(model(s), expected)
         assert torch.equal(compiled(s), expected)
         assert (session.run(None, {session.get_inputs()[0].name: s.numpy()})[0] == expected.numpy()).all()
+
+
+def test_the_export_check_runs_on_images_with_flat_regions():
+    """Random images have no ties for a backend to decide differently: the default check images are mostly a flat
+    background, so most of their patches are equal, around an object of random pixels."""
+    from amod.deploy import check_inputs
+
+    model = make_model("vit")
+    x, source = check_inputs(model, 8)
+    assert source == "flat-region" and x.shape == (8, 3, 32, 32)
+    patches = x.unfold(2, 8, 8).unfold(3, 8, 8).reshape(8, 3, 16, 64).transpose(1, 2)  # (image, patch, channel, pixel)
+    for image in patches:
+        flat = (image == image[..., :1]).all(-1).all(-1)  # patches of one value per channel
+        assert flat.sum() >= 4 and image[flat].unique(dim=0).shape[0] == 1  # several, all the same background
+        assert (~flat).sum() >= 1  # and an object
+    assert torch.equal(check_inputs(model, 8)[0], x)  # seeded
 
 
 def test_fold_on_real_weights_gives_one_output_in_eager_compiled_and_onnxruntime(tmp_path):

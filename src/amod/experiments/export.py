@@ -2,8 +2,8 @@
 where they are at hand.
 
 The check runs on the first Fashion-MNIST validation images for a Fashion-MNIST model (one channel,
-ten classes, square input) when the data is on disk, and on ``amod.export``'s seeded random images
-otherwise.
+ten classes, square input) when the data is on disk, and on ``amod.export``'s seeded images with flat regions
+otherwise (``amod.deploy.flat_region_images``).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def fashion_mnist_images(model: nn.Module, n: int, img_size: Optional[int] = Non
         ds = TensorImages(images[:n], labels[:n], False, h)
         return torch.stack([ds[i][0] for i in range(len(ds))])
     except (ValueError, OSError) as e:
-        log.info("Fashion-MNIST not at hand (%s); checking on random inputs", e)
+        log.info("Fashion-MNIST not at hand (%s); checking on images with flat regions", e)
         return None
 
 
@@ -49,7 +49,7 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[in
     ``out`` is checked before the checkpoint is read: it must not be the checkpoint itself, and an
     existing file is replaced only with ``force``. The check's images are Fashion-MNIST's for a
     Fashion-MNIST model (``fashion_mnist_images``; the report's ``check.inputs`` says
-    ``"fashion-mnist"``), random ones otherwise.
+    ``"fashion-mnist"``), ``amod.export``'s images with flat regions otherwise.
     """
     out = Path(out)
     if out.resolve() == Path(checkpoint).resolve() or (out.exists() and Path(checkpoint).exists()
