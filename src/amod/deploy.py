@@ -2,7 +2,8 @@
 
 ``export(model, path)`` writes any amod model (dense, every router, every skipped mode, token merging)
 as one ONNX file with a dynamic batch dimension, after checking it: ONNX Runtime runs the file on a
-few images (the caller's, e.g. real validation images, or seeded random ones by default) at two
+few images (the caller's, e.g. real validation images, or by default seeded images with flat regions, where a
+reduction's scores nearly tie: ``flat_region_images``) at two
 batch sizes, and its logits must match the PyTorch forward's (max abs difference <= 1e-4, the same
 top-1 on every image). The file is written under a temporary name and renamed only once it passed:
 a failed export or check leaves nothing behind. Top-k, gather and scatter stay graph ops (TopK,
@@ -187,10 +188,27 @@ def _torch_export(model: nn.Module, x: torch.Tensor, path: Path, exporter: str, 
 
 # ---------------------------------------------------------------- the check
 
+def flat_region_images(count: int, chans: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
+    """``count`` seeded images (count, chans, h, w) with flat regions, as photographs and scans have: each a flat
+    background (one random value per channel) around one rectangle of random pixels, a quarter to a half of each
+    side, at a random place.
+
+    A check on them sees what a check on noise cannot: the background's patch tokens are (near-)equal, so a
+    reduction's scores tie or nearly tie there, and a backend that decided those ties differently would show.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = torch.randn(count, chans, 1, 1, generator=g).expand(count, chans, h, w).contiguous()
+    for image in out:
+        rh, rw = (int(torch.randint(max(1, s // 4), max(1, s // 2) + 1, (), generator=g)) for s in (h, w))
+        top, left = (int(torch.randint(0, s - r + 1, (), generator=g)) for s, r in ((h, rh), (w, rw)))
+        image[:, top:top + rh, left:left + rw] = torch.randn(chans, rh, rw, generator=g)
+    return out
+
+
 def check_inputs(model: nn.Module, images: Union[int, torch.Tensor], seed: int = 0) -> tuple[torch.Tensor, str]:
     """(the check's images, where they come from): ``images`` itself when it is a tensor (``"given"``;
     it must be a batch the model takes, ``(N, C, H, W)`` at its input size), else that many seeded
-    random inputs (``"random"``)."""
+    images with flat regions (``flat_region_images``: ``"flat-region"``)."""
     h, w = pair(model.patch_embed.img_size)
     chans = model.patch_embed.proj.in_channels
     if isinstance(images, torch.Tensor):
@@ -198,8 +216,7 @@ def check_inputs(model: nn.Module, images: Union[int, torch.Tensor], seed: int =
             raise ValueError(f"check_images must be a batch of images shaped (N, {chans}, {h}, {w}) for this "
                              f"model, got a tensor of shape {tuple(images.shape)}")
         return images.detach().cpu().float(), "given"
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(images, chans, h, w, generator=g), "random"
+    return flat_region_images(images, chans, h, w, seed), "flat-region"
 
 
 def _runtime_error(e: BaseException) -> str:
@@ -292,7 +309,8 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
         opset: ONNX opset; default the exporter's.
         exporter: ``"dynamo"`` (``torch.onnx.export(..., dynamo=True)``, the default) or ``"torchscript"``.
         check: run the file in ONNX Runtime and compare with PyTorch (see ``check_onnx``).
-        check_images: the check's images: a number of seeded random images (default 8), or the images
+        check_images: the check's images: a number of seeded images with flat regions (``flat_region_images``;
+            default 8), or the images
             themselves, an ``(N, C, H, W)`` tensor at the exported input size, e.g. real validation
             images (``amod export`` passes the first Fashion-MNIST validation images for a
             Fashion-MNIST model). A dynamic batch is checked on all of them and on the first 3 (at
@@ -301,7 +319,7 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
     Returns:
         ``path``, ``exporter``, ``opset``, ``batch``, ``img_size``, ``method`` (the model's label),
         ``ops`` (counts of the routing ops in the graph), ``check`` (``check_onnx``'s result plus the
-        ``inputs`` used: ``"random"`` or ``"given"``) and ``bytes``.
+        ``inputs`` used: ``"flat-region"`` or ``"given"``) and ``bytes``.
 
     Raises:
         RuntimeError: the exporter cannot handle the model (naming the op where it names one), or the

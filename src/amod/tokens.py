@@ -42,25 +42,61 @@ def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
 
 # ---------------------------------------------------------------- ranking
 
-def descending_order(scores: torch.Tensor) -> torch.Tensor:
-    """Indices that order each row of ``scores`` (B, n) from the highest score down, ties broken by position
-    (the lower index first): (B, n) int64.
+DECISION_GRID = 2.0 ** -11  # a decision key's step, in units of the score's scale (``decision_key``)
+
+
+def decision_key(scores: torch.Tensor, unit: float = 1.0) -> torch.Tensor:
+    """What every discrete choice of a reduction (a top-k, an order, a best partner) ranks ``scores`` by: the
+    scores on a grid of ``DECISION_GRID`` x ``unit`` steps, as whole numbers of steps in float32; -inf stays -inf.
+
+    A score carries rounding noise that depends on the backend and on the batch (a kernel's blocking changes with
+    the number of rows): on the real DINOv2 ViT-S/14 at 224 px, cosines differ by up to about 5e-7 between ONNX
+    Runtime and eager PyTorch. Decided on the raw scores, a choice flips wherever two scores lie within that noise,
+    as the near-equal tokens of a flat background do, and one flipped merge changes every later block. On the
+    grid, scores within a step of each other tie, and ties go by position (the lower index first:
+    ``descending_order``, ``best_match``) in every backend. A choice still flips where a score lies within the
+    noise of a grid line: rarer, not never (docs/export.md has the measured rates; a coarser grid flips less and
+    keeps the reduction further from its exact scores).
+
+    ``unit`` is the scores' scale, which the step is relative to: 1 for cosines and PiToMe's energies (in
+    [-1, 1]), 1 / n for the attention shares of n tokens (about 1 / n each), a router's own for its scores
+    (``Router.score_unit``). A multiplication and ``round`` (half to even in PyTorch, under ``torch.compile`` and
+    in ONNX): the same key from the same score in every backend. (A cast to a lower precision would round too, but
+    ``torch.compile`` removes a cast there and back.)
+    """
+    return torch.round(scores.float() * (1.0 / (unit * DECISION_GRID)))
+
+
+def descending_order(scores: torch.Tensor, unit: float = 1.0) -> torch.Tensor:
+    """Indices that order each row of ``scores`` (B, n) from the highest down by ``decision_key(scores, unit)``,
+    ties broken by position (the lower index first): (B, n) int64.
 
     A reduced model's output depends on this order (which tokens are protected, merged or kept, and the order of
-    the tokens left), and ties are common: identical background patches score alike, and protected tokens all
-    score -inf in the matching. So every backend must break them the same way: a stable sort in eager PyTorch and
-    under ``torch.compile``; ONNX's TopK in an export (the ONNX exporters have no stable sort, and TopK's
-    specification breaks ties by the lower index, as ONNX Runtime does).
+    the tokens left), and ties are common: near-equal scores share a key, and protected tokens all score -inf in
+    the matching. So every backend breaks them the same way: a stable sort in eager PyTorch and under
+    ``torch.compile``; ONNX's TopK in an export (the ONNX exporters have no stable sort, and TopK's specification
+    breaks ties by the lower index, as ONNX Runtime does).
     """
+    return _order(decision_key(scores, unit))
+
+
+def _order(key: torch.Tensor) -> torch.Tensor:
+    """``descending_order`` of scores that are already decision keys."""
     if torch.onnx.is_in_onnx_export():
-        return scores.topk(scores.shape[-1], dim=-1).indices
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        return key.topk(key.shape[-1], dim=-1).indices
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices
 
 
-def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of the k highest scores of each row of ``scores`` (B, n), highest first, ties to the lower
-    position (``descending_order``): (B, k)."""
-    return descending_order(scores)[:, :k]
+def top_indices(scores: torch.Tensor, k: int, unit: float = 1.0) -> torch.Tensor:
+    """The indices of the k highest scores of each row of ``scores`` (B, n), highest first, by ``decision_key``
+    and ties to the lower position (``descending_order``): (B, k)."""
+    return descending_order(scores, unit)[:, :k]
+
+
+def best_match(scores: torch.Tensor, unit: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's best column of ``scores`` (..., n): (its ``decision_key``, its index), a tie to the lower index
+    (``max``'s, ONNX ArgMax's and ONNX Runtime's rule)."""
+    return decision_key(scores, unit).max(dim=-1)
 
 
 # ---------------------------------------------------------------- sized tokens
@@ -121,17 +157,18 @@ def bipartite_matching(metric: torch.Tensor, num_prefix: int, protected: Optiona
             away (as an A token: it ranks last) nor merged into (as a B token: no A token takes it as a partner).
 
     Returns:
-        ``order`` (B, |A|): the A tokens from the most similar partner down (ties by position), so that merging r
-        pairs merges the first r; ``partner`` (B, |A|): each A token's partner, an index into set B.
+        ``order`` (B, |A|): the A tokens from the most similar partner down, so that merging r pairs merges the
+        first r; ``partner`` (B, |A|): each A token's partner, an index into set B. Both are decided on
+        ``decision_key`` of the similarities, near-ties by position (``best_match``, ``descending_order``).
     """
     a, b = metric[:, num_prefix::2], metric[:, num_prefix + 1::2]
     scores = torch.bmm(a, b.transpose(1, 2))  # (B, |A|, |B|) cosine similarities
     if protected is not None:
         scores = scores.masked_fill(protected[:, None, 1::2], -math.inf)  # never into a protected B
-    best, partner = scores.max(dim=-1)
+    best, partner = best_match(scores)  # the partner and the order on one key: near-ties by position
     if protected is not None:
         best = best.masked_fill(protected[:, ::2], -math.inf)  # a protected A token stays
-    return descending_order(best), partner  # ties (protected tokens: all -inf) by position
+    return _order(best), partner  # ties (protected tokens: all -inf) by position
 
 
 def merge_matched(xs: torch.Tensor, order: torch.Tensor, partner: torch.Tensor, r: int, num_prefix: int

@@ -3,7 +3,8 @@ where they are at hand.
 
 The check runs on the first Fashion-MNIST validation images for a Fashion-MNIST model (one channel,
 ten classes, square input) when the data is on disk and holds the images the check needs (a fixed ``--batch`` of
-more than its 10,000 validation images does not), and on ``amod.export``'s seeded random images otherwise.
+more than its 10,000 validation images does not), and on ``amod.export``'s seeded images with flat regions otherwise
+(``amod.deploy.flat_region_images``).
 """
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def fashion_mnist_images(model: nn.Module, n: int, img_size: Optional[int] = Non
     try:
         images, labels = load_fashion_mnist("val")
         if len(images) < n:
-            log.info("a batch of %d is more than the %d Fashion-MNIST validation images; checking on random inputs",
+            log.info("a batch of %d is more than the %d Fashion-MNIST validation images; checking on images with flat regions",
                      n, len(images))
             return None
         ds = TensorImages(images[:n], labels[:n], False, h)
         return torch.stack([ds[i][0] for i in range(len(ds))])
     except (ValueError, OSError) as e:
-        log.info("Fashion-MNIST not at hand (%s); checking on random inputs", e)
+        log.info("Fashion-MNIST not at hand (%s); checking on images with flat regions", e)
         return None
 
 
@@ -56,7 +57,7 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[in
     existing file is replaced only with ``force``; it is held (``output_file_lock``) until written, so that a second
     command writing it meanwhile is refused. The check's images are Fashion-MNIST's for a
     Fashion-MNIST model (``fashion_mnist_images``; the report's ``check.inputs`` says
-    ``"fashion-mnist"``), random ones otherwise.
+    ``"fashion-mnist"``), ``amod.export``'s images with flat regions otherwise.
     """
     out = Path(out)
     if out.resolve() == Path(checkpoint).resolve() or (out.exists() and Path(checkpoint).exists()

@@ -154,7 +154,7 @@ class DetrMoDLayer(RoutedForward):
             return super().forward(x, None, spatial_position_embeddings=pos, **kwargs)
         with self.router.replay(draws) if replay else contextlib.nullcontext():
             scores = self.router.score(x, scores_in)  # (B, N)
-        idx = select_tokens(scores, k)  # (B, k), in position order
+        idx = select_tokens(scores, k, self.router.score_unit(N))  # (B, k), in position order
         xs = gather_tokens(x, idx)
         ps = None if pos is None else gather_tokens(pos.expand(B, N, D), idx)
         ys = super().forward(xs, None, spatial_position_embeddings=ps, **kwargs)

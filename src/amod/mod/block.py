@@ -38,7 +38,7 @@ from torch import nn
 
 from ..cost import BlockPrice, attention_macs, linear_macs_per_token
 from ..ops import attention_inputs, attention_output, attention_scores_explicit, attention_with_scores, recomputing
-from ..tokens import ForwardMemo, flat_index, gather_tokens, scatter_tokens
+from ..tokens import ForwardMemo, best_match, flat_index, gather_tokens, scatter_tokens
 from .config import MoDConfig
 from .modes import MODES, SkippedMode, register_skipped_mode
 from .routers import Router, build_router, router_class
@@ -221,7 +221,7 @@ class MoDBlock(RoutedForward, Block):
             return self.block_output(x)
         with self.router.replay(draws) if replay else contextlib.nullcontext():
             patch_scores = self.router.score(x[:, p:], None if prev_scores is None else prev_scores[:, p:])  # (B, n)
-        patch_idx = select_tokens(patch_scores, k)  # (B, k)
+        patch_idx = select_tokens(patch_scores, k, self.router.score_unit(n))  # (B, k)
         index = keep_index(patch_idx, p)  # (B, p + k)
         xs = gather_tokens(x, index)  # (B, p + k, D)
         mode = MODES[self.amod.config.skipped if k < n else "bypass"]  # nothing skipped: every mode is bypass
@@ -334,9 +334,9 @@ class MergeMode(MoDMode):
         kept = xs[:, p:]
         # compared as the block's attention sees them, after its LayerNorm (on the demo model this beat
         # the raw residual stream at zero training: 85.4 vs 84.8 % top-1 at 56 % cost)
-        # (the skipped side needs no normalising: a positive factor per row does not move its argmax)
-        similarity = block.norm1(skipped) @ F.normalize(block.norm1(kept), dim=-1).transpose(1, 2)  # (B, n - k, k)
-        partner = similarity.argmax(dim=-1)
+        # cosines, on the grid of amod.tokens.decision_key: near-ties go to the first kept patch in every backend
+        similarity = F.normalize(block.norm1(skipped), dim=-1) @ F.normalize(block.norm1(kept), dim=-1).transpose(1, 2)
+        partner = best_match(similarity)[1]  # (B, n - k): an index into the kept patches
         flat_partner = flat_index(partner, k)
         size = torch.ones(B * k, dtype=x.dtype, device=x.device).index_add_(
             0, flat_partner, torch.ones(flat_partner.shape[0], dtype=x.dtype, device=x.device)).view(B, k)

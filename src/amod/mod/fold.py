@@ -102,11 +102,13 @@ class FoldBlock(SizedTokensBlock):
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.amod.num_prefix
-        q = protected_count(self.amod.config.static("protect"), x.shape[1] - p)
+        t = x.shape[1] - p
+        q = protected_count(self.amod.config.static("protect"), t)
         protected = None
         if q > 0:
             scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
-            protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top_indices(scores, q), True)
+            top = top_indices(scores, q, self.router.score_unit(t))  # near-ties by position (amod.tokens)
+            protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
         return reduce_weighted(x, size, metric, r, p, protected=protected)
 
     def _wants_importance(self) -> bool:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..cost import linear_macs_per_token
+from ..tokens import DECISION_GRID
 from .routing import mean_normalized_gate
 
 R = TypeVar("R", bound=type)
@@ -57,6 +58,11 @@ class Router(nn.Module):
         """(B, k) scores of the kept tokens -> (B, k) multipliers of their block output."""
         return mean_normalized_gate(kept_scores)
 
+    def score_unit(self, num_patches: int) -> float:
+        """The scale of the scores of ``num_patches`` patch tokens, which the ranking's grid is relative to
+        (``amod.tokens.decision_key``): 1 by default (a learned logit, a norm)."""
+        return 1.0
+
     def draw_state(self) -> Optional[int]:
         """What the next ``score`` draws its random numbers from; None for a router that draws none."""
         return None
@@ -91,6 +97,9 @@ class AttentionRouter(Router):
     """
 
     needs_attention = True
+
+    def score_unit(self, num_patches: int) -> float:
+        return 1.0 / num_patches  # a token receives about 1 / n of the attention
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
         if attention_scores is None:
@@ -214,6 +223,10 @@ class RandomRouter(SeededDraws, Router):
 
     def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
         return self._uniform(x_patch.shape[:2], x_patch.device)
+
+    def score_unit(self, num_patches: int) -> float:
+        # draws carry no rounding noise: steps of 2^-24, torch.rand's own, leave them as they are
+        return 2.0 ** -24 / DECISION_GRID
 
 
 @register_router("shuffled-attention")

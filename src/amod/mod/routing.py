@@ -22,17 +22,19 @@ def num_kept(capacity: float, num_patches: int) -> int:
     return max(1, min(num_patches, math.ceil(capacity * num_patches - 1e-9)))
 
 
-def select_tokens(scores: torch.Tensor, k: int) -> torch.Tensor:
+def select_tokens(scores: torch.Tensor, k: int, unit: float = 1.0) -> torch.Tensor:
     """Indices of the k highest scores per row, in ascending position order.
 
     Args:
         scores: (B, n) patch-token scores.
         k: how many to keep per row.
+        unit: the scores' scale (the router's ``score_unit``), which the ranking's grid is relative to
+            (``amod.tokens.decision_key``: scores within a step of each other tie, and the lower position is kept).
 
     Returns:
         (B, k) int64 indices into the patch tokens, sorted so gathered tokens keep their order.
     """
-    return top_indices(scores, k).sort(dim=1).values  # (B, k); equal scores: the lower position is kept
+    return top_indices(scores, k, unit).sort(dim=1).values  # (B, k)
 
 
 def skipped_tokens(patch_idx: torch.Tensor, num_patches: int) -> torch.Tensor:

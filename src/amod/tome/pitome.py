@@ -27,8 +27,9 @@ Where this version differs from the public code:
   aside the class token only);
 - the energy's cosine matrix is priced in the MACs (``amod.flops``, checked against FlopCounterMode): n² · head_dim
   per merging block, n the patch tokens, where the public FLOP count leaves it out;
-- equal energies, and equal best matches, are ordered by position (``amod.tokens.descending_order``, the same in every
-  backend), where the public code's ``argsort`` leaves their order to the sort.
+- energies, and partners' similarities, are compared on a grid (``amod.tokens.decision_key``): those within a step
+  of 2^-11 of each other are ordered by position, the same in every backend and batch, where the public code's
+  ``argsort`` and ``argmax`` leave near-equal ones to the rounding of the kernel that computed them.
 
 ``apply(model, keep=0.9)`` or ``apply(model, cost=0.56)`` makes a dense model of any family that takes token
 merging (``amod.families``) merge in place; ``set_keep`` changes the share kept.
@@ -47,7 +48,7 @@ from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
-from ..tokens import TokenSizes, descending_order, merge_matched, with_sizes, without_sizes
+from ..tokens import TokenSizes, best_match, descending_order, merge_matched, with_sizes, without_sizes
 from .merging import check_mergeable
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
@@ -91,13 +92,13 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
         m = metric[:, p:].float()
         sim = torch.bmm(m, m.transpose(1, 2))  # (B, n, n) cosine similarities of the patch tokens
         energy = F.elu(sim - block_margin, alpha=ALPHA).mean(-1)  # (B, n)
-        order = descending_order(energy)  # highest energy first, ties by position
+        order = descending_order(energy)  # highest energy first, near-ties by position (amod.tokens)
         n = sim.shape[-1]
         split = n if match_all else 2 * r  # the tokens in energy order that alternate into A and B
         a, b = order[:, 0:split:2], order[:, 1:split:2]
         sim_ab = sim.gather(1, a.unsqueeze(-1).expand(-1, -1, n)).gather(2, b.unsqueeze(1).expand(-1, a.shape[1], -1))
-        into = sim_ab.argmax(-1)  # (B, |A|): each A token's partner, an index into b
-        if match_all:  # the A tokens from the most similar partner down: the first r merge
+        into = best_match(sim_ab)[1]  # (B, |A|): each A token's partner, an index into b (near-ties: the first)
+        if match_all:  # the A tokens from the most similar partner down (on the same grid): the first r merge
             best = descending_order(sim_ab.amax(-1))
     xs = with_sizes(x, size)  # (B, N, D + 1): one gather and one scatter-add move features and sizes together
     C = xs.shape[-1]
