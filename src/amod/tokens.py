@@ -77,11 +77,12 @@ def descending_order(scores: torch.Tensor, unit: float = 1.0) -> torch.Tensor:
     ``torch.compile``; ONNX's TopK in an export (the ONNX exporters have no stable sort, and TopK's specification
     breaks ties by the lower index, as ONNX Runtime does).
     """
-    return _order(decision_key(scores, unit))
+    return order_of_keys(decision_key(scores, unit))
 
 
-def _order(key: torch.Tensor) -> torch.Tensor:
-    """``descending_order`` of scores that are already decision keys."""
+def order_of_keys(key: torch.Tensor) -> torch.Tensor:
+    """``descending_order`` of scores that are already decision keys (``decision_key``, ``best_match``'s first
+    output), for a reduction that ranks by a key it also uses for another choice."""
     if torch.onnx.is_in_onnx_export():
         return key.topk(key.shape[-1], dim=-1).indices
     return torch.sort(key, dim=-1, descending=True, stable=True).indices
@@ -168,7 +169,7 @@ def bipartite_matching(metric: torch.Tensor, num_prefix: int, protected: Optiona
     best, partner = best_match(scores)  # the partner and the order on one key: near-ties by position
     if protected is not None:
         best = best.masked_fill(protected[:, ::2], -math.inf)  # a protected A token stays
-    return _order(best), partner  # ties (protected tokens: all -inf) by position
+    return order_of_keys(best), partner  # ties (protected tokens: all -inf) by position
 
 
 def merge_matched(xs: torch.Tensor, order: torch.Tensor, partner: torch.Tensor, r: int, num_prefix: int

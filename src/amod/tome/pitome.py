@@ -48,7 +48,7 @@ from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
-from ..tokens import TokenSizes, best_match, descending_order, merge_matched, with_sizes, without_sizes
+from ..tokens import TokenSizes, best_match, descending_order, merge_matched, order_of_keys, with_sizes, without_sizes
 from .merging import check_mergeable
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
@@ -97,9 +97,9 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
         split = n if match_all else 2 * r  # the tokens in energy order that alternate into A and B
         a, b = order[:, 0:split:2], order[:, 1:split:2]
         sim_ab = sim.gather(1, a.unsqueeze(-1).expand(-1, -1, n)).gather(2, b.unsqueeze(1).expand(-1, a.shape[1], -1))
-        into = best_match(sim_ab)[1]  # (B, |A|): each A token's partner, an index into b (near-ties: the first)
-        if match_all:  # the A tokens from the most similar partner down (on the same grid): the first r merge
-            best = descending_order(sim_ab.amax(-1))
+        key, into = best_match(sim_ab)  # (B, |A|): each A token's partner, an index into b (near-ties: the first)
+        if match_all:  # the A tokens from the most similar partner down, on the same key: the first r merge
+            best = order_of_keys(key)
     xs = with_sizes(x, size)  # (B, N, D + 1): one gather and one scatter-add move features and sizes together
     C = xs.shape[-1]
     patches = xs[:, p:].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # in energy order
