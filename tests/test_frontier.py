@@ -259,3 +259,36 @@ def test_compare_and_the_demo_flag_a_speed_up_beyond_the_macs(tmp_path, recwarn,
     assert [r["implausible_speedup"] for r in json.loads((tmp_path / "report.json").read_text())["rows"]] == \
         [False, True]
     assert sum("faster than the MACs allow" in str(w.message) for w in recwarn) == 2
+
+
+def test_the_reports_say_the_cost_tolerance_their_flags_use(tmp_path, monkeypatch, capsys):
+    # the "(!)" flag and the words under the tables read the one value, amod.cost.COST_TOLERANCE
+    import amod.cost
+    from amod.experiments import compare, frontier
+    from amod.methods import MoD
+
+    monkeypatch.setattr(amod.cost, "COST_TOLERANCE", 0.1)
+    setting = MoD(skipped="fold", capacity=0.8).run_fields()
+    near, far = 0.43, 0.45  # 7.5 % and 12.5 % off the target 0.4: inside 10 %, and outside
+    rows = [{"method": "A-MoD fold", "cost_target": 0.4, "cost": cost, "setting": setting, "zero_top1": 0.5,
+             "top1": None, "cosine": 0.9, "run": None, "images_per_s": 10.0, "speedup": 1.5,
+             "flop_bound_efficiency": 0.7} for cost in (near, far)]
+    compare.write_report(tmp_path, compare.CompareConfig(out=str(tmp_path)), tmp_path / "dense.safetensors",
+                         "fashion-mnist", 10, 28, 0.6, 10.0, rows, probe_mode=True)
+    text = (tmp_path / "compare.md").read_text()
+    assert f"| {near:.3f} |" in text and f"| {far:.3f} (!) |" in text
+    assert "cannot reach the target cost within 10 % on this model" in text and "within 2 %" not in text
+
+    speed = {"32": {"images_per_s": 10.0, "speedup": 1.5}}
+    dense = {"method": "dense", "cost_target": 1.0, "cost": 1.0, "setting": None, "top1": 0.9, "halves": [0.9, 0.9],
+             "cosine": 1.0, "speed": {"32": {"images_per_s": 10.0, "speedup": 1.0}}}
+    calibration = {"candidates": [{"tilt": 0.0, "protect": 0.0, "capacity": 0.8, "fidelity": 0.9}], "chosen": 0,
+                   "seconds": 1.0}
+    points = [{"method": "A-MoD calibrated", "cost_target": 0.4, "cost": cost, "setting": setting, "top1": 0.8,
+               "halves": [0.8, 0.8], "cosine": 0.9, "speed": speed, "calibration": calibration} for cost in (near, far)]
+    cfg = frontier.FrontierConfig(checkpoint="backbone.safetensors", out=str(tmp_path), speed_batches=(32,))
+    frontier._write_report(tmp_path, cfg, "fashion-mnist", 10, 10, 28, dense, points, {})
+    text = (tmp_path / "frontier.md").read_text()
+    assert f"| {near:.3f} |" in text and f"| {far:.3f} (!) |" in text
+    assert "cannot reach the cost target within 10 % on this model" in text and "within 10 % of the cost wins" in text
+    assert "within 2 %" not in text

@@ -230,3 +230,25 @@ def test_removed_modules_are_gone(name):
     assert name not in MODULES
     with pytest.raises(ImportError):
         importlib.import_module(name)
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md's package layout names every module: a top-level one as ``name.py`` at the start of its
+    line, one in a sub-package by its name within that package's entry (``mod/ ... calibrate ...``)."""
+    import re
+
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    layout = page.split("## Package layout")[1].split("```")[1] + "\n  END"
+    unnamed = []
+    for path in MODULES.values():
+        rel = path.relative_to(SRC)
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        if len(rel.parts) == 1:
+            named = re.search(rf"^  {re.escape(path.name)}\b", layout, re.M) is not None
+        else:
+            entry = re.search(rf"^  {re.escape(rel.parts[0])}/(.*?)(?=^  \S)", layout, re.M | re.S)
+            named = entry is not None and re.search(rf"\b{re.escape(path.stem)}\b", entry.group(1)) is not None
+        if not named:
+            unnamed.append(str(rel))
+    assert unnamed == [], f"docs/architecture.md's package layout does not name {unnamed}"

@@ -177,7 +177,10 @@ def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
 
 def open_model(source: PathLike, device: Union[str, torch.device, None] = None, *, timm_names: bool = False,
                img_size: Optional[int] = None) -> nn.Module:
-    """The model a command's model argument names, in eval mode: the one way every command opens one.
+    """The model a command's model argument names, in eval mode: how the commands that take a Hugging Face model
+    as well as an amod file open it (``eval``, ``flops``, ``bench``, ``compare``, ``frontier``). The commands that
+    take an amod file only (``train``/``finetune``, ``export``, ``calibrate``, ``analyze``, ``study``, ``detect``)
+    call ``load`` themselves, after their own checks.
 
     - a Hugging Face model (``hf.loading.hf_source``: a ``save_pretrained`` folder with its config.json, or
       ``hf:ID`` from the hub): ``load_hf_source``, with amod's timm-style views;

@@ -25,7 +25,7 @@ from .checkpoint import skeleton
 from .deploy import EXPORTERS
 from .family import family_of
 from .files import dumps
-from .methods import method_kinds, parse_method
+from .methods import METHOD_CLASSES, method_kinds, parse_method
 from .mod.config import validate_capacity
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
@@ -175,9 +175,13 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
         g.add_argument(f"--{name}", type=int, default=S)
     g.add_argument("--drop-path", type=float, default=S)
     g = p.add_argument_group("the method, by its spec (instead of the options below)")
+    on_images = [k for k in method_kinds() if METHOD_CLASSES[k].needs_images]  # (refused: RunConfig.validate)
     g.add_argument("--method", dest="method_spec", metavar="SPEC", default=S,
                    help="any registered method: KIND[:FIELD=VALUE,...], e.g. tome:cost=0.5, pitome:keep=0.7, "
-                        f"mod:router=attention,capacity=0.5,skipped=fold (kinds: {', '.join(method_kinds())})")
+                        "mod:router=attention,capacity=0.5,skipped=fold (kinds: "
+                        f"{', '.join(k for k in method_kinds() if k not in on_images)}"
+                        + (f"; not {', '.join(on_images)}, which chooses its setting on images: amod calibrate makes "
+                           "that model" if on_images else "") + ")")
     g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
     g.add_argument("--router", choices=vit_routers(), default=S)
     g.add_argument("--capacity", type=float, default=S)
@@ -396,7 +400,8 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # a flag of one study is left out unless given: _study refuses it for the other
     p.add_argument("--out", default=None, help=f"default {_default(StudyConfig, 'out')} (with a backbone: "
                                                f"{_default(FinetuneConfig, 'out')})")
-    p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: the demo's, trained if missing)")
+    p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if "
+                        "missing)")
     p.add_argument("--data", default=_default(StudyConfig, "data"))
     p.add_argument("--seeds", type=positive_int, default=_default(StudyConfig, "seeds"))
     r = p.add_argument_group("a model with a classifier (--checkpoint, or the demo's): the routers study")
@@ -539,7 +544,8 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--out", default=_default(CompareConfig, "out"))
     p.add_argument("--checkpoint", default=None,
-                   help=f"dense model (default: the demo's, trained if missing), or {HF_MODEL} (probe protocol)")
+                   help=f"dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if missing), or "
+                        f"{HF_MODEL} (probe protocol)")
     p.add_argument("--data", default=_default(CompareConfig, "data"))
     p.add_argument("--cost", type=float, nargs="+", default=_default(CompareConfig, "costs"),
                    help="cost points, shares of dense MACs")
@@ -771,24 +777,29 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("flops", "analytic cost table for timm ViTs and MoD capacities", _flops_flags, _flops),
-    Command("train", "train a model from scratch (dense or MoD)", lambda p: _run_flags(p, False), _train),
-    Command("finetune", "convert a pretrained model to MoD and train it", lambda p: _run_flags(p, True),
-            lambda args: _train(args, finetune=True)),
+    Command("flops", "analytic cost table of timm or Hugging Face ViTs: dense, MoD capacities, ToMe costs, any method",
+            _flops_flags, _flops),
+    Command("train", "train a timm ViT from scratch, dense or reduced (MoD, ToMe, PiToMe, isoFLOP)",
+            lambda p: _run_flags(p, False), _train),
+    Command("finetune", "reduce a pretrained timm ViT (MoD, ToMe, PiToMe, isoFLOP, or dense) and train it",
+            lambda p: _run_flags(p, True), lambda args: _train(args, finetune=True)),
     Command("eval", "accuracy, loss, cost and speed of a saved model", _eval_flags, _eval),
-    Command("bench", "images/s and peak memory: timm model vs its MoD conversion, interleaved", _bench_flags, _bench),
-    Command("export", "export a saved model to ONNX (dynamic batch), checked in ONNX Runtime", _export_flags,
+    Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved", _bench_flags, _bench),
+    Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime", _export_flags,
             _export),
     Command("analyze", "leave-one-out importance, routing pictures or attention statistics", _analyze_flags, _analyze),
-    Command("study", "routers x capacities x seeds, with CIs, controls, leave-one-out and pictures", _study_flags,
+    Command("study", "a backbone: every method finetuned at matched cost, with seeds and CIs; a model with a "
+            "classifier: routers x capacities x seeds, with controls, leave-one-out and pictures", _study_flags,
             _study),
-    Command("compare", "MoD vs token merging (ToMe) at matched cost: zero-training, finetuned, images/s",
-            _compare_flags, _compare),
+    Command("compare", "MoD modes vs token merging (ToMe) at matched cost: zero-training and finetuned accuracy (a "
+            "backbone: a linear probe, zero-training only), images/s", _compare_flags, _compare),
     Command("calibrate", "a dense model made A-MoD fold with the schedule chosen on unlabeled images, saved",
             _calibrate_flags, _calibrate),
-    Command("frontier", "every training-free method: accuracy against measured speed-up (batch 32 and 1)",
+    Command("frontier", "every training-free method: accuracy against measured speed-up (by default at batch 32 and 1)",
             _frontier_flags, _frontier),
-    Command("demo", "the main job: pretrain, convert, finetune and compare on Fashion-MNIST", _demo_flags, _demo),
+    Command("demo", "the main job: DINOv2 ViT-S/14 made cheaper on Fashion-MNIST, dense vs ToMe vs A-MoD at two "
+            "costs, and a short finetune (--toy: the paper's comparison on a small ViT pretrained here)", _demo_flags,
+            _demo),
     Command("weights", "real pretrained weights, converted once and cached", _weights_flags, _weights),
     Command("detect", "DETR with an MoD encoder on Fashion-MNIST canvases, scored with COCO AP", _detect_flags,
             _detect),
@@ -799,7 +810,8 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     """The parser of every command, or with ``only`` a command's name, of that one's flags alone (the others listed
     with their help line; ``""``: no command's flags, for ``amod --help``): what ``main`` builds, so that a command
     imports its own modules only."""
-    parser = Parser(prog="amod", description="Mixture-of-Depths routing for timm ViTs")
+    parser = Parser(prog="amod", description="Mixture-of-Depths routing and token merging for timm and Hugging Face "
+                                               "ViTs")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

@@ -75,6 +75,16 @@ class CostReport(MacsRatios):
 COST_TOLERANCE = 0.02  # a method set "to a cost" must come this close to it (relative), or it is refused
 
 
+def misses_cost(cost: float, target: float) -> bool:
+    """Whether ``cost`` (a method's share of the dense MACs) lies further from ``target`` than ``COST_TOLERANCE``."""
+    return abs(cost - target) / target > COST_TOLERANCE
+
+
+def tolerance_text() -> str:
+    """``COST_TOLERANCE`` as the reports write it (``2 %``): their words and their check read the one value."""
+    return f"{100 * COST_TOLERANCE:g} %"
+
+
 def validate_cost(cost: Any, name: str = "cost") -> float:
     """Return ``cost`` (a share of the dense model's MACs) as a float in (0, 1], or raise a ValueError."""
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or math.isnan(cost) or not 0.0 < cost <= 1.0:

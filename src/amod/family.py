@@ -129,7 +129,9 @@ class Family:
         raise NotImplementedError
 
     def rebuild(self, info: dict[str, Any], metadata: Optional[dict[str, str]] = None) -> "nn.Module":
-        """The dense model ``describe`` described (random weights; ``amod.load`` loads the file's), ``restore`` d."""
+        """The dense model ``describe`` described, with random weights (``amod.load`` loads the file's), and through
+        ``restore`` what its forward needs beyond them (a DETR's content queries; the Hugging Face families'
+        ``rebuild`` calls ``restore``, timm's needs none)."""
         raise NotImplementedError
 
     def restore(self, model: "nn.Module", info: dict[str, Any], metadata: Optional[dict[str, str]] = None) -> "nn.Module":

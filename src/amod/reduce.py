@@ -64,8 +64,11 @@ class SizedAttention(Attention):
     (``amod_importance``: the attention each token receives from the class tokens; with ``ALL_ROWS``, from every
     token, A-MoD's own score, for a model without a class token).
 
-    The output is timm's attention, fused or explicit, with the proportional-attention bias as its mask;
-    the class rows are computed again on their own (rows x N products), so nothing forms the N x N matrix.
+    The output is timm's attention, fused or explicit, with the proportional-attention bias as its mask. The
+    importance is computed again on its own rows, under no_grad: with class tokens their rows only, (B, H, rows, N)
+    in float32 (rows x N products), so the fused path forms no N x N matrix; with ``ALL_ROWS`` (a model without a
+    class token, e.g. SigLIP) that is the whole (B, H, N, N) attention matrix in float32, beside the fused output
+    (priced in ``reduction_macs``).
     """
 
     amod_want: bool  # set by the block: keep the metric of this forward

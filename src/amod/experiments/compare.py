@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..cost import COST_TOLERANCE, flops, validate_cost
+from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
 from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source
@@ -320,7 +320,7 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
     lines = [f"# amod compare: MoD vs token merging at matched cost on {data_name}" + (" (quick)" if cfg.quick else ""),
              "", f"{head} {speed}", "", columns, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        miss = " (!)" if abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE else ""
+        miss = " (!)" if misses_cost(r["cost"], r["cost_target"]) else ""
         second = f"{r['cosine']:.4f}" if probe_mode else f"{100 * r['top1']:.2f}"
         lines.append(f"| {r['cost_target']:g} | {r['method']} | {setting_text_of(r['setting'])} | {r['cost']:.3f}{miss} | "
                      f"{100 * r['zero_top1']:.2f} | {second} | {r['images_per_s']:.1f} | "
@@ -328,8 +328,9 @@ def write_report(root: Path, cfg: CompareConfig, pretrained: Path, data_name: st
     lines.append("")
     if flagged:
         lines += [IMPLAUSIBLE_NOTE + ".", ""]
-    if any(abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE for r in rows):
-        lines += ["(!) the method cannot reach the target cost within 2 % on this model; its closest cost is shown.", ""]
+    if any(misses_cost(r["cost"], r["cost_target"]) for r in rows):
+        lines += [f"(!) the method cannot reach the target cost within {tolerance_text()} on this model; its closest "
+                  "cost is shown.", ""]
     zero: dict[str, list[tuple[float, float]]] = {}
     final: dict[str, list[tuple[float, float]]] = {}
     for r in rows:

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..checkpoint import check_dense_file, open_model
-from ..cost import COST_TOLERANCE, flops, validate_cost
+from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source
 from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
@@ -354,16 +354,16 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
               "| method | cost target | setting | cost vs dense | probe top-1 | halves | cosine to dense | "
               + " | ".join(f"speed-up b{b}" for b in batches) + " |", "|---" * (7 + len(batches)) + "|"]
     for r in [dense_row, *rows]:
-        miss = " (!)" if abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE else ""
+        miss = " (!)" if misses_cost(r["cost"], r["cost_target"]) else ""
         setting = setting_text_of(r["setting"]) if r["setting"] else "–"
         lines.append(f"| {r['method']} | {r['cost_target']:g} | {setting} | {r['cost']:.3f}{miss} | "
                      f"{100 * r['top1']:.2f} | {100 * r['halves'][0]:.2f} / {100 * r['halves'][1]:.2f} | "
                      f"{r['cosine']:.4f} | " + " | ".join(speedup_text(r["speed"][b]["speedup"], r["cost"])
                                                           for b in batches) + " |")
     lines.append("")
-    if any(abs(r["cost"] - r["cost_target"]) / r["cost_target"] > COST_TOLERANCE for r in rows):
-        lines += ["(!) the method cannot reach the cost target within 2 % on this model; its closest cost is shown.",
-                  ""]
+    if any(misses_cost(r["cost"], r["cost_target"]) for r in rows):
+        lines += [f"(!) the method cannot reach the cost target within {tolerance_text()} on this model; its closest "
+                  "cost is shown.", ""]
     if not all(_trusted(r, b) for r in rows for b in batches):
         lines += [IMPLAUSIBLE_NOTE + "; the readings above leave it out.", ""]
     shared = {k: v for k, v in same.items() if k != v}
@@ -377,7 +377,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
         lines += ["## Calibration", "",
                   f"Each calibrated point chose its schedule on the first {cfg.calibration_images} probe-training "
                   "images (labels unread): every tilt x protect candidate at the cost, the highest fidelity (mean "
-                  "cosine to the dense features on those images) within 2 % of the cost wins.", "",
+                  f"cosine to the dense features on those images) within {tolerance_text()} of the cost wins.", "",
                   "| method | cost target | tilt | protect | capacity | fidelity | runner-up fidelity | seconds |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in calibrated:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cost import COST_TOLERANCE, flops, validate_cost
+from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
 from .config import validate_protect
 from .convert import capacity_for_cost, convert, get_config
@@ -173,14 +173,14 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
             config.shape, config.protect, config.capacity = tilt_shape(tilt, depth), protect, 1.0
             config.capacity = capacity_for_cost(trial, cost)
             settings.append((tilt, protect, config.capacity, flops(trial).ratio))
-    reachable = [s for s in settings if abs(s[3] - cost) / cost <= COST_TOLERANCE]
+    reachable = [s for s in settings if not misses_cost(s[3], cost)]
     if not reachable and closest:
         miss = min(abs(s[3] - cost) for s in settings)
         reachable = [s for s in settings if abs(s[3] - cost) == miss]
     if not reachable:
         low = min(settings, key=lambda s: s[3])
         h, w = model.patch_embed.img_size
-        raise ValueError(f"no schedule tried reaches cost {cost:g} (within {COST_TOLERANCE:.0%}) on this model at "
+        raise ValueError(f"no schedule tried reaches cost {cost:g} (within {tolerance_text()}) on this model at "
                          f"{h}x{w} px: the lowest is {low[3]:.3f} (tilt {low[0]:+g}, protect {low[1]:g}); ask for a "
                          "cost of at least that" + (", or a lower protect" if low[1] > 0 else ""))
     for tilt, protect, capacity, matched in settings:

@@ -154,7 +154,7 @@ def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Opt
             deit_*, deit3_*, *_reg*, *_dinov2), a Hugging Face ViT/DeiT/DINOv2, CLIP or SigLIP vision model.
         r: tokens merged in every block (int) or per block (list, one entry per block).
         cost: instead of ``r``, the share of the dense model's MACs to match (e.g. 0.56); the schedule
-            is chosen by ``schedule_for_cost`` within 2 %.
+            is chosen by ``schedule_for_cost`` within ``amod.cost.COST_TOLERANCE`` (2 %).
         img_size: input size at which ``cost`` is matched; default: the model's.
     """
     return family_of(model).merge_apply(model, lambda m, family: merge_blocks(m, r, cost, img_size, family))
