@@ -710,7 +710,7 @@ def _detect_flags(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # a flag of one action is left out unless given: _detect refuses it for the other
     t = p.add_argument_group("train")
     t.add_argument("--init", default=S, help="an amod.save file of a DETR to finetune (default: a new small DETR)")
-    t.add_argument("--router", default=S, help="convert --init: attention, standard, random or feature-norm")
+    t.add_argument("--router", default=S, help=f"convert --init: {', '.join(router_names('detr'))}")
     t.add_argument("--encoder-cost", type=float, default=S,
                    help=f"share of the dense encoder's MACs the converted encoder costs (default "
                         f"{_default(DetectConfig, 'encoder_cost')})")

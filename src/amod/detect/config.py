@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..checkpoint import read_metadata
-from ..families.detr import DetrFamily, ROUTERS
+from ..families.detr import DetrFamily
+from ..mod.routers import router_names
 from ..train.rundir import check_output_dir
 
 
@@ -60,8 +61,9 @@ class DetectConfig:
             raise ValueError(f"amp must be 'off' or 'bf16', got {self.amp!r}")
         if self.router is not None and self.init is None:
             raise ValueError("router converts a trained DETR: give init (an amod.save file of the dense detector)")
-        if self.router is not None and self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r} for a DETR encoder; use one of {', '.join(ROUTERS)}")
+        if self.router is not None and self.router not in router_names("detr"):
+            raise ValueError(f"unknown router {self.router!r} for a DETR encoder; use one of "
+                             f"{', '.join(router_names('detr'))}")
         if not 0 < self.encoder_cost <= 1:
             raise ValueError(f"encoder_cost must be in (0, 1] (a share of the dense encoder's MACs), got "
                              f"{self.encoder_cost:g}")
@@ -104,10 +106,10 @@ class DetectStudyConfig:
             if not 0 < cost < 1:
                 raise ValueError(f"each encoder cost must be in (0, 1) (a share of the dense encoder's MACs; the "
                                  f"dense reference is always run), got {cost:g}")
-        unknown = [r for r in self.routers if r not in ROUTERS]
+        unknown = [r for r in self.routers if r not in router_names("detr")]
         if unknown or not self.routers:
-            raise ValueError(f"unknown router {unknown[0]!r} for a DETR encoder; use any of {', '.join(ROUTERS)}"
-                             if unknown else "give at least one router")
+            raise ValueError(f"unknown router {unknown[0]!r} for a DETR encoder; use any of "
+                             f"{', '.join(router_names('detr'))}" if unknown else "give at least one router")
         for name in ("seeds", "steps", "batch_size", "speed_batch", "speed_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

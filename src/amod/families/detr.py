@@ -15,13 +15,14 @@ class when a DETR is met, so importing amod imports no ``transformers``):
   attention-routed one. Same output (through ``amod.ops.attention_with_scores``, positional embeddings added to
   queries and keys as DETR does), plus the mean attention each position received, handed to the next layer.
 
-Routers: ``attention`` (A-MoD), ``standard`` (learned, gate-scaled), ``random`` and ``feature-norm``
-(``FeatureNormRouter``, registered here: the positions whose encoder input, the backbone's projected features, has
-the largest L2 norm, fixed for every MoD layer, as sparse-encoder DETRs select by a backbone score before the
-encoder). The other skipped modes are refused: ``fold`` and ``merge`` move a position's content into another
-position, and the decoder reads the encoder output by position; ``kv`` would fit but is not built. Token merging is
-refused for the same reason. Refused with one line each: a padding mask that masks anything (pad-free batches of one
-size only; the routed layers run attention without a mask), ``output_attentions=True``.
+Routers: those of ``router_names("detr")``, the registry's: every router of every family (``attention``, A-MoD;
+``standard``, learned and gate-scaled; the controls) and ``feature-norm`` (``FeatureNormRouter``, registered here
+for DETR alone: the positions whose encoder input, the backbone's projected features, has the largest L2 norm, fixed
+for every MoD layer, as sparse-encoder DETRs select by a backbone score before the encoder). The other skipped modes
+are refused: ``fold`` and ``merge`` move a position's content into another position, and the decoder reads the
+encoder output by position; ``kv`` would fit but is not built. Token merging is refused for the same reason. Refused
+with one line each: a padding mask that masks anything (pad-free batches of one size only; the routed layers run
+attention without a mask), ``output_attentions=True``.
 
 Cost (``flops``: a ``DetrCostReport``): the encoder analytically (the positions each layer processes, the routers'
 own products, A-MoD's column sums); the backbone, the input projection, the decoder and the heads, which routing
@@ -49,7 +50,6 @@ from ..tokens import gather_tokens, scatter_tokens
 from .hf_base import HFCheckpoints, amod_role, hf_base, install_save_pretrained, role_class, set_view
 from .vit import ViTFamily
 
-ROUTERS = ("attention", "standard", "random", "feature-norm")
 ImgSize = Union[int, tuple[int, int]]
 
 
@@ -356,8 +356,7 @@ class DetrFamily(HFCheckpoints, ViTFamily):
         return 0
 
     def validate(self, config: MoDConfig, model: nn.Module) -> None:
-        if config.router not in ROUTERS:
-            raise ValueError(f"unknown router {config.router!r} for a DETR encoder; use one of {', '.join(ROUTERS)}")
+        # (the router: any of router_names("detr"), checked by amod.convert from the router's ``families``)
         if config.skipped != "bypass":
             raise ValueError(f"skipped={config.skipped!r} does not fit a DETR encoder, whose decoder reads every "
                              "position: use bypass")
