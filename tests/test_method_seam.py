@@ -162,7 +162,8 @@ def toy_package(root: Path, name: str = "amod_toy_method", target: str = "amod_t
     return root
 
 
-def test_an_installed_package_s_entry_point_registers_its_method_and_a_broken_one_is_named(tmp_path, monkeypatch):
+def test_an_installed_package_s_entry_point_registers_its_method_and_a_broken_one_is_named(tmp_path, monkeypatch,
+                                                                                          capsys):
     monkeypatch.setitem(methods._plugins, "loaded", False)  # (the registry looks for entry points again)
     monkeypatch.syspath_prepend(str(toy_package(tmp_path / "good")))
     try:
@@ -178,6 +179,13 @@ def test_an_installed_package_s_entry_point_registers_its_method_and_a_broken_on
         methods.method_kinds()
     with pytest.raises(ValueError, match="amod_broken_method"):  # (tried again, not forgotten)
         parse_method("tome")
+    # a command stops in one line (its --method help line, built first, lists the methods that did load)
+    res = cli_in_process(["train", "--method", "tome:cost=0.5", "--epochs", "1", "--out", str(tmp_path / "run")],
+                         capsys)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "amod train: error: the amod.methods entry point toy = amod_broken_method of amod-broken-method 0.1 failed to "
+        "load (ImportError: this toy plugin needs a package that is not here)"]
+    assert not (tmp_path / "run").exists()
     assert "toy-skip" not in METHOD_CLASSES
 
 

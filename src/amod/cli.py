@@ -177,7 +177,7 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
     g = p.add_argument_group("the method, by its spec (instead of the options below)")
     g.add_argument("--method", dest="method_spec", metavar="SPEC", default=S,
                    help="any registered method: KIND[:FIELD=VALUE,...], e.g. tome:cost=0.5, pitome:keep=0.7, "
-                        f"mod:router=attention,capacity=0.5,skipped=fold (kinds: {', '.join(method_kinds())})")
+                        f"mod:router=attention,capacity=0.5,skipped=fold (kinds: {', '.join(method_kinds(strict=False))})")
     g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
     g.add_argument("--router", choices=vit_routers(), default=S)
     g.add_argument("--capacity", type=float, default=S)

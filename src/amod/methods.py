@@ -748,9 +748,15 @@ def _parse_value(text: str, tp: Any) -> Any:
     raise ValueError(text)
 
 
-def method_kinds() -> tuple[str, ...]:
-    """The kinds of the registered methods (what a spec starts with)."""
-    load_method_plugins()
+def method_kinds(strict: bool = True) -> tuple[str, ...]:
+    """The kinds of the registered methods (what a spec starts with). ``strict=False``: where an installed package's
+    entry point fails to load, the kinds registered without it rather than its ValueError (for a help line: the
+    command refuses in one line when it reads the registry)."""
+    try:
+        load_method_plugins()
+    except ValueError:
+        if strict:
+            raise
     return tuple(METHOD_CLASSES)
 
 
