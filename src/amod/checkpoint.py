@@ -1,10 +1,11 @@
 """Save and load (converted) timm ViTs: safetensors weights with the architecture and MoD config inside.
 
 The file's metadata holds ``amod.model`` (the model family's description of the architecture: for timm, its
-architecture name and creation kwargs; ``amod.families``) and what the
-model's method (``amod.methods``) writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
-``MoDConfig``), ``amod.merge`` (a token-merging model's schedule) or another registered method's, so ``amod.load(path)`` needs
-nothing else.
+architecture name and creation kwargs; ``amod.families``), ``amod.method`` (the kind of the model's method,
+``amod.methods``) and what that method writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
+``MoDConfig``), ``amod.merge`` (a token-merging model's schedule) or another registered method's, so ``amod.load(path)``
+needs nothing else. A file whose method is not registered (a package's method, the package not installed) is refused,
+never opened as a dense model.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from torch import nn
 from . import files
 from .family import Family, family_for, family_of
 from .hf.loading import hf_source, load_hf_model, load_hf_source
-from .methods import metadata_keys, method_from_metadata, method_of
+from .methods import (file_metadata, method_entries, method_from_metadata, method_of, unregistered_method,
+                      unregistered_method_error)
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = "1"
@@ -60,7 +62,7 @@ def to_bytes(
     """The content ``save`` writes (arguments as there), for writing it together with other files
     (``amod.files.write_together``)."""
     info = family_of(model).describe(model, arch=arch, model_args=model_args)  # (a family's own description)
-    meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info), **method_of(model).metadata()}
+    meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info), **file_metadata(method_of(model))}
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return safetensors_bytes(tensors, metadata=meta)
@@ -86,11 +88,13 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     if not version.isdigit() or int(version) > int(FORMAT_VERSION):
         raise ValueError(f"{path} is in amod file format {version!r}; this amod reads format {FORMAT_VERSION} and "
                          "older: upgrade amod to load it")
-    keys = metadata_keys()  # (the registry's, now: a method registered after import is known)
-    methods = [key for key in keys if key in meta]
+    methods = method_entries(meta)  # (the registry's, now: a method registered after import is known)
     if len(methods) > 1:
         raise ValueError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
-                         f"model, so one of {', '.join(keys)} at most")
+                         "model, so one method's entry at most")
+    unknown = unregistered_method(meta)
+    if unknown is not None:
+        raise unregistered_method_error(unknown, str(path))
     return meta
 
 
@@ -106,7 +110,7 @@ def _written_by_amod(path: Path) -> bool:
 def check_dense_file(path: PathLike) -> None:
     """Refuse a file that is not a readable amod checkpoint of a dense model (the start of a comparison)."""
     meta = read_metadata(path)
-    if any(key in meta for key in metadata_keys()):
+    if meta.get("amod.method", "dense") != "dense" or method_entries(meta):
         raise ValueError(f"{path} is not a dense model (it runs {method_from_metadata(meta).label()}); give a dense "
                          "one")
 

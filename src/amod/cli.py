@@ -175,11 +175,11 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
         g.add_argument(f"--{name}", type=int, default=S)
     g.add_argument("--drop-path", type=float, default=S)
     g = p.add_argument_group("the method, by its spec (instead of the options below)")
-    on_images = [k for k in method_kinds() if METHOD_CLASSES[k].needs_images]  # (refused: RunConfig.validate)
+    on_images = [k for k in method_kinds(strict=False) if METHOD_CLASSES[k].needs_images]  # (refused: RunConfig.validate)
     g.add_argument("--method", dest="method_spec", metavar="SPEC", default=S,
                    help="any registered method: KIND[:FIELD=VALUE,...], e.g. tome:cost=0.5, pitome:keep=0.7, "
                         "mod:router=attention,capacity=0.5,skipped=fold (kinds: "
-                        f"{', '.join(k for k in method_kinds() if k not in on_images)}"
+                        f"{', '.join(k for k in method_kinds(strict=False) if k not in on_images)}"
                         + (f"; not {', '.join(on_images)}, which chooses its setting on images: amod calibrate makes "
                            "that model" if on_images else "") + ")")
     g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")

@@ -9,12 +9,16 @@ to a share of the dense model's MACs (``at_cost``; a method with ``needs_images`
 images given there). Any registered method is also selected by a spec string, ``KIND:FIELD=VALUE,...``
 (``parse_method``, ``Method.spec``). Run configurations, model building, checkpoints, ``amod flops``,
 ``amod compare``, ``amod frontier`` and ``amod study`` all read the registry when they run, so a method registered
-later (in any module imported before use) is found by all of them.
+later (in any module imported before use) is found by all of them. An installed package makes its methods known to
+the shipped ``amod`` command through the entry-point group ``amod.methods`` (``ENTRY_POINT_GROUP``), loaded the first
+time the registry is consulted. A file names the method that wrote it (``METHOD_ENTRY``); one whose method is not
+registered is refused, never opened as a dense model.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.metadata
 import json
 import math
 import typing
@@ -52,8 +56,9 @@ class Method:
     (int, float, bool, str, Optional, Union, tuple)."""
 
     kind: ClassVar[str]
-    # the checkpoint metadata entry this method writes and is found by (None: it writes none)
-    metadata_key: ClassVar[Optional[str]] = None
+    # the checkpoint metadata entry this method writes and is found by: every registered method but ``Dense`` has one
+    # (``register_method`` refuses a class without), so a file of it never reads back as a dense model
+    metadata_key: ClassVar[Optional[str]]
     # whether ``at_cost`` chooses the setting on unlabeled images (callers pass them as ``images``)
     needs_images: ClassVar[bool] = False
 
@@ -101,9 +106,10 @@ class Method:
     def metadata(self) -> dict[str, str]:
         """Entries of a checkpoint's metadata that rebuild this method (by default its fields as JSON under
         ``metadata_key``; none without one, as for a dense model); ``from_metadata`` reads them back as this method.
-        A file holds a model's (``method_of(model).metadata()``: the setting it runs); a method not yet set (a cost,
-        a default to resolve) writes its fields as given."""
-        if self.metadata_key is None:
+        A file holds a model's (``method_of(model).metadata()``: the setting it runs) beside its kind under
+        ``METHOD_ENTRY`` (``file_metadata``); a method not yet set (a cost, a default to resolve) writes its fields as
+        given."""
+        if getattr(self, "metadata_key", None) is None:  # Dense
             return {}
         return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
                                                for f in dataclasses.fields(self)})}
@@ -118,7 +124,7 @@ class Method:
     def from_metadata(cls, meta: dict[str, str]) -> Optional["Method"]:
         """This method, if the checkpoint metadata ``meta`` names it (by default: its fields, JSON, under
         ``metadata_key``)."""
-        if cls.metadata_key is None or cls.metadata_key not in meta:
+        if getattr(cls, "metadata_key", None) is None or cls.metadata_key not in meta:
             return None
         data = json.loads(meta[cls.metadata_key])
         names = [f.name for f in dataclasses.fields(cls)]
@@ -139,24 +145,77 @@ class Method:
 
 
 # The registered method classes by kind, in lookup order (the first whose metadata or model matches is the one;
-# ``Dense``, the fallback, is asked last). ``register_method`` adds to it.
+# ``Dense``, the fallback, is asked last). ``register_method`` adds to it; the lookups below (``method_classes``,
+# ``method_kinds``, ``parse_method``, ``method_from_metadata``) first load the installed packages' methods.
 METHOD_CLASSES: dict[str, type[Method]] = {}
+
+# the entry-point group through which an installed package registers methods: ``NAME = module`` (importing the module
+# registers them with ``@register_method``) or ``NAME = module:Class`` (that class, registered if it is not yet)
+ENTRY_POINT_GROUP = "amod.methods"
+# a file's metadata entry naming the kind of the method that wrote it (files written before it name a method only by
+# its ``metadata_key`` entry)
+METHOD_ENTRY = "amod.method"
+# the metadata entries of a file that are not a method's
+_FILE_ENTRIES = ("amod.format", "amod.model", METHOD_ENTRY)
+
+_plugins = {"loaded": False, "loading": False}
 
 
 def register_method(cls: type[Method]) -> type[Method]:
     """Class decorator: register a ``Method`` subclass under its ``kind`` (replacing one of the same kind), so that
     ``method_of``, ``method_from_metadata``, checkpoint loading, ``RunConfig.method()``, ``parse_method`` and the
-    experiments' ``--methods`` find it."""
+    experiments' ``--methods`` find it. The class must name its ``metadata_key``, the checkpoint metadata entry it
+    writes (e.g. ``"amod.random-drop"``; unique among the registered methods): without one a file of it would read
+    back as a dense model."""
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind or any(c in kind for c in ":,= "):
         raise ValueError(f"{cls.__name__}: a method's kind must be a non-empty name without ':', ',', '=' or spaces, "
                          f"got {kind!r}")
+    key = getattr(cls, "metadata_key", None)
+    if not isinstance(key, str) or not key.strip() or key in _FILE_ENTRIES:
+        raise ValueError(f"{cls.__name__} (kind {kind!r}): a method must set metadata_key, the checkpoint metadata "
+                         f"entry it writes and is found by (e.g. metadata_key: ClassVar[str] = 'amod.{kind}'), "
+                         f"got {key!r}")
+    taken = [c.kind for c in METHOD_CLASSES.values() if c.kind != kind and getattr(c, "metadata_key", None) == key]
+    if taken:
+        raise ValueError(f"{cls.__name__} (kind {kind!r}): metadata_key {key!r} is the {taken[0]} method's already; "
+                         "give another")
     METHOD_CLASSES[kind] = cls
     return cls
 
 
+def load_method_plugins() -> None:
+    """Register the methods of the installed packages' ``amod.methods`` entry points (once; the registry's lookups
+    call it). An entry point that fails to load raises a ValueError, in one line, naming it (and it is tried again
+    at the next lookup)."""
+    if _plugins["loaded"] or _plugins["loading"]:
+        return
+    _plugins["loading"] = True  # a plugin's module may consult the registry while it is imported
+    try:
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                loaded = entry.load()
+                if isinstance(loaded, type) and issubclass(loaded, Method) and \
+                        METHOD_CLASSES.get(getattr(loaded, "kind", None)) is not loaded:
+                    register_method(loaded)
+            except Exception as e:
+                package = f" of {entry.dist.name} {entry.dist.version}" if entry.dist is not None else ""
+                raise ValueError(f"the {ENTRY_POINT_GROUP} entry point {entry.name} = {entry.value}{package} failed to "
+                                 f"load ({type(e).__name__}: {' '.join(str(e).split())})") from e
+        _plugins["loaded"] = True
+    finally:
+        _plugins["loading"] = False
+
+
+def registered_method(kind: str) -> Optional[type[Method]]:
+    """The method class registered under ``kind`` (installed packages' methods included), or None."""
+    load_method_plugins()
+    return METHOD_CLASSES.get(kind)
+
+
 def method_classes() -> tuple[type[Method], ...]:
     """The registered method classes in lookup order: as registered, ``Dense`` last."""
+    load_method_plugins()
     classes = tuple(c for c in METHOD_CLASSES.values() if c is not Dense)
     return classes + (Dense,)
 
@@ -166,10 +225,46 @@ def metadata_keys() -> tuple[str, ...]:
     return tuple(cls.metadata_key for cls in method_classes() if cls.metadata_key)
 
 
-@register_method
+def file_metadata(method: "Method") -> dict[str, str]:
+    """The metadata entries a file of a model running ``method`` holds for it: its kind under ``METHOD_ENTRY`` and
+    its own ``metadata()``."""
+    return {METHOD_ENTRY: method.kind, **method.metadata()}
+
+
+def method_entries(meta: dict[str, str]) -> list[str]:
+    """The entries of a file's metadata ``meta`` that hold a method's settings: the registered methods' keys, and any
+    other ``amod.NAME`` entry (a method of a package not installed, in a file from before ``METHOD_ENTRY``; amod's
+    other entries are ``amod.format``, ``amod.model`` and dotted ones such as ``amod.detect.step``)."""
+    keys = metadata_keys()
+    others = sorted(k for k in meta if k not in keys and k.startswith("amod.") and "." not in k[5:]
+                    and k not in _FILE_ENTRIES)
+    return [k for k in keys if k in meta] + others  # (in the registry's order)
+
+
+def unregistered_method(meta: dict[str, str]) -> Optional[str]:
+    """What names a method that no loaded package registers in a file's metadata ``meta`` (its ``METHOD_ENTRY``
+    kind, or an unknown ``amod.NAME`` entry of an older file), in words; None when its method is known (or dense)."""
+    kind = meta.get(METHOD_ENTRY)
+    if kind is not None:
+        return None if registered_method(kind) is not None else f"method {kind!r}"
+    known = set(metadata_keys())
+    unknown = [k for k in method_entries(meta) if k not in known]
+    return f"method entry {unknown[0]!r}" if unknown else None
+
+
+def unregistered_method_error(what: str, source: str) -> ValueError:
+    """The refusal of a file (``source``) whose metadata names a method that is not registered (``what``)."""
+    return ValueError(f"{source} was saved by {what}, which is not registered in this amod: install (or import) the "
+                      f"package that registers it (entry-point group {ENTRY_POINT_GROUP}); registered methods: "
+                      f"{', '.join(method_kinds())}")
+
+
 @dataclass(frozen=True)
 class Dense(Method):
+    """The dense model as it is: no settings, no metadata entry of its own (a file of it names ``dense``)."""
+
     kind: ClassVar[str] = "dense"
+    metadata_key: ClassVar[Optional[str]] = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -182,6 +277,9 @@ class Dense(Method):
 
     def run_fields(self) -> dict[str, Any]:
         return {}
+
+
+METHOD_CLASSES[Dense.kind] = Dense  # the one method without settings or a metadata entry (register_method asks one)
 
 
 @register_method
@@ -520,7 +618,19 @@ def method_of(model: nn.Module) -> Method:
 
 
 def method_from_metadata(meta: dict[str, str]) -> Method:
-    """The method a checkpoint's metadata names (``Dense`` when it names none)."""
+    """The method a checkpoint's metadata names: its ``METHOD_ENTRY`` kind read by that class, or (a file from before
+    that entry) the registered method whose ``metadata_key`` entry it holds; ``Dense`` when it names none. Metadata
+    that names a method not registered raises a ValueError naming it (never a dense model)."""
+    what = unregistered_method(meta)
+    if what is not None:
+        raise unregistered_method_error(what, "the file")
+    kind = meta.get(METHOD_ENTRY)
+    if kind is not None:
+        cls = registered_method(kind)
+        method = Dense() if cls is Dense else cls.from_metadata(meta)
+        if method is None:
+            raise ValueError(f"the file names method {kind!r} but holds no {cls.metadata_key} entry for its settings")
+        return method
     for cls in method_classes():
         method = cls.from_metadata(meta)
         if method is not None:
@@ -638,8 +748,15 @@ def _parse_value(text: str, tp: Any) -> Any:
     raise ValueError(text)
 
 
-def method_kinds() -> tuple[str, ...]:
-    """The kinds of the registered methods (what a spec starts with)."""
+def method_kinds(strict: bool = True) -> tuple[str, ...]:
+    """The kinds of the registered methods (what a spec starts with). ``strict=False``: where an installed package's
+    entry point fails to load, the kinds registered without it rather than its ValueError (for a help line: the
+    command refuses in one line when it reads the registry)."""
+    try:
+        load_method_plugins()
+    except ValueError:
+        if strict:
+            raise
     return tuple(METHOD_CLASSES)
 
 
@@ -650,7 +767,7 @@ def parse_method(text: str) -> Method:
     ``mod:router=attention,capacity=0.5,skipped=fold``. Raises ValueError naming the kind or field and what is
     allowed."""
     kind, _, body = text.strip().partition(":")
-    cls = METHOD_CLASSES.get(kind.strip())
+    cls = registered_method(kind.strip())
     if cls is None:
         raise ValueError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: "
                          f"{', '.join(method_kinds())}")

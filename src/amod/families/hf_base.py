@@ -38,7 +38,7 @@ from torch import nn
 from ..family import class_names, family_of
 from ..files import write_bytes
 from ..hf.common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT, attentions_requested
-from ..methods import method_of
+from ..methods import file_metadata, method_of
 from ..mod.block import MoDBlock, ScoringAttention
 from ..mod.routers import Router
 from ..ops import attention_inputs, attention_output, tracing
@@ -318,7 +318,8 @@ def _save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike], 
         sidecar = Path(save_directory) / SIDECAR
         if meta:
             tensors = {k: state[k].detach().contiguous().cpu() for k in sorted(own)}
-            meta = {"amod.format": SIDECAR_FORMAT, "amod.model": json.dumps(family_of(model).describe(model)), **meta}
+            meta = {"amod.format": SIDECAR_FORMAT, "amod.model": json.dumps(family_of(model).describe(model)),
+                    **file_metadata(method)}
             write_bytes(sidecar, safetensors_bytes(tensors, metadata=meta))
             warnings.warn(f"{save_directory} keeps the {method.label()} conversion in {SIDECAR}: amod.load(folder) or "
                           "amod.hf.load_hf_model(folder) gives it back; transformers' from_pretrained reads the folder "
