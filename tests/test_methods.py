@@ -260,3 +260,39 @@ def test_method_and_the_options_of_a_method_are_refused_together_and_old_configs
     assert resolve_run_config({"method_spec": "tome:r=[1,1,1,1]"}).validate().tome_r == [1, 1, 1, 1]
     before = {k: v for k, v in RunConfig(tome_cost=0.5).to_dict().items() if k != "method_spec"}  # a run of before
     assert RunConfig.from_dict(before).validate().method() == TokenMerging(cost=0.5)
+
+
+def test_every_mod_default_is_mod_configs():
+    """MoD's defaults are stated once, in MoDConfig: amod.convert, MoD, IsoFLOP, a run's configuration and the CLI's
+    MoD flags take them, so a default changed there changes everywhere (and one restated elsewhere disagrees here)."""
+    import inspect
+
+    from amod.cli import build_parser, run_config_from_args
+    from amod.mod.config import MoDConfig
+    from amod.mod.isoflop import isoflop_baseline
+    from amod.mod.modes import skipped_mode
+
+    plain = {f.name: f.default for f in dataclasses.fields(MoDConfig) if f.default is not dataclasses.MISSING
+             and f.default is not None}
+    assert set(plain) == {"router", "capacity", "scale_output", "seed", "skipped", "protect"}
+    for name, default in plain.items():
+        if name == "scale_output":  # None everywhere else: the router's default_scale_output, resolved by convert
+            continue
+        assert inspect.signature(amod.convert).parameters[name].default == default, name
+        assert {f.name: f.default for f in dataclasses.fields(MoD)}[name] == default, name
+        if name != "router":  # (a run's router is None: dense)
+            assert {f.name: f.default for f in dataclasses.fields(RunConfig)}[name] == default, name
+    default_layers = skipped_mode(MoDConfig.skipped).default_layers
+    assert IsoFLOP() == IsoFLOP(router=MoDConfig.router, capacity=MoDConfig.capacity, layers=default_layers)
+    isoflop = inspect.signature(isoflop_baseline).parameters
+    assert (isoflop["router"].default, isoflop["layers"].default) == (MoDConfig.router, default_layers)
+    # the same model, whichever way the defaults are taken: the library, the method, a run's --router alone
+    converted = [amod.convert(make_model()), MoD().apply(make_model()),
+                 run_config_from_args(build_parser().parse_args(["train", "--router", MoDConfig.router]))
+                 .method().apply(make_model())]
+    assert converted[0].amod_config == converted[1].amod_config == converted[2].amod_config
+    assert converted[0].amod_config.capacity == MoDConfig.capacity
+    flops = build_parser().parse_args(["flops", "vit_tiny_patch16_224"])
+    assert (flops.router, flops.skipped) == (MoDConfig.router, MoDConfig.skipped)
+    bench = build_parser().parse_args(["bench"])
+    assert (bench.router, bench.layers) == (MoDConfig.router, default_layers)

@@ -27,8 +27,8 @@ from torch import nn
 from .family import skeleton
 from .cost import flops
 from .mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
-from .mod.config import DEFAULT_PROTECT, MoDConfig
-from .mod.convert import capacity_for_cost, convert
+from .mod.config import MoDConfig
+from .mod.convert import DEFAULT_LAYERS, capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
 from . import tome
 from .tome import pitome
@@ -187,23 +187,23 @@ class Dense(Method):
 @register_method
 @dataclass(frozen=True)
 class MoD(Method):
-    """Mixture-of-Depths: ``amod.convert`` with these arguments."""
+    """Mixture-of-Depths: ``amod.convert`` with these arguments (and its defaults, ``MoDConfig``'s)."""
 
     kind: ClassVar[str] = "mod"
     metadata_key: ClassVar[Optional[str]] = "amod.mod"
-    router: str = "attention"
-    capacity: float = 0.5
+    router: str = MoDConfig.router
+    capacity: float = MoDConfig.capacity
     layers: Layers = None  # None: the skipped mode's default_layers ("all" for fold, "alternate" otherwise)
     scale_output: Optional[bool] = None  # None: the router's default_scale_output
-    seed: int = 0  # the router's seed (in a run: 0 leaves it to the run's --seed)
-    skipped: str = "bypass"
-    protect: float = DEFAULT_PROTECT  # fold only
+    seed: int = MoDConfig.seed  # the router's seed (in a run: 0 leaves it to the run's --seed)
+    skipped: str = MoDConfig.skipped
+    protect: float = MoDConfig.protect  # fold only
     shape: Optional[tuple[float, ...]] = None  # fold only: one capacity exponent per block (``amod.calibrate``)
 
     def check(self) -> None:
         if self.skipped != "fold":  # fold's settings would be dropped without a word by another mode
             given = [f"{name}={_spec_value(getattr(self, name))}" for name, default in
-                     (("protect", DEFAULT_PROTECT), ("shape", None)) if getattr(self, name) != default]
+                     (("protect", MoDConfig.protect), ("shape", None)) if getattr(self, name) != default]
             if given:
                 raise ValueError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
                                  f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
@@ -262,7 +262,7 @@ class MoD(Method):
         # the router's own seed, else the run's (a report row holds neither where it is 0)
         seed = fields.router_seed if getattr(fields, "router_seed", None) is not None else fields.seed or 0
         # protect is fold's: another mode's run ignored it (configs of before may hold one)
-        protect = fields.protect if fields.skipped == "fold" else DEFAULT_PROTECT
+        protect = fields.protect if fields.skipped == "fold" else MoDConfig.protect
         return cls(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
                    seed=seed, skipped=fields.skipped, protect=protect, shape=_as_tuple(fields.shape))
 
@@ -285,7 +285,7 @@ class MoD(Method):
     def _of_config(cls, config: MoDConfig) -> "MoD":
         fields = {**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": _as_tuple(config.shape)}
         if fields["skipped"] != "fold":  # (amod.convert takes a protect for any mode; only fold reads it)
-            fields["protect"] = DEFAULT_PROTECT
+            fields["protect"] = MoDConfig.protect
         return cls(**fields)
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "MoD":
@@ -431,13 +431,13 @@ class IsoFLOP(Method):
 
     kind: ClassVar[str] = "isoflop"
     metadata_key: ClassVar[Optional[str]] = "amod.isoflop"
-    router: str = "attention"
-    capacity: float = 0.5
-    layers: Layers = "alternate"
+    router: str = MoDConfig.router
+    capacity: float = MoDConfig.capacity
+    layers: Layers = DEFAULT_LAYERS  # the default MoD setup's ("alternate")
 
     def apply(self, model: nn.Module) -> nn.Module:
         layers = _as_list(self.layers)
-        return isoflop_baseline(model, self.capacity, layers=layers or "alternate", router=self.router)
+        return isoflop_baseline(model, self.capacity, layers=layers or DEFAULT_LAYERS, router=self.router)
 
     def restore(self, model: nn.Module) -> nn.Module:
         # the file's description is of the fewer blocks already: marked, not cut again
@@ -466,7 +466,7 @@ class IsoFLOP(Method):
         if fields.router is None or not fields.isoflop:
             return None
         layers = _as_tuple(fields.layers)
-        return cls(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
+        return cls(router=fields.router, capacity=fields.capacity, layers=layers or DEFAULT_LAYERS)
 
 
 @register_method
@@ -481,7 +481,7 @@ class Calibrated(Method):
     kind: ClassVar[str] = "calibrated"
     metadata_key: ClassVar[Optional[str]] = "amod.calibrated"
     needs_images: ClassVar[bool] = True
-    router: str = "attention"
+    router: str = MoDConfig.router
     protects: tuple[float, ...] = DEFAULT_PROTECTS
     tilts: tuple[float, ...] = DEFAULT_TILTS
 

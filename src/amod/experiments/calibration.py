@@ -21,6 +21,7 @@ from ..cost import validate_cost
 from ..files import check_output_file, dumps, read_json_lines
 from ..methods import Calibrated, MoD
 from ..mod.calibrate import calibrate
+from ..mod.config import MoDConfig
 from ..mod.routers import router_class
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
@@ -38,7 +39,7 @@ class CalibrateConfig:
     img_size: Optional[int] = None  # input size; default the model's own
     cost: float = 0.5  # share of the dense MACs
     images: int = 256  # calibration images
-    router: str = "attention"  # A-MoD; "random" for the control
+    router: str = MoDConfig.router  # A-MoD ("attention"); "random" for the control
     force: bool = False  # replace an existing ``out``
 
     def validate(self) -> "CalibrateConfig":
