@@ -296,3 +296,17 @@ def test_every_mod_default_is_mod_configs():
     assert (flops.router, flops.skipped) == (MoDConfig.router, MoDConfig.skipped)
     bench = build_parser().parse_args(["bench"])
     assert (bench.router, bench.layers) == (MoDConfig.router, default_layers)
+
+
+def test_run_config_without_method_drops_the_fields_of_every_method():
+    """``METHOD_FIELDS`` (with MoD's own fields and ``method_spec``) are every field a method's ``run_fields`` writes,
+    so ``RunConfig.without_method`` (a distilled run's dense teacher) drops any method."""
+    from amod.train.config import METHOD_FIELDS, MOD_ONLY
+
+    for method in EXAMPLES:
+        if method.needs_images:  # (not a run's method until set to a cost)
+            continue
+        assert set(method.run_fields()) <= {*METHOD_FIELDS, *MOD_ONLY, "method_spec"}, method
+        cfg = RunConfig(**method.run_fields(), any_cost=[0.3, 0.9])
+        assert cfg.without_method().method() == Dense() and cfg.without_method().any_cost is None
+        assert dataclasses.replace(cfg.without_method(), **method.run_fields()).method() == method

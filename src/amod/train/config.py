@@ -182,6 +182,13 @@ class RunConfig:
                 setattr(self, name, value)
         check_types(self, f"--method {self.method_spec}")
 
+    def without_method(self) -> "RunConfig":
+        """These settings with no method: the fields that select one (``METHOD_FIELDS``, ``method_spec``) and
+        ``any_cost`` at their defaults (a distilled run's teacher from the starting weights, as a dense model)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{name: defaults[name] for name in (*METHOD_FIELDS, "method_spec",
+                                                                               "any_cost")})
+
     def distillation(self) -> Distillation:
         """The distillation loss these settings select (used when ``distill``)."""
         return Distillation(self.distill_logits, self.distill_temperature, self.distill_features)
