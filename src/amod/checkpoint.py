@@ -138,13 +138,16 @@ def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, A
     return model, info
 
 
-def skeleton(path: PathLike) -> nn.Module:
-    """The model an ``amod.save`` file holds on the ``meta`` device: its architecture, input size and
-    method, no weights and no memory (to check a command's settings before any work)."""
+def load_weightless(path: PathLike) -> nn.Module:
+    """``amod.load`` without the weights: the model an ``amod.save`` file holds on the ``meta`` device, its
+    architecture, input size and method, no weights and no memory (to check a command's settings before any work)."""
     meta = read_metadata(path)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. a fold capacity below its floor: load says so
         return _build(path, meta)[0]
+
+
+skeleton = load_weightless  # the name of before
 
 
 def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:

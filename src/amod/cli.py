@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from yaml import YAMLError
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
-from .checkpoint import skeleton
+from .checkpoint import load_weightless
 from .deploy import EXPORTERS
 from .family import family_of
 from .files import dumps
@@ -491,7 +491,7 @@ def study_for(checkpoint: Optional[str]) -> str:
     demo's model)."""
     if checkpoint is None:
         return ROUTER_STUDY
-    model = skeleton(os.path.expanduser(checkpoint))
+    model = load_weightless(os.path.expanduser(checkpoint))
     if family_of(model).num_classes(model) == 0:
         return FINETUNE_STUDY
     return ROUTER_STUDY

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import nn
 
-from .family import skeleton
+from .family import weightless_copy
 from .cost import flops
 from .mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
 from .mod.config import MoDConfig
@@ -77,7 +77,7 @@ class Method:
         """This method's cost as a share of the dense model's MACs (priced on a weightless copy). Over ``dense``'s
         own MACs, not the method's model's ``flops(...).ratio``: a model with fewer blocks (``IsoFLOP``) is dense in
         itself."""
-        return flops(self.apply(skeleton(dense)), img_size).macs / flops(dense, img_size).dense_macs
+        return flops(self.apply(weightless_copy(dense)), img_size).macs / flops(dense, img_size).dense_macs
 
     def spec(self) -> str:
         """The spec string that selects this method (``parse_method``): its kind, then the fields that differ from
@@ -290,7 +290,7 @@ class MoD(Method):
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "MoD":
         # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for
-        model = dataclasses.replace(self, capacity=1.0).apply(skeleton(dense))
+        model = dataclasses.replace(self, capacity=1.0).apply(weightless_copy(dense))
         return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
 
 
@@ -419,7 +419,7 @@ class PiToMe(Method):
         return None if config is None else cls(keep=config.keep)
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "PiToMe":
-        model = PiToMe(keep=1.0).apply(skeleton(dense))
+        model = PiToMe(keep=1.0).apply(weightless_copy(dense))
         return PiToMe(keep=pitome.keep_for_cost(model, cost, tolerance=1.0))  # closest; a miss is flagged
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..checkpoint import check_dense_file, load, save, skeleton
+from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..cost import validate_cost
 from ..files import check_output_file, dumps, read_json_lines
 from ..methods import Calibrated, MoD
@@ -59,7 +59,7 @@ class CalibrateConfig:
         check_not_hugging_face(self.checkpoint, "--checkpoint", "calibrate", "a dense amod .safetensors file")
         check_dense_file(self.checkpoint)
         _, _, info = build_datasets(self.data, None, None, None)
-        model_channels(skeleton(self.checkpoint), info)
+        model_channels(load_weightless(self.checkpoint), info)
         return self
 
 

@@ -20,7 +20,7 @@ from ..families import claimed, family_of
 from ..methods import Dense, Method, MoD, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
 from ..mod.convert import set_capacity
-from ..checkpoint import load as load_amod, read_metadata, skeleton as skeleton_of_file
+from ..checkpoint import load as load_amod, load_weightless, read_metadata
 
 log = logging.getLogger("amod")
 
@@ -348,7 +348,7 @@ def _trained_head(cfg: Any, num_classes: int) -> bool:
         path = Path(cfg.checkpoint)
         if not _is_amod_file(path):
             return False
-        model = skeleton_of_file(path)
+        model = load_weightless(path)
         return family_of(model).num_classes(model) == num_classes
     if cfg.pretrained:
         pretrained = timm.models.get_pretrained_cfg(cfg.model)
