@@ -3,8 +3,8 @@
 The file's metadata holds ``amod.model`` (the model family's description of the architecture: for timm, its
 architecture name and creation kwargs; ``amod.families``) and what the
 model's method (``amod.methods``) writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
-``MoDConfig``), ``amod.merge`` (a token-merging model's schedule) or another registered method's, so ``amod.load(path)`` needs
-nothing else.
+``MoDConfig``), ``amod.tome`` (a token-merging model's schedule; ``amod.merge`` in older files, which still load) or
+another registered method's, so ``amod.load(path)`` needs nothing else.
 """
 from __future__ import annotations
 

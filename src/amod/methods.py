@@ -57,6 +57,9 @@ class Method:
     # whether ``at_cost`` chooses the setting on unlabeled images (callers pass them as ``images``)
     needs_images: ClassVar[bool] = False
 
+    # metadata entries older files name this method by: read (``from_metadata``), never written
+    former_metadata_keys: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
         self.check()
 
@@ -162,8 +165,10 @@ def method_classes() -> tuple[type[Method], ...]:
 
 
 def metadata_keys() -> tuple[str, ...]:
-    """The checkpoint metadata entries that name a method (a file names one at most; none: a dense model)."""
-    return tuple(cls.metadata_key for cls in method_classes() if cls.metadata_key)
+    """The checkpoint metadata entries that name a method (a file names one at most; none: a dense model), those
+    older files name one by (``former_metadata_keys``) included."""
+    return tuple(key for cls in method_classes() if cls.metadata_key
+                 for key in (cls.metadata_key, *cls.former_metadata_keys))
 
 
 @register_method
@@ -313,7 +318,9 @@ class TokenMerging(Method):
     """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
 
     kind: ClassVar[str] = "tome"
-    metadata_key: ClassVar[Optional[str]] = "amod.merge"  # the key predates amod.tome; files keep it
+    metadata_key: ClassVar[Optional[str]] = "amod.tome"
+    # older files name ToMe "amod.merge", which is also the name of a skipped mode: read, never written
+    former_metadata_keys: ClassVar[tuple[str, ...]] = ("amod.merge",)
     r: Optional[Union[int, tuple[int, ...]]] = None
     cost: Optional[float] = None
 
@@ -352,9 +359,10 @@ class TokenMerging(Method):
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
-        if cls.metadata_key not in meta:
+        key = next((k for k in (cls.metadata_key, *cls.former_metadata_keys) if k in meta), None)
+        if key is None:
             return None
-        data = json.loads(meta[cls.metadata_key])
+        data = json.loads(meta[key])
         return cls(r=_as_tuple(data.get("schedule")), cost=data.get("cost"))
 
     @classmethod
