@@ -94,5 +94,5 @@ def test_a_newer_format_two_methods_and_a_wrong_shape_are_refused_naming_the_fil
     old_merged = amod.load(path)
     assert old_merged.amod_tome.schedule == [2, 2, 2, 2] and amod.method_of(old_merged) == amod.TokenMerging(r=(2,) * 4)
     torch.testing.assert_close(old_merged(images(old_merged)), merged(images(merged)), rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"old_tome\.safetensors is not a dense model \(it runs tome r=\[2, 2, 2, 2\]\)"):
+    with pytest.raises(ValueError, match=r"old_tome\.safetensors is not a dense model \(it runs tome r="):
         check_dense_file(path)

@@ -18,8 +18,8 @@ What a family knows (the methods below; ``amod.families.vit.ViTFamily`` gives th
 - what it refuses (``validate``: routers and skipped modes, with the reason) and how it converts (``convert``,
   ``merge_apply``: token merging, ToMe or PiToMe);
 - what it costs (``flops``: the blocks price themselves, the family prices the rest);
-- how a checkpoint describes and rebuilds it (``describe``, ``rebuild``), a weightless copy (``weightless_copy``), what it
-  exports and evaluates (``tensor_module``, ``feature_module``), its classifier's classes (``num_classes``);
+- how a checkpoint describes and rebuilds it (``describe``, ``rebuild``), a weightless copy (``weightless_copy``), what
+  it exports and evaluates (``tensor_module``, ``feature_module``), its classifier's classes (``num_classes``);
 - whether amod's classifier training takes its models (``trainable``).
 
 This module imports nothing of amod: it is the bottom of the package, so the library's modules (``cost``, ``mod``,

@@ -180,8 +180,9 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
 
 def check_costs_reachable(cfg: Any, model: nn.Module) -> None:
     """Refuse, before any work, a ``--cost`` that a method of ``cfg.methods`` cannot come near on ``model`` (at the size
-    it runs at; a weightless model on the meta device will do): ``Method.at_cost`` raises where the closest setting is too far off,
-    e.g. token merging on a model with few tokens. A method that chooses its setting on images takes its closest."""
+    it runs at; a weightless model on the meta device will do): ``Method.at_cost`` raises where the closest setting is
+    too far off, e.g. token merging on a model with few tokens. A method that chooses its setting on images takes its
+    closest."""
     for cost in cfg.costs:
         for arm in cfg.methods:
             if arm.needs_images:
