@@ -62,6 +62,8 @@ def test_a_newer_format_two_methods_and_a_wrong_shape_are_refused_naming_the_fil
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from amod.checkpoint import check_dense_file
+
     good = amod.save(make_model("vit"), tmp_path / "good.safetensors")
     with safe_open(str(good), framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
@@ -82,3 +84,15 @@ def test_a_newer_format_two_methods_and_a_wrong_shape_are_refused_naming_the_fil
     assert amod.load(variant("old.safetensors", old)).num_classes == 10
     merged = amod.load(amod.save(amod.tome.apply(make_model("vit"), r=2), tmp_path / "tome.safetensors"))
     assert merged.amod_tome.schedule == [2, 2, 2, 2]
+    with safe_open(str(tmp_path / "tome.safetensors"), framework="pt") as f:
+        tome_meta, tome_tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    # ToMe's entry is "amod.tome", which no skipped mode is called; older files' "amod.merge" still loads as ToMe
+    assert "amod.tome" in tome_meta and "amod.merge" not in tome_meta
+    old_tome = {**{k: v for k, v in tome_meta.items() if k not in ("amod.tome", "amod.format")},
+                "amod.merge": tome_meta["amod.tome"]}
+    path = variant("old_tome.safetensors", old_tome, tome_tensors)
+    old_merged = amod.load(path)
+    assert old_merged.amod_tome.schedule == [2, 2, 2, 2] and amod.method_of(old_merged) == amod.TokenMerging(r=(2,) * 4)
+    torch.testing.assert_close(old_merged(images(old_merged)), merged(images(merged)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"old_tome\.safetensors is not a dense model \(it runs tome r="):
+        check_dense_file(path)

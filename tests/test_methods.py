@@ -41,13 +41,15 @@ def test_settings_that_select_two_methods_are_refused():
 
 
 def test_each_method_names_its_checkpoint_metadata():
-    # "amod.merge": the key predates amod.tome
-    assert metadata_keys() == ("amod.mod", "amod.merge", "amod.pitome", "amod.isoflop", "amod.calibrated")
-    assert [cls.metadata_key for cls in method_classes() if cls.metadata_key] == list(metadata_keys())
+    # "amod.merge": ToMe's key in older files (read, never written), also the name of a skipped mode
+    assert metadata_keys() == ("amod.mod", "amod.tome", "amod.merge", "amod.pitome", "amod.isoflop", "amod.calibrated")
+    assert [cls.metadata_key for cls in method_classes() if cls.metadata_key] == [k for k in metadata_keys()
+                                                                                   if k != "amod.merge"]
     assert method_classes() == (MoD, TokenMerging, PiToMe, IsoFLOP, Calibrated, Dense)  # the lookup order; Dense last
     assert set(MoD(layers=(1, 3)).metadata()) == {"amod.mod"}
-    assert TokenMerging(r=(1, 2)).metadata() == {"amod.merge": '{"schedule": [1, 2]}'}
+    assert TokenMerging(r=(1, 2)).metadata() == {"amod.tome": '{"schedule": [1, 2]}'}
     assert method_from_metadata(TokenMerging(r=(1, 2)).metadata()) == TokenMerging(r=(1, 2))
+    assert method_from_metadata({"amod.merge": '{"schedule": [1, 2]}'}) == TokenMerging(r=(1, 2))  # an older file's
     assert PiToMe(keep=0.9).metadata() == {"amod.pitome": '{"keep": 0.9}'}
     assert method_from_metadata(PiToMe(keep=0.9).metadata()) == PiToMe(keep=0.9)
     resolved = MoD(layers=(1, 3), scale_output=False)  # as a converted model holds it
@@ -119,7 +121,7 @@ def test_files_written_before_read_as_they_did(tmp_path):
     merged = TokenMerging(r=(2, 2, 1, 1)).apply(make_model("vit"))
     pitome = PiToMe(keep=0.8).apply(make_model("vit"))
     assert method_of(mod).metadata() == {"amod.mod": mod.amod_config.to_json()}
-    assert method_of(merged).metadata() == {"amod.merge": '{"schedule": [2, 2, 1, 1]}'}
+    assert method_of(merged).metadata() == {"amod.tome": '{"schedule": [2, 2, 1, 1]}'}
     assert method_of(pitome).metadata() == {"amod.pitome": '{"keep": 0.8}'}
     iso = IsoFLOP(capacity=0.25).apply(make_model("vit"))
     del iso.amod_isoflop  # what 644c1f3 saved: no method
@@ -260,3 +262,53 @@ def test_method_and_the_options_of_a_method_are_refused_together_and_old_configs
     assert resolve_run_config({"method_spec": "tome:r=[1,1,1,1]"}).validate().tome_r == [1, 1, 1, 1]
     before = {k: v for k, v in RunConfig(tome_cost=0.5).to_dict().items() if k != "method_spec"}  # a run of before
     assert RunConfig.from_dict(before).validate().method() == TokenMerging(cost=0.5)
+
+
+def test_every_mod_default_is_mod_configs():
+    """MoD's defaults are stated once, in MoDConfig: amod.convert, MoD, IsoFLOP, a run's configuration and the CLI's
+    MoD flags take them, so a default changed there changes everywhere (and one restated elsewhere disagrees here)."""
+    import inspect
+
+    from amod.cli import build_parser, run_config_from_args
+    from amod.mod.config import MoDConfig
+    from amod.mod.isoflop import isoflop_baseline
+    from amod.mod.modes import skipped_mode
+
+    plain = {f.name: f.default for f in dataclasses.fields(MoDConfig) if f.default is not dataclasses.MISSING
+             and f.default is not None}
+    assert set(plain) == {"router", "capacity", "scale_output", "seed", "skipped", "protect"}
+    for name, default in plain.items():
+        if name == "scale_output":  # None everywhere else: the router's default_scale_output, resolved by convert
+            continue
+        assert inspect.signature(amod.convert).parameters[name].default == default, name
+        assert {f.name: f.default for f in dataclasses.fields(MoD)}[name] == default, name
+        if name != "router":  # (a run's router is None: dense)
+            assert {f.name: f.default for f in dataclasses.fields(RunConfig)}[name] == default, name
+    default_layers = skipped_mode(MoDConfig.skipped).default_layers
+    assert IsoFLOP() == IsoFLOP(router=MoDConfig.router, capacity=MoDConfig.capacity, layers=default_layers)
+    isoflop = inspect.signature(isoflop_baseline).parameters
+    assert (isoflop["router"].default, isoflop["layers"].default) == (MoDConfig.router, default_layers)
+    # the same model, whichever way the defaults are taken: the library, the method, a run's --router alone
+    converted = [amod.convert(make_model()), MoD().apply(make_model()),
+                 run_config_from_args(build_parser().parse_args(["train", "--router", MoDConfig.router]))
+                 .method().apply(make_model())]
+    assert converted[0].amod_config == converted[1].amod_config == converted[2].amod_config
+    assert converted[0].amod_config.capacity == MoDConfig.capacity
+    flops = build_parser().parse_args(["flops", "vit_tiny_patch16_224"])
+    assert (flops.router, flops.skipped) == (MoDConfig.router, MoDConfig.skipped)
+    bench = build_parser().parse_args(["bench"])
+    assert (bench.router, bench.layers) == (MoDConfig.router, default_layers)
+
+
+def test_run_config_without_method_drops_the_fields_of_every_method():
+    """``METHOD_FIELDS`` (with MoD's own fields and ``method_spec``) are every field a method's ``run_fields`` writes,
+    so ``RunConfig.without_method`` (a distilled run's dense teacher) drops any method."""
+    from amod.train.config import METHOD_FIELDS, MOD_ONLY
+
+    for method in EXAMPLES:
+        if method.needs_images:  # (not a run's method until set to a cost)
+            continue
+        assert set(method.run_fields()) <= {*METHOD_FIELDS, *MOD_ONLY, "method_spec"}, method
+        cfg = RunConfig(**method.run_fields(), any_cost=[0.3, 0.9])
+        assert cfg.without_method().method() == Dense() and cfg.without_method().any_cost is None
+        assert dataclasses.replace(cfg.without_method(), **method.run_fields()).method() == method

@@ -59,8 +59,9 @@ def architecture_name(model: nn.Module) -> str:
     return name
 
 
-def skeleton(model: nn.Module, arch: Optional[str] = None) -> nn.Module:
-    """The same architecture as ``model`` on the ``meta`` device: shapes, no weights and no memory.
+def weightless_timm_copy(model: nn.Module, arch: Optional[str] = None) -> nn.Module:
+    """A timm model of ``model``'s architecture (``arch``: its timm name, default read off it) on the ``meta``
+    device: shapes, no weights and no memory.
 
     Costs need shapes only, so a method's cost can be searched on this instead of a copy of ``model``.
     """

@@ -3,9 +3,9 @@
 The file's metadata holds ``amod.model`` (the model family's description of the architecture: for timm, its
 architecture name and creation kwargs; ``amod.families``), ``amod.method`` (the kind of the model's method,
 ``amod.methods``) and what that method writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
-``MoDConfig``), ``amod.merge`` (a token-merging model's schedule) or another registered method's, so ``amod.load(path)``
-needs nothing else. A file whose method is not registered (a package's method, the package not installed) is refused,
-never opened as a dense model.
+``MoDConfig``), ``amod.tome`` (a token-merging model's schedule; ``amod.merge`` in older files, which still load) or
+another registered method's, so ``amod.load(path)`` needs nothing else. A file whose method is not registered (a
+package's method, the package not installed) is refused, never opened as a dense model.
 """
 from __future__ import annotations
 
@@ -142,13 +142,16 @@ def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, A
     return model, info
 
 
-def skeleton(path: PathLike) -> nn.Module:
-    """The model an ``amod.save`` file holds on the ``meta`` device: its architecture, input size and
-    method, no weights and no memory (to check a command's settings before any work)."""
+def load_weightless(path: PathLike) -> nn.Module:
+    """``amod.load`` without the weights: the model an ``amod.save`` file holds on the ``meta`` device, its
+    architecture, input size and method, no weights and no memory (to check a command's settings before any work)."""
     meta = read_metadata(path)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. a fold capacity below its floor: load says so
         return _build(path, meta)[0]
+
+
+skeleton = load_weightless  # the name of before
 
 
 def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:

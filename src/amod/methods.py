@@ -28,11 +28,11 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import nn
 
-from .family import skeleton
+from .family import weightless_copy
 from .cost import flops
 from .mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
-from .mod.config import DEFAULT_PROTECT, MoDConfig
-from .mod.convert import capacity_for_cost, convert
+from .mod.config import MoDConfig
+from .mod.convert import DEFAULT_LAYERS, capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
 from . import tome
 from .tome import pitome
@@ -62,6 +62,9 @@ class Method:
     # whether ``at_cost`` chooses the setting on unlabeled images (callers pass them as ``images``)
     needs_images: ClassVar[bool] = False
 
+    # metadata entries older files name this method by: read (``from_metadata``), never written
+    former_metadata_keys: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
         self.check()
 
@@ -82,7 +85,7 @@ class Method:
         """This method's cost as a share of the dense model's MACs (priced on a weightless copy). Over ``dense``'s
         own MACs, not the method's model's ``flops(...).ratio``: a model with fewer blocks (``IsoFLOP``) is dense in
         itself."""
-        return flops(self.apply(skeleton(dense)), img_size).macs / flops(dense, img_size).dense_macs
+        return flops(self.apply(weightless_copy(dense)), img_size).macs / flops(dense, img_size).dense_macs
 
     def spec(self) -> str:
         """The spec string that selects this method (``parse_method``): its kind, then the fields that differ from
@@ -221,8 +224,10 @@ def method_classes() -> tuple[type[Method], ...]:
 
 
 def metadata_keys() -> tuple[str, ...]:
-    """The checkpoint metadata entries that name a method (a file names one at most; none: a dense model)."""
-    return tuple(cls.metadata_key for cls in method_classes() if cls.metadata_key)
+    """The checkpoint metadata entries that name a method (a file names one at most; none: a dense model), those
+    older files name one by (``former_metadata_keys``) included."""
+    return tuple(key for cls in method_classes() if cls.metadata_key
+                 for key in (cls.metadata_key, *cls.former_metadata_keys))
 
 
 def file_metadata(method: "Method") -> dict[str, str]:
@@ -285,23 +290,23 @@ METHOD_CLASSES[Dense.kind] = Dense  # the one method without settings or a metad
 @register_method
 @dataclass(frozen=True)
 class MoD(Method):
-    """Mixture-of-Depths: ``amod.convert`` with these arguments."""
+    """Mixture-of-Depths: ``amod.convert`` with these arguments (and its defaults, ``MoDConfig``'s)."""
 
     kind: ClassVar[str] = "mod"
     metadata_key: ClassVar[Optional[str]] = "amod.mod"
-    router: str = "attention"
-    capacity: float = 0.5
+    router: str = MoDConfig.router
+    capacity: float = MoDConfig.capacity
     layers: Layers = None  # None: the skipped mode's default_layers ("all" for fold, "alternate" otherwise)
     scale_output: Optional[bool] = None  # None: the router's default_scale_output
-    seed: int = 0  # the router's seed (in a run: 0 leaves it to the run's --seed)
-    skipped: str = "bypass"
-    protect: float = DEFAULT_PROTECT  # fold only
+    seed: int = MoDConfig.seed  # the router's seed (in a run: 0 leaves it to the run's --seed)
+    skipped: str = MoDConfig.skipped
+    protect: float = MoDConfig.protect  # fold only
     shape: Optional[tuple[float, ...]] = None  # fold only: one capacity exponent per block (``amod.calibrate``)
 
     def check(self) -> None:
         if self.skipped != "fold":  # fold's settings would be dropped without a word by another mode
             given = [f"{name}={_spec_value(getattr(self, name))}" for name, default in
-                     (("protect", DEFAULT_PROTECT), ("shape", None)) if getattr(self, name) != default]
+                     (("protect", MoDConfig.protect), ("shape", None)) if getattr(self, name) != default]
             if given:
                 raise ValueError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
                                  f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
@@ -360,7 +365,7 @@ class MoD(Method):
         # the router's own seed, else the run's (a report row holds neither where it is 0)
         seed = fields.router_seed if getattr(fields, "router_seed", None) is not None else fields.seed or 0
         # protect is fold's: another mode's run ignored it (configs of before may hold one)
-        protect = fields.protect if fields.skipped == "fold" else DEFAULT_PROTECT
+        protect = fields.protect if fields.skipped == "fold" else MoDConfig.protect
         return cls(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
                    seed=seed, skipped=fields.skipped, protect=protect, shape=_as_tuple(fields.shape))
 
@@ -383,12 +388,12 @@ class MoD(Method):
     def _of_config(cls, config: MoDConfig) -> "MoD":
         fields = {**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": _as_tuple(config.shape)}
         if fields["skipped"] != "fold":  # (amod.convert takes a protect for any mode; only fold reads it)
-            fields["protect"] = DEFAULT_PROTECT
+            fields["protect"] = MoDConfig.protect
         return cls(**fields)
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "MoD":
         # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for
-        model = dataclasses.replace(self, capacity=1.0).apply(skeleton(dense))
+        model = dataclasses.replace(self, capacity=1.0).apply(weightless_copy(dense))
         return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
 
 
@@ -411,7 +416,9 @@ class TokenMerging(Method):
     """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
 
     kind: ClassVar[str] = "tome"
-    metadata_key: ClassVar[Optional[str]] = "amod.merge"  # the key predates amod.tome; files keep it
+    metadata_key: ClassVar[Optional[str]] = "amod.tome"
+    # older files name ToMe "amod.merge", which is also the name of a skipped mode: read, never written
+    former_metadata_keys: ClassVar[tuple[str, ...]] = ("amod.merge",)
     r: Optional[Union[int, tuple[int, ...]]] = None
     cost: Optional[float] = None
 
@@ -450,9 +457,10 @@ class TokenMerging(Method):
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
-        if cls.metadata_key not in meta:
+        key = next((k for k in (cls.metadata_key, *cls.former_metadata_keys) if k in meta), None)
+        if key is None:
             return None
-        data = json.loads(meta[cls.metadata_key])
+        data = json.loads(meta[key])
         return cls(r=_as_tuple(data.get("schedule")), cost=data.get("cost"))
 
     @classmethod
@@ -517,7 +525,7 @@ class PiToMe(Method):
         return None if config is None else cls(keep=config.keep)
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "PiToMe":
-        model = PiToMe(keep=1.0).apply(skeleton(dense))
+        model = PiToMe(keep=1.0).apply(weightless_copy(dense))
         return PiToMe(keep=pitome.keep_for_cost(model, cost, tolerance=1.0))  # closest; a miss is flagged
 
 
@@ -529,13 +537,13 @@ class IsoFLOP(Method):
 
     kind: ClassVar[str] = "isoflop"
     metadata_key: ClassVar[Optional[str]] = "amod.isoflop"
-    router: str = "attention"
-    capacity: float = 0.5
-    layers: Layers = "alternate"
+    router: str = MoDConfig.router
+    capacity: float = MoDConfig.capacity
+    layers: Layers = DEFAULT_LAYERS  # the default MoD setup's ("alternate")
 
     def apply(self, model: nn.Module) -> nn.Module:
         layers = _as_list(self.layers)
-        return isoflop_baseline(model, self.capacity, layers=layers or "alternate", router=self.router)
+        return isoflop_baseline(model, self.capacity, layers=layers or DEFAULT_LAYERS, router=self.router)
 
     def restore(self, model: nn.Module) -> nn.Module:
         # the file's description is of the fewer blocks already: marked, not cut again
@@ -564,7 +572,7 @@ class IsoFLOP(Method):
         if fields.router is None or not fields.isoflop:
             return None
         layers = _as_tuple(fields.layers)
-        return cls(router=fields.router, capacity=fields.capacity, layers=layers or "alternate")
+        return cls(router=fields.router, capacity=fields.capacity, layers=layers or DEFAULT_LAYERS)
 
 
 @register_method
@@ -579,7 +587,7 @@ class Calibrated(Method):
     kind: ClassVar[str] = "calibrated"
     metadata_key: ClassVar[Optional[str]] = "amod.calibrated"
     needs_images: ClassVar[bool] = True
-    router: str = "attention"
+    router: str = MoDConfig.router
     protects: tuple[float, ...] = DEFAULT_PROTECTS
     tilts: tuple[float, ...] = DEFAULT_TILTS
 

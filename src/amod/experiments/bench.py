@@ -24,7 +24,7 @@ from ..files import dumps, read_json_lines
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
 from ..methods import Dense, method_of
-from ..mod.convert import convert
+from ..mod.convert import DEFAULT_LAYERS, convert
 from ..fast import compile as fast_compile
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import autocast
@@ -355,7 +355,7 @@ def session_callable(session: Any, x: torch.Tensor) -> Callable[[], Any]:
 RUNTIMES = ("torch", "onnxruntime")
 
 
-def run_bench(model: str, router: str, capacity: float, layers: Any = "alternate", batch_size: int = 32,
+def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LAYERS, batch_size: int = 32,
               img_size: Optional[int] = None, repeats: int = 10, warmup: int = 3, amp: str = "off",
               device: str = "auto", memory: bool = True, compile: bool = False, runtime: str = "torch"
               ) -> dict[str, Any]:

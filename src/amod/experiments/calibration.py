@@ -16,11 +16,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..checkpoint import check_dense_file, load, save, skeleton
+from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..cost import validate_cost
 from ..files import check_output_file, dumps, read_json_lines
 from ..methods import Calibrated, MoD
 from ..mod.calibrate import calibrate
+from ..mod.config import MoDConfig
 from ..mod.routers import router_class
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
@@ -38,7 +39,7 @@ class CalibrateConfig:
     img_size: Optional[int] = None  # input size; default the model's own
     cost: float = 0.5  # share of the dense MACs
     images: int = 256  # calibration images
-    router: str = "attention"  # A-MoD; "random" for the control
+    router: str = MoDConfig.router  # A-MoD ("attention"); "random" for the control
     force: bool = False  # replace an existing ``out``
 
     def validate(self) -> "CalibrateConfig":
@@ -58,7 +59,7 @@ class CalibrateConfig:
         check_not_hugging_face(self.checkpoint, "--checkpoint", "calibrate", "a dense amod .safetensors file")
         check_dense_file(self.checkpoint)
         _, _, info = build_datasets(self.data, None, None, None)
-        model_channels(skeleton(self.checkpoint), info)
+        model_channels(load_weightless(self.checkpoint), info)
         return self
 
 

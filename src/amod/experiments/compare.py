@@ -36,7 +36,7 @@ from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of, setting_text_of
 from ..train import engine
-from ..checkpoint import load, open_model, skeleton
+from ..checkpoint import load, load_weightless, open_model
 from ..train.data import DataInfo, build_datasets
 from ..arch import set_input_size
 from ..train.models import fit_to_data
@@ -142,7 +142,7 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
         check_costs_reachable(cfg, demo_skeleton(cfg.data, cfg.quick, info))
         return info
     # the model without its weights (an amod file), or as loaded (a Hugging Face folder or hf:ID)
-    model = open_model(cfg.checkpoint) if hf_source(cfg.checkpoint) is not None else skeleton(cfg.checkpoint)
+    model = open_model(cfg.checkpoint) if hf_source(cfg.checkpoint) is not None else load_weightless(cfg.checkpoint)
     family = family_of(model)
     h, w = model.patch_embed.img_size
     ph, pw = model.patch_embed.patch_size
@@ -180,8 +180,9 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
 
 def check_costs_reachable(cfg: Any, model: nn.Module) -> None:
     """Refuse, before any work, a ``--cost`` that a method of ``cfg.methods`` cannot come near on ``model`` (at the size
-    it runs at; a meta-device skeleton will do): ``Method.at_cost`` raises where the closest setting is too far off,
-    e.g. token merging on a model with few tokens. A method that chooses its setting on images takes its closest."""
+    it runs at; a weightless model on the meta device will do): ``Method.at_cost`` raises where the closest setting is
+    too far off, e.g. token merging on a model with few tokens. A method that chooses its setting on images takes its
+    closest."""
     for cost in cfg.costs:
         for arm in cfg.methods:
             if arm.needs_images:

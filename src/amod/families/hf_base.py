@@ -370,7 +370,7 @@ class HFCheckpoints:
     def rebuild(self, info: dict[str, Any], metadata: Optional[dict[str, str]] = None) -> nn.Module:
         return self.restore(self.prepare(self._build(info)), info, metadata)
 
-    def skeleton(self, model: nn.Module) -> nn.Module:
+    def weightless_copy(self, model: nn.Module) -> nn.Module:
         info = self.describe(model)
         with torch.device("meta"):
             return self.rebuild(info)

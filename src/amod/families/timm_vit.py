@@ -13,7 +13,8 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from ..arch import architecture_name, infer_model_args, set_input_channels, set_input_size, skeleton
+from ..arch import (architecture_name, infer_model_args, set_input_channels, set_input_size,
+                    weightless_timm_copy)
 from ..family import class_names, register_family
 from ..mod.block import MoDBlock, ScoringAttention
 from ..reduce import make_sized
@@ -60,8 +61,8 @@ class TimmViTFamily(ViTFamily):
     def rebuild(self, info: dict[str, Any], metadata: Optional[dict[str, str]] = None) -> nn.Module:
         return timm.create_model(info["arch"], pretrained=False, **info["args"])
 
-    def skeleton(self, model: nn.Module) -> nn.Module:
-        return skeleton(model)
+    def weightless_copy(self, model: nn.Module) -> nn.Module:
+        return weightless_timm_copy(model)
 
     def keep_blocks(self, model: nn.Module, keep: list[int]) -> nn.Module:
         model.blocks = nn.Sequential(*[model.blocks[i] for i in keep])

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
-from .config import validate_protect
+from .config import MoDConfig, validate_protect
 from .convert import capacity_for_cost, convert, get_config
 
 log = logging.getLogger("amod")
@@ -123,7 +123,7 @@ def _validate_images(model: nn.Module, images: Any) -> torch.Tensor:
     return images.to(weight.device, weight.dtype)
 
 
-def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router: str = "attention",
+def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router: str = MoDConfig.router,
               tilts: Sequence[float] = DEFAULT_TILTS, protects: Sequence[float] = DEFAULT_PROTECTS,
               batch_size: int = 64, closest: bool = False) -> nn.Module:
     """Turn the dense ``model`` into A-MoD fold with the schedule that keeps its features closest on ``images``.

@@ -12,7 +12,6 @@ from .modes import skipped_mode, skipped_mode_names
 from .routers import ROUTER_CLASSES, router_class
 
 LAYER_PRESETS = ("alternate", "later", "all")
-DEFAULT_PROTECT = 0.25  # fold: share of a block's patch tokens the router protects from folding
 
 
 @dataclass
@@ -21,6 +20,9 @@ class MoDConfig(StaticNumbers):
 
     Stored on the converted model (``model.amod_config``) and inside every checkpoint. A forward reads its numbers
     with ``static(name)`` (``amod.static``: a changed capacity recompiles a compiled model quickly).
+
+    Its defaults are amod's MoD defaults, stated here alone: ``amod.convert``'s arguments, the ``MoD`` and ``IsoFLOP``
+    methods' fields, ``RunConfig``'s fields and the CLI's flags read them from this class (``MoDConfig.capacity``).
     """
 
     router: str = "attention"  # which router ranks tokens: one of ROUTERS
@@ -29,7 +31,7 @@ class MoDConfig(StaticNumbers):
     scale_output: bool = False  # multiply a processed token's block output by its router gate
     seed: int = 0  # seed of the random router (ignored by the others)
     skipped: str = "bypass"  # what skipped tokens do: one of SKIPPED_MODES
-    protect: float = DEFAULT_PROTECT  # fold only: share of patch tokens the router protects in a fold block
+    protect: float = 0.25  # fold only: share of patch tokens the router protects in a fold block
     # fold only: one exponent per block; block i keeps the share capacity ** shape[i] of its patch tokens
     # (None: every exponent 1, the same share in every block). ``amod.calibrate`` chooses it.
     shape: Optional[list[float]] = None

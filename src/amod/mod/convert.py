@@ -13,13 +13,15 @@ from torch import nn
 from ..cost import flops, token_sizes, validate_cost
 from ..family import family_of
 from .block import RoutedForward
-from .config import (DEFAULT_PROTECT, MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router,
-                     validate_shape, validate_skipped)
+from .config import (MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router, validate_shape,
+                     validate_skipped)
 from .fold import FoldBlock
 from .modes import skipped_mode
 from .routers import router_class
 
 LayersSpec = Union[str, Sequence[int]]
+# the layers of a conversion in the default skipped mode (``"alternate"``), which an isoFLOP baseline matches by default
+DEFAULT_LAYERS = skipped_mode(MoDConfig.skipped).default_layers
 
 
 def default_scale_output(router: str) -> bool:
@@ -30,18 +32,19 @@ def default_scale_output(router: str) -> bool:
 
 def convert(
     model: nn.Module,
-    router: str = "attention",
-    capacity: float = 0.5,
+    router: str = MoDConfig.router,
+    capacity: float = MoDConfig.capacity,
     layers: Optional[LayersSpec] = None,
     scale_output: Optional[bool] = None,
-    seed: int = 0,
-    skipped: str = "bypass",
-    protect: float = DEFAULT_PROTECT,
+    seed: int = MoDConfig.seed,
+    skipped: str = MoDConfig.skipped,
+    protect: float = MoDConfig.protect,
     shape: Optional[Sequence[float]] = None,
 ) -> nn.Module:
     """Convert a timm ViT into a Mixture-of-Depths model, in place; returns the same model.
 
-    Weights and state_dict keys stay as they were (the standard router adds ``blocks.i.router.*``).
+    Weights and state_dict keys stay as they were (the standard router adds ``blocks.i.router.*``). The defaults are
+    ``MoDConfig``'s.
 
     Args:
         model: a model of a registered family (``amod.families``): a timm ``VisionTransformer`` (vit_*, deit_*

@@ -11,7 +11,8 @@ from torch import nn
 
 from ..cost import flops
 from ..family import family_of
-from .convert import convert
+from .config import MoDConfig
+from .convert import DEFAULT_LAYERS, convert
 
 
 def isoflop_depth(model: nn.Module, mod_macs: int, img_size=None) -> int:
@@ -31,8 +32,8 @@ def kept_block_indices(depth: int, new_depth: int) -> list[int]:
 def isoflop_baseline(
     name_or_model: Union[str, nn.Module],
     capacity: float,
-    layers="alternate",
-    router: str = "attention",
+    layers=DEFAULT_LAYERS,
+    router: str = MoDConfig.router,
     pretrained: bool = False,
     img_size=None,
     **create_kwargs,

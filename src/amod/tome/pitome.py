@@ -177,7 +177,7 @@ def apply(model: nn.Module, keep: Optional[float] = None, cost: Optional[float] 
 def _merging_blocks(model: nn.Module, keep: Optional[float], cost: Optional[float], family) -> nn.Module:
     check_mergeable(model, family, "PiToMe")
     if keep is None:  # priced on a weightless copy: a cost PiToMe cannot reach leaves the model as it was
-        keep = keep_for_cost(_merging_blocks(family.prepare(family.skeleton(model)), 1.0, None, family), cost)
+        keep = keep_for_cost(_merging_blocks(family.prepare(family.weightless_copy(model)), 1.0, None, family), cost)
     sizes, depth = TokenSizes(), len(model.blocks)
     for i, blk in enumerate(model.blocks):
         family.make_sized(blk, PiToMeBlock, PiToMeSettings(num_prefix=model.num_prefix_tokens, sizes=sizes,

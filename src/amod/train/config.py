@@ -18,7 +18,7 @@ import yaml
 
 from ..cost import validate_cost
 from ..methods import Dense, Method, MoD, method_from_run_fields, parse_method
-from ..mod.config import DEFAULT_PROTECT, validate_capacity, validate_protect, validate_skipped
+from ..mod.config import MoDConfig, validate_capacity, validate_protect, validate_skipped
 from ..mod.modes import skipped_mode
 from . import engine
 from .any_cost import NEEDS_MOD
@@ -48,15 +48,15 @@ class RunConfig:
     num_heads: Optional[int] = None
     num_classes: Optional[int] = None  # default: the data's
     drop_path: float = 0.0  # stochastic depth rate
-    # Mixture-of-Depths (router None = dense)
+    # Mixture-of-Depths (router None = dense); the defaults are MoDConfig's
     router: Optional[str] = None
-    capacity: float = 0.5
+    capacity: float = MoDConfig.capacity
     layers: Optional[Union[str, list[int]]] = None  # None: the skipped mode's default_layers ("all" for fold)
     scale_output: Optional[bool] = None
     router_seed: Optional[int] = None  # seed of a router that draws (random, ...); None: --seed (mod:seed=S gives S)
     isoflop: bool = False  # train the isoFLOP dense baseline of (router, capacity, layers) instead
-    skipped: str = "bypass"  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
-    protect: float = DEFAULT_PROTECT  # fold: share of a fold block's patch tokens the router protects
+    skipped: str = MoDConfig.skipped  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
+    protect: float = MoDConfig.protect  # fold: share of a fold block's patch tokens the router protects
     shape: Optional[list[float]] = None  # fold: one capacity exponent per block (from amod.calibrate)
     # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
     tome_cost: Optional[float] = None
@@ -181,6 +181,13 @@ class RunConfig:
             if name != "method_spec":
                 setattr(self, name, value)
         check_types(self, f"--method {self.method_spec}")
+
+    def without_method(self) -> "RunConfig":
+        """These settings with no method: the fields that select one (``METHOD_FIELDS``, ``method_spec``) and
+        ``any_cost`` at their defaults (a distilled run's teacher from the starting weights, as a dense model)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{name: defaults[name] for name in (*METHOD_FIELDS, "method_spec",
+                                                                               "any_cost")})
 
     def distillation(self) -> Distillation:
         """The distillation loss these settings select (used when ``distill``)."""

@@ -20,7 +20,7 @@ from ..families import claimed, family_of
 from ..methods import Dense, Method, MoD, method_from_metadata, method_from_run_fields, method_of
 from ..arch import set_input_size
 from ..mod.convert import set_capacity
-from ..checkpoint import load as load_amod, read_metadata, skeleton as skeleton_of_file
+from ..checkpoint import load as load_amod, load_weightless, read_metadata
 
 log = logging.getLogger("amod")
 
@@ -293,7 +293,8 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
 def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
     """The dense model a distilled run learns from: ``cfg.teacher`` (a model file), or else the run's starting
     weights as a dense model. Refuses a teacher that runs a method (it must be dense), and logit distillation from
-    starting weights whose classifier was not trained for the data's classes (its logits would teach nothing)."""
+    starting weights whose classifier was not trained for the data's classes (its logits would teach nothing).
+    ``cfg``: the run's ``RunConfig``."""
     if cfg.teacher is not None:
         path = Path(cfg.teacher).expanduser()
         if path.is_dir():
@@ -315,9 +316,7 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
         if cfg.checkpoint and not _is_amod_file(Path(cfg.checkpoint)):  # a state dict file: loading it tells
             teacher, trained_head = _from_weights_file(cfg, Path(cfg.checkpoint), num_classes, in_chans, img_size)
         else:
-            dense = dataclasses.replace(cfg, router=None, isoflop=False, tome_cost=None, tome_r=None, pitome_cost=None,
-                                        pitome_keep=None, method_spec=None, any_cost=None)
-            teacher = build_model(dense, num_classes, in_chans, img_size)
+            teacher = build_model(cfg.without_method(), num_classes, in_chans, img_size)
             trained_head = _trained_head(cfg, num_classes)
         if cfg.distill_logits > 0 and not trained_head:
             raise ValueError(f"the starting weights have no classifier trained for the data's {num_classes} classes, "
@@ -349,7 +348,7 @@ def _trained_head(cfg: Any, num_classes: int) -> bool:
         path = Path(cfg.checkpoint)
         if not _is_amod_file(path):
             return False
-        model = skeleton_of_file(path)
+        model = load_weightless(path)
         return family_of(model).num_classes(model) == num_classes
     if cfg.pretrained:
         pretrained = timm.models.get_pretrained_cfg(cfg.model)
