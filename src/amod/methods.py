@@ -32,6 +32,7 @@ from .mod.convert import capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
 from . import tome
 from .tome import pitome
+from .errors import UserError
 
 Layers = Optional[Union[str, list[int], tuple[int, ...]]]
 
@@ -124,7 +125,7 @@ class Method:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
-            raise ValueError(f"{cls.metadata_key}: unknown fields {unknown}; {cls.kind} has {', '.join(names)}")
+            raise UserError(f"{cls.metadata_key}: unknown fields {unknown}; {cls.kind} has {', '.join(names)}")
         return cls(**{k: _as_tuple(v) for k, v in data.items()})
 
     @classmethod
@@ -149,8 +150,8 @@ def register_method(cls: type[Method]) -> type[Method]:
     experiments' ``--methods`` find it."""
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind or any(c in kind for c in ":,= "):
-        raise ValueError(f"{cls.__name__}: a method's kind must be a non-empty name without ':', ',', '=' or spaces, "
-                         f"got {kind!r}")
+        raise UserError(f"{cls.__name__}: a method's kind must be a non-empty name without ':', ',', '=' or spaces, "
+                        f"got {kind!r}")
     METHOD_CLASSES[kind] = cls
     return cls
 
@@ -205,9 +206,9 @@ class MoD(Method):
             given = [f"{name}={_spec_value(getattr(self, name))}" for name, default in
                      (("protect", DEFAULT_PROTECT), ("shape", None)) if getattr(self, name) != default]
             if given:
-                raise ValueError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
-                                 f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
-                                 "skipped=fold or drop it")
+                raise UserError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
+                                f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
+                                "skipped=fold or drop it")
 
     def __repr__(self) -> str:
         # shape is named only when set: a plain MoD keeps the repr that finished measurements are keyed by
@@ -298,8 +299,8 @@ def _one_of(kind: str, method: Method, names: tuple[str, str], meanings: tuple[s
     """Refuse ``method`` where both of the fields ``names`` (one setting, two ways) are given."""
     if all(getattr(method, n) is not None for n in names):
         given = ", ".join(f"{n}={_spec_value(getattr(method, n))}" for n in names)
-        raise ValueError(f"{kind}: give {names[0]} ({meanings[0]}) or {names[1]} ({meanings[1]}), not both; got "
-                         f"{given}")
+        raise UserError(f"{kind}: give {names[0]} ({meanings[0]}) or {names[1]} ({meanings[1]}), not both; got "
+                        f"{given}")
 
 
 def _merging_metadata(fields: dict[str, Any]) -> str:
@@ -486,8 +487,8 @@ class Calibrated(Method):
     tilts: tuple[float, ...] = DEFAULT_TILTS
 
     def apply(self, model: nn.Module) -> nn.Module:
-        raise ValueError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
-                         "(at_cost with images; amod calibrate saves a calibrated model to start from)")
+        raise UserError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
+                        "(at_cost with images; amod calibrate saves a calibrated model to start from)")
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> MoD:
         return self.calibrated(dense, cost, images)[0]
@@ -499,7 +500,7 @@ class Calibrated(Method):
         ``closest``: where no candidate comes within the cost tolerance, take the closest (a sweep flags the miss)
         rather than refuse."""
         if images is None:
-            raise ValueError(f"{self.spec()} is set to a cost on unlabeled images; give images")
+            raise UserError(f"{self.spec()} is set to a cost on unlabeled images; give images")
         model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
                           protects=self.protects, closest=closest)
         return MoD.of_model(model), model.amod_calibration.report()
@@ -547,8 +548,8 @@ def method_from_run_fields(fields: Any) -> Method:
         fields = _Fields(fields)
     chosen = [m for m in (cls.from_run_fields(fields) for cls in method_classes()) if m is not None]
     if len(chosen) > 1:
-        raise ValueError(f"the settings select {len(chosen)} methods ({', '.join(m.label() for m in chosen)}); "
-                         "give the settings of one")
+        raise UserError(f"the settings select {len(chosen)} methods ({', '.join(m.label() for m in chosen)}); "
+                        "give the settings of one")
     spec = getattr(fields, "method_spec", None)
     if not chosen and spec:
         return parse_method(spec)
@@ -608,34 +609,34 @@ def _parse_value(text: str, tp: Any) -> Any:
                 return _parse_value(text, option)
             except ValueError:
                 pass
-        raise ValueError(text)
+        raise UserError(text)
     if tp is type(None):
         if text.lower() in ("none", "null"):
             return None
-        raise ValueError(text)
+        raise UserError(text)
     if tp is bool:
         if text.lower() in ("true", "yes", "1", "on"):
             return True
         if text.lower() in ("false", "no", "0", "off"):
             return False
-        raise ValueError(text)
+        raise UserError(text)
     if tp is int:
         return int(text)
     if tp is float:
         value = float(text)
         if not math.isfinite(value):
-            raise ValueError(text)
+            raise UserError(text)
         return value
     if tp is str:
         if not text or any(c in text for c in "[],="):
-            raise ValueError(text)
+            raise UserError(text)
         return text
     if origin in (list, tuple):
         if not (text.startswith("[") and text.endswith("]")):
-            raise ValueError(text)
+            raise UserError(text)
         inner = text[1:-1].strip()
         return tuple(_parse_value(v, args[0]) for v in (_split(inner) if inner else []))
-    raise ValueError(text)
+    raise UserError(text)
 
 
 def method_kinds() -> tuple[str, ...]:
@@ -652,8 +653,8 @@ def parse_method(text: str) -> Method:
     kind, _, body = text.strip().partition(":")
     cls = METHOD_CLASSES.get(kind.strip())
     if cls is None:
-        raise ValueError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: "
-                         f"{', '.join(method_kinds())}")
+        raise UserError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: "
+                        f"{', '.join(method_kinds())}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
@@ -661,13 +662,13 @@ def parse_method(text: str) -> Method:
         name, eq, value = item.partition("=")
         name = name.strip()
         if not eq:
-            raise ValueError(f"{kind}: expected FIELD=VALUE, got {item.strip()!r} in {text!r}")
+            raise UserError(f"{kind}: expected FIELD=VALUE, got {item.strip()!r} in {text!r}")
         if name not in names:
-            raise ValueError(f"{kind} has no field {name!r}; its fields: {', '.join(names) or 'none'}")
+            raise UserError(f"{kind} has no field {name!r}; its fields: {', '.join(names) or 'none'}")
         if name in values:
-            raise ValueError(f"{kind}: {name} is given twice in {text!r}")
+            raise UserError(f"{kind}: {name} is given twice in {text!r}")
         try:
             values[name] = _parse_value(value, hints[name])
         except ValueError:
-            raise ValueError(f"{kind}: {name} must be {_type_name(hints[name])}, got {value.strip()!r}") from None
+            raise UserError(f"{kind}: {name} must be {_type_name(hints[name])}, got {value.strip()!r}") from None
     return cls(**values)
