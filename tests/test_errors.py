@@ -107,3 +107,19 @@ def test_the_user_error_types_keep_their_old_bases():
     with pytest.raises(UnsupportedModelError, match="amod cannot take a Linear"):
         amod.convert(__import__("torch").nn.Linear(2, 2))
 
+
+
+def test_the_package_raises_no_plain_value_error():
+    """Every ``ValueError`` amod raises is a ``UserError`` (a check a user can fail): a plain one would reach the
+    command line as a bug, with a traceback. (Internal invariants use assert or RuntimeError.)"""
+    import ast
+    from pathlib import Path
+
+    src = Path(amod.__file__).parent
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            exc = node.exc if isinstance(node, ast.Raise) else node.value if isinstance(node, ast.Return) else None
+            if isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name) and exc.func.id == "ValueError":
+                found.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert found == []
