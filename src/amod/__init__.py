@@ -23,6 +23,7 @@ from .families import hf_clip as _hf_clip, hf_siglip as _hf_siglip, detr as _det
 from . import analysis, families, stats
 from .cost import CostReport, count_flops, flops
 from .deploy import export
+from .errors import UserError
 from .fast import compile
 from .methods import Dense, IsoFLOP, Method, MoD, PiToMe, TokenMerging, method_of
 from .tome import pitome
@@ -38,7 +39,7 @@ __all__ = [
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "PiToMe", "pitome",
     "method_of", "calibrate",
-    "export", "compile", "hf", "families",
+    "export", "compile", "hf", "families", "UserError",
 ]
 __version__ = "0.1.0"
 

@@ -14,6 +14,7 @@ from .mod.convert import mod_blocks, set_recording
 from .mod.modes import mode_list, skipped_mode
 from .ops import attention_inputs, attention_probs, received_attention
 from .stats import spearman
+from .errors import UserError
 
 
 def in_handoff(blk: nn.Module) -> Optional[Any]:
@@ -79,14 +80,14 @@ def check_loo_model(model: nn.Module, name: str = "the model") -> None:
     measure), or one whose skipped mode has its blocks route on the attention they compute themselves
     (``own_attention``: fold), so no scores exist at a block's input to compare with."""
     if family_of(model).num_classes(model) == 0:
-        raise ValueError(f"leave-one-out measures how much the loss of the model's classifier rises without each "
-                         f"token; {name} has no classifier (a backbone)")
+        raise UserError(f"leave-one-out measures how much the loss of the model's classifier rises without each "
+                        f"token; {name} has no classifier (a backbone)")
     config = getattr(model, "amod_config", None)
     if config is not None and skipped_mode(config.skipped).own_attention:
-        raise ValueError(f"leave-one-out needs an MoD model with skipped {mode_list(lambda m: not m.own_attention)}; "
-                         f"{name} is a {config.skipped} model. It compares the scores a router reads at an MoD "
-                         "block's input with the loss of removing each token there, but its blocks score their "
-                         "tokens on the attention they compute themselves: there are no input scores to compare")
+        raise UserError(f"leave-one-out needs an MoD model with skipped {mode_list(lambda m: not m.own_attention)}; "
+                        f"{name} is a {config.skipped} model. It compares the scores a router reads at an MoD "
+                        "block's input with the loss of removing each token there, but its blocks score their "
+                        "tokens on the attention they compute themselves: there are no input scores to compare")
 
 
 @torch.no_grad()
@@ -161,8 +162,8 @@ def attention_stats(model: nn.Module, images: torch.Tensor) -> dict[int, dict[st
     if missing:  # e.g. an MoD kv block: its selected tokens attend to all of them, outside its attention module
         config = getattr(model, "amod_config", None)
         kind = f"an MoD block with skipped {config.skipped}" if config is not None else "its own code"
-        raise ValueError(f"attention statistics read the tokens each block's attention module takes; block "
-                         f"{missing[0]} computes its attention another way ({kind}), so there are none to read")
+        raise UserError(f"attention statistics read the tokens each block's attention module takes; block "
+                        f"{missing[0]} computes its attention another way ({kind}), so there are none to read")
     for i, blk in enumerate(model.blocks):
         attn_mod, h = blk.attn, captured[i]
         B, N, _ = h.shape

@@ -17,6 +17,8 @@ from timm.layers import LayerScale
 from timm.models._manipulate import adapt_input_conv
 from torch import nn
 
+from .errors import UnsupportedModelError, UserError
+
 try:
     from timm.models._input import update_model_input_size
 except ImportError:  # older timm: nothing to record
@@ -55,7 +57,7 @@ def architecture_name(model: nn.Module) -> str:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     name = cfg.get("architecture")
     if not name:
-        raise ValueError("cannot tell which timm architecture this model is; pass arch= to amod.save")
+        raise UserError("cannot tell which timm architecture this model is; pass arch= to amod.save")
     return name
 
 
@@ -74,7 +76,7 @@ def pair(size: Size) -> tuple[int, int]:
         return int(size), int(size)
     pair = tuple(int(s) for s in size)
     if len(pair) != 2:
-        raise ValueError(f"img_size must be an int or (height, width), got {size!r}")
+        raise UserError(f"img_size must be an int or (height, width), got {size!r}")
     return pair  # type: ignore[return-value]
 
 
@@ -87,7 +89,7 @@ def resample_grid(pos: torch.Tensor, old_grid: Sequence[int], new_grid: Sequence
     gh, gw = old_grid
     nh, nw = new_grid
     if pos.shape[1] != gh * gw:
-        raise ValueError(f"a {gh}x{gw} grid needs {gh * gw} position embeddings, got {pos.shape[1]}")
+        raise UserError(f"a {gh}x{gw} grid needs {gh * gw} position embeddings, got {pos.shape[1]}")
     if (gh, gw) == (nh, nw):
         return pos.clone()
     c = pos.shape[-1]
@@ -121,18 +123,18 @@ def set_input_size(model: nn.Module, img_size: Size) -> nn.Module:
     pe = getattr(model, "patch_embed", None)
     pos = getattr(model, "pos_embed", None)
     if pe is None or getattr(pe, "patch_size", None) is None or getattr(pe, "grid_size", None) is None:
-        raise TypeError(f"set_input_size needs a timm VisionTransformer, got {type(model).__name__}")
+        raise UnsupportedModelError(f"set_input_size needs a timm VisionTransformer, got {type(model).__name__}")
     if not isinstance(pos, torch.Tensor):
-        raise TypeError(f"{type(model).__name__} has no learned absolute position embedding to resample")
+        raise UnsupportedModelError(f"{type(model).__name__} has no learned absolute position embedding to resample")
     h, w = pair(img_size)
     ph, pw = pair(pe.patch_size)
     if h <= 0 or w <= 0 or h % ph or w % pw:
-        raise ValueError(f"img_size {h}x{w} is not a multiple of the patch size {ph}x{pw}")
+        raise UserError(f"img_size {h}x{w} is not a multiple of the patch size {ph}x{pw}")
     prefix = 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens", 0))
     old_grid = pair(pe.grid_size)
     if pos.shape[1] != prefix + old_grid[0] * old_grid[1]:
-        raise ValueError(f"pos_embed has {pos.shape[1]} tokens, not {prefix} prefix + {old_grid[0]}x{old_grid[1]} "
-                         f"grid: the model's patch_embed.grid_size does not describe it")
+        raise UserError(f"pos_embed has {pos.shape[1]} tokens, not {prefix} prefix + {old_grid[0]}x{old_grid[1]} "
+                        f"grid: the model's patch_embed.grid_size does not describe it")
     new_grid = (h // ph, w // pw)
     with torch.no_grad():
         grid = resample_grid(pos[:, prefix:], old_grid, new_grid)

@@ -26,6 +26,7 @@ from .family import Family, family_for, family_of
 from .hf.loading import hf_source, load_hf_model, load_hf_source
 from .methods import (file_metadata, method_entries, method_from_metadata, method_of, unregistered_method,
                       unregistered_method_error)
+from .errors import UserError
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = "1"
@@ -74,24 +75,24 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     if path.is_dir():
         inside = path / "model.safetensors"
         hint = f"; did you mean {inside}?" if _written_by_amod(inside) else "; give the .safetensors file"
-        raise ValueError(f"checkpoint {path} is a directory{hint}")
+        raise UserError(f"checkpoint {path} is a directory{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable safetensors checkpoint ({e})") from None
+        raise UserError(f"{path} is not a readable safetensors checkpoint ({e})") from None
     if "amod.model" not in meta:
-        raise ValueError(f"{path} was not written by amod.save (no 'amod.model' metadata)")
+        raise UserError(f"{path} was not written by amod.save (no 'amod.model' metadata)")
     version = meta.get("amod.format", FORMAT_VERSION)  # every amod.save wrote it; a file without it is format 1
     if not version.isdigit() or int(version) > int(FORMAT_VERSION):
-        raise ValueError(f"{path} is in amod file format {version!r}; this amod reads format {FORMAT_VERSION} and "
-                         "older: upgrade amod to load it")
+        raise UserError(f"{path} is in amod file format {version!r}; this amod reads format {FORMAT_VERSION} and "
+                        "older: upgrade amod to load it")
     methods = method_entries(meta)  # (the registry's, now: a method registered after import is known)
     if len(methods) > 1:
-        raise ValueError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
-                         "model, so one method's entry at most")
+        raise UserError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
+                        "model, so one method's entry at most")
     unknown = unregistered_method(meta)
     if unknown is not None:
         raise unregistered_method_error(unknown, str(path))
@@ -111,8 +112,8 @@ def check_dense_file(path: PathLike) -> None:
     """Refuse a file that is not a readable amod checkpoint of a dense model (the start of a comparison)."""
     meta = read_metadata(path)
     if meta.get("amod.method", "dense") != "dense" or method_entries(meta):
-        raise ValueError(f"{path} is not a dense model (it runs {method_from_metadata(meta).label()}); give a dense "
-                         "one")
+        raise UserError(f"{path} is not a dense model (it runs {method_from_metadata(meta).label()}); give a dense "
+                        "one")
 
 
 def family_of_file(path: PathLike) -> Family:
@@ -123,10 +124,10 @@ def family_of_file(path: PathLike) -> Family:
     try:
         info = json.loads(meta["amod.model"])
         if not isinstance(info, dict):
-            raise ValueError(f"amod.model is a {type(info).__name__}, not a description")
+            raise UserError(f"amod.model is a {type(info).__name__}, not a description")
         return family_for(info)
     except ValueError as e:
-        raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path}: its amod metadata cannot be rebuilt into a model ({type(e).__name__}: {e})") from None
 
 
 def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, Any]]:
@@ -137,8 +138,8 @@ def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, A
         info = {**info, "arch": info.get("arch") or info.get("hf")}  # what the errors below name
         model = method_from_metadata(meta).restore(dense)  # (an isoFLOP file's blocks are the fewer already)
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
-        raise ValueError(f"{path}: its amod metadata cannot be rebuilt into a model "
-                         f"({type(e).__name__}: {e})") from None
+        raise UserError(f"{path}: its amod metadata cannot be rebuilt into a model "
+                        f"({type(e).__name__}: {e})") from None
     return model, info
 
 
@@ -165,17 +166,17 @@ def load(path: PathLike, device: Union[str, torch.device] = "cpu") -> nn.Module:
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path} is corrupt: {e}") from None
+        raise UserError(f"{path} is corrupt: {e}") from None
     own = model.state_dict()
     wrong = [k for k, v in state.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
     if wrong:  # torch's own error would not name the file
         k = wrong[0]
-        raise ValueError(f"{path} does not fit the architecture it names ({info['arch']}): {k} is "
-                         f"{tuple(state[k].shape)} in the file and {tuple(own[k].shape)} in the model "
-                         f"({len(wrong)} tensor{'s' if len(wrong) > 1 else ''} differ{'' if len(wrong) > 1 else 's'})")
+        raise UserError(f"{path} does not fit the architecture it names ({info['arch']}): {k} is "
+                        f"{tuple(state[k].shape)} in the file and {tuple(own[k].shape)} in the model "
+                        f"({len(wrong)} tensor{'s' if len(wrong) > 1 else ''} differ{'' if len(wrong) > 1 else 's'})")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(
+        raise UserError(
             f"{path} does not fit the architecture it names ({info['arch']}): "
             f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
         )
@@ -213,7 +214,7 @@ def open_model(source: PathLike, device: Union[str, torch.device, None] = None, 
             model = timm.create_model(os.fspath(source), pretrained=False,
                                       **({"img_size": img_size} if img_size else {}))
         except RuntimeError as e:  # timm's "Unknown model"
-            raise ValueError(str(e)) from None
+            raise UserError(str(e)) from None
     else:
         model = load(source, "cpu" if device is None else device)
     return (model if device is None else model.to(device)).eval()

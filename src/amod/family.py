@@ -29,6 +29,7 @@ This module imports nothing of amod: it is the bottom of the package, so the lib
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
+from .errors import UnsupportedModelError, UserError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -179,7 +180,7 @@ def family_of(model: Any) -> Family:
     if family is not None:
         return family
     supported = "; ".join(f"{f.models}" for f in FAMILIES)
-    raise TypeError(f"amod cannot take a {type(model).__name__}: it takes {supported}")
+    raise UnsupportedModelError(f"amod cannot take a {type(model).__name__}: it takes {supported}")
 
 
 def claimed(model: Any) -> Optional[Family]:
@@ -192,8 +193,8 @@ def family_for(info: dict[str, Any]) -> Family:
     for family in FAMILIES:
         if family.claims_description(info):
             return family
-    raise ValueError(f"no model family of this amod describes {str(info)[:120]}; families: "
-                     f"{', '.join(f.name for f in FAMILIES)}")
+    raise UserError(f"no model family of this amod describes {str(info)[:120]}; families: "
+                    f"{', '.join(f.name for f in FAMILIES)}")
 
 
 def prepare(model: Any) -> Any:

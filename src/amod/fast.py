@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from .errors import UserError
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's
 MODES = (*COMPILE_MODES, "cuda-graphs")
@@ -71,18 +72,18 @@ def compile(model: nn.Module, example: Optional[torch.Tensor] = None, *, cuda_gr
     if not isinstance(model, nn.Module):
         raise TypeError(f"amod.compile takes an nn.Module, got {type(model).__name__}")
     if model.training:
-        raise ValueError("amod.compile is the inference path: call model.eval() first")
+        raise UserError("amod.compile is the inference path: call model.eval() first")
     on_gpu = next(model.parameters()).device.type == "cuda"
     if mode is None:
         mode = "reduce-overhead" if (on_gpu if cuda_graphs is None else cuda_graphs) else "default"
     elif cuda_graphs is not None:
-        raise ValueError("give cuda_graphs= or mode=, not both")
+        raise UserError("give cuda_graphs= or mode=, not both")
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        raise UserError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     target = model if dtype is None else _Autocast(model, dtype)
     if mode == "cuda-graphs":
         if example is None or not on_gpu:
-            raise ValueError("mode='cuda-graphs' records a CUDA graph: give a model on a GPU and an example batch")
+            raise UserError("mode='cuda-graphs' records a CUDA graph: give a model on a GPU and an example batch")
         start = time.perf_counter()
         captured = CapturedGraph(target, example)
         captured.amod_compile_seconds = time.perf_counter() - start
@@ -139,8 +140,8 @@ class CapturedGraph(nn.Module):
         from .mod.routers import SeededDraws
 
         if any(isinstance(m, SeededDraws) for m in model.modules()):
-            raise ValueError("the model's router draws new random numbers every forward, and a CUDA graph replays "
-                             "the draws it recorded: use mode='reduce-overhead' (torch.compile) or eager PyTorch")
+            raise UserError("the model's router draws new random numbers every forward, and a CUDA graph replays "
+                            "the draws it recorded: use mode='reduce-overhead' (torch.compile) or eager PyTorch")
         self.model = model
         self.example_input = example.clone()
         side = torch.cuda.Stream(example.device)
@@ -157,9 +158,9 @@ class CapturedGraph(nn.Module):
     def forward(self, x: torch.Tensor) -> Any:
         ref = self.example_input
         if x.shape != ref.shape or x.dtype != ref.dtype or x.device != ref.device:
-            raise ValueError(f"this CUDA graph was recorded for inputs {tuple(ref.shape)} {ref.dtype} on {ref.device}, "
-                             f"got {tuple(x.shape)} {x.dtype} on {x.device}: record one for this shape with "
-                             "amod.compile(model, example, mode='cuda-graphs')")
+            raise UserError(f"this CUDA graph was recorded for inputs {tuple(ref.shape)} {ref.dtype} on {ref.device}, "
+                            f"got {tuple(x.shape)} {x.dtype} on {x.device}: record one for this shape with "
+                            "amod.compile(model, example, mode='cuda-graphs')")
         ref.copy_(x)
         self.graph.replay()
         return self.example_output

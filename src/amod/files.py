@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional, Sequence, TypeVa
 
 import numpy as np
 import torch
+from .errors import UserError
 
 PathLike = Union[str, os.PathLike]
 T = TypeVar("T")
@@ -219,7 +220,7 @@ def check_output_file(path: PathLike, what: str = "the file", force: bool = True
     """
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory; give {what} to write")
+        raise UserError(f"{path} is a directory; give {what} to write")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"the directory of {path} does not exist")
     if not os.access(path.parent, os.W_OK | os.X_OK):
@@ -272,7 +273,7 @@ def torch_save(obj: Any, path: PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
-class UnreadableFileError(ValueError):
+class UnreadableFileError(UserError):
     """A file amod was asked to read is missing its content: torn, corrupt, of another format, or a pickle
     that holds more than tensors and plain containers (which amod never unpickles)."""
 

@@ -36,6 +36,7 @@ from .mod.convert import DEFAULT_LAYERS, capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
 from . import tome
 from .tome import pitome
+from .errors import UserError
 
 Layers = Optional[Union[str, list[int], tuple[int, ...]]]
 
@@ -133,7 +134,7 @@ class Method:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
-            raise ValueError(f"{cls.metadata_key}: unknown fields {unknown}; {cls.kind} has {', '.join(names)}")
+            raise UserError(f"{cls.metadata_key}: unknown fields {unknown}; {cls.kind} has {', '.join(names)}")
         return cls(**{k: _as_tuple(v) for k, v in data.items()})
 
     @classmethod
@@ -172,17 +173,17 @@ def register_method(cls: type[Method]) -> type[Method]:
     back as a dense model."""
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind or any(c in kind for c in ":,= "):
-        raise ValueError(f"{cls.__name__}: a method's kind must be a non-empty name without ':', ',', '=' or spaces, "
-                         f"got {kind!r}")
+        raise UserError(f"{cls.__name__}: a method's kind must be a non-empty name without ':', ',', '=' or spaces, "
+                        f"got {kind!r}")
     key = getattr(cls, "metadata_key", None)
     if not isinstance(key, str) or not key.strip() or key in _FILE_ENTRIES:
-        raise ValueError(f"{cls.__name__} (kind {kind!r}): a method must set metadata_key, the checkpoint metadata "
-                         f"entry it writes and is found by (e.g. metadata_key: ClassVar[str] = 'amod.{kind}'), "
-                         f"got {key!r}")
+        raise UserError(f"{cls.__name__} (kind {kind!r}): a method must set metadata_key, the checkpoint metadata "
+                        f"entry it writes and is found by (e.g. metadata_key: ClassVar[str] = 'amod.{kind}'), "
+                        f"got {key!r}")
     taken = [c.kind for c in METHOD_CLASSES.values() if c.kind != kind and getattr(c, "metadata_key", None) == key]
     if taken:
-        raise ValueError(f"{cls.__name__} (kind {kind!r}): metadata_key {key!r} is the {taken[0]} method's already; "
-                         "give another")
+        raise UserError(f"{cls.__name__} (kind {kind!r}): metadata_key {key!r} is the {taken[0]} method's already; "
+                        "give another")
     METHOD_CLASSES[kind] = cls
     return cls
 
@@ -203,8 +204,8 @@ def load_method_plugins() -> None:
                     register_method(loaded)
             except Exception as e:
                 package = f" of {entry.dist.name} {entry.dist.version}" if entry.dist is not None else ""
-                raise ValueError(f"the {ENTRY_POINT_GROUP} entry point {entry.name} = {entry.value}{package} failed to "
-                                 f"load ({type(e).__name__}: {' '.join(str(e).split())})") from e
+                raise UserError(f"the {ENTRY_POINT_GROUP} entry point {entry.name} = {entry.value}{package} failed to "
+                                f"load ({type(e).__name__}: {' '.join(str(e).split())})") from e
         _plugins["loaded"] = True
     finally:
         _plugins["loading"] = False
@@ -259,9 +260,9 @@ def unregistered_method(meta: dict[str, str]) -> Optional[str]:
 
 def unregistered_method_error(what: str, source: str) -> ValueError:
     """The refusal of a file (``source``) whose metadata names a method that is not registered (``what``)."""
-    return ValueError(f"{source} was saved by {what}, which is not registered in this amod: install (or import) the "
-                      f"package that registers it (entry-point group {ENTRY_POINT_GROUP}); registered methods: "
-                      f"{', '.join(method_kinds())}")
+    return UserError(f"{source} was saved by {what}, which is not registered in this amod: install (or import) the "
+                     f"package that registers it (entry-point group {ENTRY_POINT_GROUP}); registered methods: "
+                     f"{', '.join(method_kinds())}")
 
 
 @dataclass(frozen=True)
@@ -308,9 +309,9 @@ class MoD(Method):
             given = [f"{name}={_spec_value(getattr(self, name))}" for name, default in
                      (("protect", MoDConfig.protect), ("shape", None)) if getattr(self, name) != default]
             if given:
-                raise ValueError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
-                                 f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
-                                 "skipped=fold or drop it")
+                raise UserError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
+                                f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
+                                "skipped=fold or drop it")
 
     def __repr__(self) -> str:
         # shape is named only when set: a plain MoD keeps the repr that finished measurements are keyed by
@@ -401,8 +402,8 @@ def _one_of(kind: str, method: Method, names: tuple[str, str], meanings: tuple[s
     """Refuse ``method`` where both of the fields ``names`` (one setting, two ways) are given."""
     if all(getattr(method, n) is not None for n in names):
         given = ", ".join(f"{n}={_spec_value(getattr(method, n))}" for n in names)
-        raise ValueError(f"{kind}: give {names[0]} ({meanings[0]}) or {names[1]} ({meanings[1]}), not both; got "
-                         f"{given}")
+        raise UserError(f"{kind}: give {names[0]} ({meanings[0]}) or {names[1]} ({meanings[1]}), not both; got "
+                        f"{given}")
 
 
 def _merging_metadata(fields: dict[str, Any]) -> str:
@@ -592,8 +593,8 @@ class Calibrated(Method):
     tilts: tuple[float, ...] = DEFAULT_TILTS
 
     def apply(self, model: nn.Module) -> nn.Module:
-        raise ValueError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
-                         "(at_cost with images; amod calibrate saves a calibrated model to start from)")
+        raise UserError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
+                        "(at_cost with images; amod calibrate saves a calibrated model to start from)")
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> MoD:
         return self.calibrated(dense, cost, images)[0]
@@ -605,7 +606,7 @@ class Calibrated(Method):
         ``closest``: where no candidate comes within the cost tolerance, take the closest (a sweep flags the miss)
         rather than refuse."""
         if images is None:
-            raise ValueError(f"{self.spec()} is set to a cost on unlabeled images; give images")
+            raise UserError(f"{self.spec()} is set to a cost on unlabeled images; give images")
         model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
                           protects=self.protects, closest=closest)
         return MoD.of_model(model), model.amod_calibration.report()
@@ -637,7 +638,7 @@ def method_from_metadata(meta: dict[str, str]) -> Method:
         cls = registered_method(kind)
         method = Dense() if cls is Dense else cls.from_metadata(meta)
         if method is None:
-            raise ValueError(f"the file names method {kind!r} but holds no {cls.metadata_key} entry for its settings")
+            raise UserError(f"the file names method {kind!r} but holds no {cls.metadata_key} entry for its settings")
         return method
     for cls in method_classes():
         method = cls.from_metadata(meta)
@@ -665,8 +666,8 @@ def method_from_run_fields(fields: Any) -> Method:
         fields = _Fields(fields)
     chosen = [m for m in (cls.from_run_fields(fields) for cls in method_classes()) if m is not None]
     if len(chosen) > 1:
-        raise ValueError(f"the settings select {len(chosen)} methods ({', '.join(m.label() for m in chosen)}); "
-                         "give the settings of one")
+        raise UserError(f"the settings select {len(chosen)} methods ({', '.join(m.label() for m in chosen)}); "
+                        "give the settings of one")
     spec = getattr(fields, "method_spec", None)
     if not chosen and spec:
         return parse_method(spec)
@@ -726,34 +727,34 @@ def _parse_value(text: str, tp: Any) -> Any:
                 return _parse_value(text, option)
             except ValueError:
                 pass
-        raise ValueError(text)
+        raise UserError(text)
     if tp is type(None):
         if text.lower() in ("none", "null"):
             return None
-        raise ValueError(text)
+        raise UserError(text)
     if tp is bool:
         if text.lower() in ("true", "yes", "1", "on"):
             return True
         if text.lower() in ("false", "no", "0", "off"):
             return False
-        raise ValueError(text)
+        raise UserError(text)
     if tp is int:
         return int(text)
     if tp is float:
         value = float(text)
         if not math.isfinite(value):
-            raise ValueError(text)
+            raise UserError(text)
         return value
     if tp is str:
         if not text or any(c in text for c in "[],="):
-            raise ValueError(text)
+            raise UserError(text)
         return text
     if origin in (list, tuple):
         if not (text.startswith("[") and text.endswith("]")):
-            raise ValueError(text)
+            raise UserError(text)
         inner = text[1:-1].strip()
         return tuple(_parse_value(v, args[0]) for v in (_split(inner) if inner else []))
-    raise ValueError(text)
+    raise UserError(text)
 
 
 def method_kinds(strict: bool = True) -> tuple[str, ...]:
@@ -777,8 +778,8 @@ def parse_method(text: str) -> Method:
     kind, _, body = text.strip().partition(":")
     cls = registered_method(kind.strip())
     if cls is None:
-        raise ValueError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: "
-                         f"{', '.join(method_kinds())}")
+        raise UserError(f"unknown method {kind.strip()!r} in {text!r}; registered methods: "
+                        f"{', '.join(method_kinds())}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
@@ -786,13 +787,13 @@ def parse_method(text: str) -> Method:
         name, eq, value = item.partition("=")
         name = name.strip()
         if not eq:
-            raise ValueError(f"{kind}: expected FIELD=VALUE, got {item.strip()!r} in {text!r}")
+            raise UserError(f"{kind}: expected FIELD=VALUE, got {item.strip()!r} in {text!r}")
         if name not in names:
-            raise ValueError(f"{kind} has no field {name!r}; its fields: {', '.join(names) or 'none'}")
+            raise UserError(f"{kind} has no field {name!r}; its fields: {', '.join(names) or 'none'}")
         if name in values:
-            raise ValueError(f"{kind}: {name} is given twice in {text!r}")
+            raise UserError(f"{kind}: {name} is given twice in {text!r}")
         try:
             values[name] = _parse_value(value, hints[name])
         except ValueError:
-            raise ValueError(f"{kind}: {name} must be {_type_name(hints[name])}, got {value.strip()!r}") from None
+            raise UserError(f"{kind}: {name} must be {_type_name(hints[name])}, got {value.strip()!r}") from None
     return cls(**values)

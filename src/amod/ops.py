@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .errors import UserError
+
 
 def tracing() -> bool:
     """Whether this forward is being traced into a graph (ONNX export, ``torch.export``, ``torch.compile``)
@@ -96,22 +98,22 @@ def attention_output(attn, o: torch.Tensor, gate: Optional[torch.Tensor]) -> tor
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (B, H, N, D), got {tuple(t.shape)}")
+            raise UserError(f"{name} must have shape (B, H, N, D), got {tuple(t.shape)}")
         if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            raise UserError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise UserError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise UserError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
+        raise UserError(
             "q (B, H, Nq, D), k (B, H, Nk, D) and v (B, H, Nk, Dv) do not match: "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if q.shape[-1] == 0:
-        raise ValueError(f"the head dimension D must be at least 1, got q {tuple(q.shape)}")
+        raise UserError(f"the head dimension D must be at least 1, got q {tuple(q.shape)}")
     if k.shape[2] == 0 and q.shape[2] > 0:
-        raise ValueError(f"queries need at least one key to attend to, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise UserError(f"queries need at least one key to attend to, got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
 def attention_scores_explicit(
@@ -258,9 +260,9 @@ def attention_with_scores(
     """
     _check_qkv(q, k, v)
     if tile is not None and tile < 1:
-        raise ValueError(f"tile must be a positive number of query rows, got {tile}")
+        raise UserError(f"tile must be a positive number of query rows, got {tile}")
     if method not in ("lse", "onepass"):
-        raise ValueError(f"method must be 'lse' or 'onepass', got {method!r}")
+        raise UserError(f"method must be 'lse' or 'onepass', got {method!r}")
     B, H, Nq, _ = q.shape
     if B * H * Nq == 0:  # nothing to attend: empty results of the right shapes
         return q.new_zeros(B, H, Nq, v.shape[-1]), torch.zeros(B, k.shape[2], dtype=torch.float32, device=q.device)

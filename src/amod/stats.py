@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from .errors import UserError
 
 
 @dataclass
@@ -36,9 +37,9 @@ def paired_bootstrap_ci(a: np.ndarray, b: np.ndarray, level: float = 0.95, n_boo
     """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim not in (1, 2) or a.shape[0] < 1:
-        raise ValueError(f"a and b must be paired arrays of shape (seeds,) or (seeds, images); got {a.shape}, {b.shape}")
+        raise UserError(f"a and b must be paired arrays of shape (seeds,) or (seeds, images); got {a.shape}, {b.shape}")
     if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
+        raise UserError(f"level must be in (0, 1), got {level}")
     rng = np.random.default_rng(seed)
     diff = a - b  # paired: same seed (and image)
     S = diff.shape[0]
@@ -66,7 +67,7 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     """Spearman rank correlation (average ranks for ties); NaN when either side is constant."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if x.shape != y.shape or x.ndim != 1 or x.size < 2:
-        raise ValueError("spearman needs two 1-d arrays of the same length >= 2")
+        raise UserError("spearman needs two 1-d arrays of the same length >= 2")
     rx, ry = _rank(x), _rank(y)
     if rx.std() == 0 or ry.std() == 0:
         return float("nan")

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 
 from ..files import PathLike, write_bytes, write_text
 from ..train.data import load_fashion_mnist
+from ..errors import UserError
 
 CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")  # Fashion-MNIST label order
@@ -55,19 +56,19 @@ class CanvasSpec:
     def validate(self) -> "CanvasSpec":
         """Return the spec unchanged, or raise ValueError naming the field that makes no sense."""
         if self.size < 32:
-            raise ValueError(f"CanvasSpec.size must be at least 32 pixels, got {self.size}")
+            raise UserError(f"CanvasSpec.size must be at least 32 pixels, got {self.size}")
         if self.min_items < 1:
-            raise ValueError(f"CanvasSpec.min_items must be at least 1, got {self.min_items}")
+            raise UserError(f"CanvasSpec.min_items must be at least 1, got {self.min_items}")
         if self.min_items > self.max_items:
-            raise ValueError(f"CanvasSpec.min_items ({self.min_items}) must not exceed max_items ({self.max_items})")
+            raise UserError(f"CanvasSpec.min_items ({self.min_items}) must not exceed max_items ({self.max_items})")
         if self.min_scale < 1:
-            raise ValueError(f"CanvasSpec.min_scale must be at least 1 pixel, got {self.min_scale}")
+            raise UserError(f"CanvasSpec.min_scale must be at least 1 pixel, got {self.min_scale}")
         if self.min_scale > self.max_scale:
-            raise ValueError(f"CanvasSpec.min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})")
+            raise UserError(f"CanvasSpec.min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})")
         if self.max_scale > self.size:
-            raise ValueError(f"CanvasSpec.max_scale ({self.max_scale}) must not exceed size ({self.size})")
+            raise UserError(f"CanvasSpec.max_scale ({self.max_scale}) must not exceed size ({self.size})")
         if not 0.0 <= self.max_overlap < 1.0:
-            raise ValueError(f"CanvasSpec.max_overlap must be in [0, 1), got {self.max_overlap}")
+            raise UserError(f"CanvasSpec.max_overlap must be in [0, 1), got {self.max_overlap}")
         return self
 
 
@@ -125,9 +126,9 @@ class DetectionCanvases(Dataset):
 
     def __init__(self, split: str, count: int, spec: CanvasSpec = CanvasSpec(), seed: int = 0) -> None:
         if split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+            raise UserError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if count < 0:
-            raise ValueError(f"count must be >= 0, got {count}")
+            raise UserError(f"count must be >= 0, got {count}")
         self.split, self.count, self.spec, self.seed = split, int(count), spec.validate(), int(seed)
         self.images, self.labels = _fashion_mnist(split)  # (N, 28, 28) uint8, (N,) int64
 
@@ -178,7 +179,7 @@ class DetectionCanvases(Dataset):
                     placed.append(placement)
                     break
         if not placed:  # only if every draw was blank; the first item never overlaps anything
-            raise RuntimeError(f"canvas {i}: no Fashion-MNIST item with a pixel above {PIXEL_THRESHOLD} "
+            raise UserError(f"canvas {i}: no Fashion-MNIST item with a pixel above {PIXEL_THRESHOLD} "
                                f"in {PLACEMENT_TRIES} draws")
         return canvas, placed
 
@@ -257,7 +258,7 @@ def save_preview(dataset: DetectionCanvases, indices: Sequence[int], path: PathL
     from matplotlib.patches import Rectangle
 
     if not indices:
-        raise ValueError("save_preview needs at least one canvas index")
+        raise UserError("save_preview needs at least one canvas index")
     columns = max(1, min(columns, len(indices)))
     rows = -(-len(indices) // columns)
     fig = Figure(figsize=(2.4 * columns, 2.4 * rows))

@@ -11,6 +11,7 @@ from ..checkpoint import read_metadata
 from ..families.detr import DetrFamily
 from ..mod.routers import router_names
 from ..train.rundir import check_output_dir
+from ..errors import UserError
 
 
 def check_detector_file(path: str | Path, option: str) -> None:
@@ -23,8 +24,8 @@ def check_detector_file(path: str | Path, option: str) -> None:
     except (ValueError, AttributeError):
         name = None
     if name not in DetrFamily.classes:
-        raise ValueError(f"{option} {path} holds {'a ' + str(name) if name else 'no model amod can name'}, not a DETR; "
-                         "give a detector `amod detect train` saved (its model.safetensors)")
+        raise UserError(f"{option} {path} holds {'a ' + str(name) if name else 'no model amod can name'}, not a DETR; "
+                        "give a detector `amod detect train` saved (its model.safetensors)")
 
 
 @dataclass
@@ -54,19 +55,19 @@ class DetectConfig:
     def validate(self) -> "DetectConfig":
         for name in ("canvas_size", "train_canvases", "val_canvases", "steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.lr > 0:  # (NaN too)
-            raise ValueError(f"lr must be positive, got {self.lr}")
+            raise UserError(f"lr must be positive, got {self.lr}")
         if self.amp not in ("off", "bf16"):
-            raise ValueError(f"amp must be 'off' or 'bf16', got {self.amp!r}")
+            raise UserError(f"amp must be 'off' or 'bf16', got {self.amp!r}")
         if self.router is not None and self.init is None:
-            raise ValueError("router converts a trained DETR: give init (an amod.save file of the dense detector)")
+            raise UserError("router converts a trained DETR: give init (an amod.save file of the dense detector)")
         if self.router is not None and self.router not in router_names("detr"):
-            raise ValueError(f"unknown router {self.router!r} for a DETR encoder; use one of "
-                             f"{', '.join(router_names('detr'))}")
+            raise UserError(f"unknown router {self.router!r} for a DETR encoder; use one of "
+                            f"{', '.join(router_names('detr'))}")
         if not 0 < self.encoder_cost <= 1:
-            raise ValueError(f"encoder_cost must be in (0, 1] (a share of the dense encoder's MACs), got "
-                             f"{self.encoder_cost:g}")
+            raise UserError(f"encoder_cost must be in (0, 1] (a share of the dense encoder's MACs), got "
+                            f"{self.encoder_cost:g}")
         if self.init is not None:
             check_detector_file(self.init, "init")
         check_output_dir(self.out)
@@ -101,18 +102,18 @@ class DetectStudyConfig:
         """Refuse, before the first run trains, any setting that one of the study's runs would refuse."""
         check_detector_file(self.dense, "dense")
         if not self.costs:
-            raise ValueError("give at least one encoder cost")
+            raise UserError("give at least one encoder cost")
         for cost in self.costs:
             if not 0 < cost < 1:
-                raise ValueError(f"each encoder cost must be in (0, 1) (a share of the dense encoder's MACs; the "
-                                 f"dense reference is always run), got {cost:g}")
+                raise UserError(f"each encoder cost must be in (0, 1) (a share of the dense encoder's MACs; the "
+                                f"dense reference is always run), got {cost:g}")
         unknown = [r for r in self.routers if r not in router_names("detr")]
         if unknown or not self.routers:
-            raise ValueError(f"unknown router {unknown[0]!r} for a DETR encoder; use any of "
-                             f"{', '.join(router_names('detr'))}" if unknown else "give at least one router")
+            raise UserError(f"unknown router {unknown[0]!r} for a DETR encoder; use any of "
+                            f"{', '.join(router_names('detr'))}" if unknown else "give at least one router")
         for name in ("seeds", "steps", "batch_size", "speed_batch", "speed_repeats"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         check_output_dir(self.out)
         for cost, router in [(None, None)] + [(c, r) for c in self.costs for r in self.routers]:
             run = self.run_config(cost, router, 0)

@@ -15,6 +15,7 @@ import torch
 from torchvision.ops import box_convert
 
 from .canvases import category_id
+from ..errors import MissingDependencyError, UserError
 
 AP_KEYS = ("AP", "AP50", "AP75", "AP_small", "AP_medium", "AP_large")  # COCOeval.stats[0:6], in order
 
@@ -38,10 +39,10 @@ def detections_from_outputs(logits: torch.Tensor, pred_boxes: torch.Tensor, imag
         One dict per detection: image_id, category_id, bbox, score (python numbers).
     """
     if logits.ndim != 3 or pred_boxes.shape != (*logits.shape[:2], 4):
-        raise ValueError(f"expected logits (B, Q, C+1) and pred_boxes (B, Q, 4), got {tuple(logits.shape)} "
-                         f"and {tuple(pred_boxes.shape)}")
+        raise UserError(f"expected logits (B, Q, C+1) and pred_boxes (B, Q, 4), got {tuple(logits.shape)} "
+                        f"and {tuple(pred_boxes.shape)}")
     if len(image_ids) != logits.shape[0]:
-        raise ValueError(f"{len(image_ids)} image ids for a batch of {logits.shape[0]}")
+        raise UserError(f"{len(image_ids)} image ids for a batch of {logits.shape[0]}")
     height, width = (size, size) if isinstance(size, int) else size
     probs = logits.detach().float().softmax(-1)[..., :-1]  # (B, Q, C): "no object" dropped after the softmax
     scores, labels = probs.max(-1)  # (B, Q)
@@ -80,7 +81,7 @@ def coco_ap(ground_truth: dict[str, Any], detections: list[dict[str, Any]],
         from pycocotools.coco import COCO
         from pycocotools.cocoeval import COCOeval
     except ImportError:
-        raise ImportError("COCO evaluation needs pycocotools: pip install 'amod[detr]'") from None
+        raise MissingDependencyError("COCO evaluation needs pycocotools: pip install 'amod[detr]'") from None
     image_ids = [image["id"] for image in ground_truth["images"]]
     known = set(image_ids)
     # copies: loadRes and COCOeval write fields (id, area, ignore, ...) into the dicts they are given

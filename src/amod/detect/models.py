@@ -12,10 +12,13 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import MissingDependencyError
+
 try:
     from transformers import DetrConfig, DetrForObjectDetection, ResNetConfig
 except ImportError:  # pragma: no cover - the optional extra is missing
-    raise ImportError("DETR models need transformers, the optional extra: pip install 'amod[detr]'") from None
+    raise MissingDependencyError(
+        "DETR models need transformers, the optional extra: pip install 'amod[detr]'") from None
 
 
 def small_detr_config(num_labels: int = 10, d_model: int = 128, encoder_layers: int = 6, decoder_layers: int = 3,

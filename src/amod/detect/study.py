@@ -31,6 +31,7 @@ from .config import DetectConfig, DetectStudyConfig
 from ..families.detr import detr_flops, mod_layers
 from ..mod.convert import set_recording
 from .train import datasets, load_detector, normalise, train_detector
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 REFERENCE = "attention"
@@ -43,15 +44,15 @@ def arms(cfg: DetectStudyConfig) -> list[tuple[Optional[float], Optional[str]]]:
 def run_detect_study(cfg: DetectStudyConfig) -> Path:
     """Run (or resume) every run of the study, then write ``OUT/detr.md``, ``detr.json`` and the picture."""
     if Path(cfg.dense).expanduser().is_dir():
-        raise ValueError(f"--dense {cfg.dense} is a directory; give the dense detector's file (a train run's "
-                         "model.safetensors)")
+        raise UserError(f"--dense {cfg.dense} is a directory; give the dense detector's file (a train run's "
+                        "model.safetensors)")
     if not Path(cfg.dense).expanduser().is_file():
         raise FileNotFoundError(f"no dense detector at {cfg.dense}; train one with `amod detect train`")
     cfg.validate()
     out = Path(cfg.out)
     if cfg.report_only and not any(_rows(cfg.run_config(c, r, s)) for s in range(cfg.seeds) for c, r in arms(cfg)):
-        raise ValueError(f"{out} holds no evaluated run of this study (no metrics.jsonl with these settings); run "
-                         "the study without --report-only first")
+        raise UserError(f"{out} holds no evaluated run of this study (no metrics.jsonl with these settings); run "
+                        "the study without --report-only first")
     with RunDirectory(out, log_name="study.log"):
         # Seed-major: one pass gives every arm's zero-training AP and a first finetune, so a study stopped
         # early still fills every row of the report.

@@ -31,6 +31,7 @@ from .canvases import CanvasSpec, DetectionCanvases, coco_ground_truth, collate
 from ..families.detr import capacity_for_encoder_cost, use_content_queries
 from .evaluate import coco_ap, detections_from_outputs
 from .models import small_detr
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 # ImageNet statistics, as Hugging Face's DetrImageProcessor normalises (canvases arrive in [0, 1])
@@ -59,7 +60,7 @@ def build_model(cfg: DetectConfig) -> nn.Module:
     model = load_detector(cfg.init, option="init")
     if cfg.router is not None:
         if getattr(model, "amod_config", None) is not None:
-            raise ValueError(f"init {cfg.init} is already converted; give the dense detector")
+            raise UserError(f"init {cfg.init} is already converted; give the dense detector")
         convert(model, router=cfg.router, capacity=1.0, layers=cfg.layers, seed=cfg.seed)
         set_capacity(model, capacity_for_encoder_cost(model, cfg.encoder_cost, cfg.canvas_size))
     return model
@@ -118,7 +119,7 @@ def train_detector(cfg: DetectConfig) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train, val = datasets(cfg)
     if len(train) < cfg.batch_size:
-        raise ValueError(f"train_canvases ({len(train)}) is smaller than one batch ({cfg.batch_size})")
+        raise UserError(f"train_canvases ({len(train)}) is smaller than one batch ({cfg.batch_size})")
     engine.seed_everything(cfg.seed)  # a new run's router init and dropout (a resumed run restores its RNG)
     model = build_model(cfg).to(device)
     state = _resumable_state(cfg, out)
@@ -134,7 +135,7 @@ def _resumable_state(cfg: DetectConfig, out: Path) -> Optional[dict[str, Any]]:
         return None
     state = engine.load_training_checkpoint(ckpt_path, CHECKPOINT_KEYS)
     if state["format"] != FORMAT or state["config"] != {**cfg.to_dict(), "out": state["config"]["out"]}:
-        raise ValueError(f"{out} holds a run of other settings; choose another out directory")
+        raise UserError(f"{out} holds a run of other settings; choose another out directory")
     return state
 
 

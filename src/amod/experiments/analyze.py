@@ -17,6 +17,7 @@ from ..train.data import build_datasets, first_images, normalization
 from ..train.rundir import check_output_dir
 from ..analysis import attention_stats, check_loo_model, kept_positions, leave_one_out
 from .plots import keep_frequency_figure, routing_figure
+from ..errors import UserError
 
 ANALYSES = ("loo", "routing", "attention")
 
@@ -37,23 +38,23 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[Any, str]:
     Returns the result and a one-line summary for the terminal.
     """
     if cfg.analysis not in ANALYSES:
-        raise ValueError(f"unknown analysis {cfg.analysis!r}; use one of {', '.join(ANALYSES)}")
+        raise UserError(f"unknown analysis {cfg.analysis!r}; use one of {', '.join(ANALYSES)}")
     out = check_output_dir(cfg.out)
     model = load(cfg.checkpoint).eval()
     if cfg.analysis in ("loo", "routing") and getattr(model, "amod_config", None) is None:
-        raise ValueError(f"analyze {cfg.analysis} needs an MoD model (one trained or finetuned with --router); "
-                         f"{cfg.checkpoint} is not one")
+        raise UserError(f"analyze {cfg.analysis} needs an MoD model (one trained or finetuned with --router); "
+                        f"{cfg.checkpoint} is not one")
     if cfg.analysis == "loo":
         check_loo_model(model, str(cfg.checkpoint))
     if cfg.analysis == "routing" and not skipped_mode(model.amod_config.skipped).records_kept_indices:
         usable = mode_list(lambda m: m.records_kept_indices)
-        raise ValueError(f"analyze routing needs an MoD model with skipped {usable}; "
-                         f"{cfg.checkpoint} is a {model.amod_config.skipped} model, whose tokens change identity as "
-                         "they are reduced: there are no kept patch positions")
+        raise UserError(f"analyze routing needs an MoD model with skipped {usable}; "
+                        f"{cfg.checkpoint} is a {model.amod_config.skipped} model, whose tokens change identity as "
+                        "they are reduced: there are no kept patch positions")
     _, val, info = build_datasets(cfg.data, model.patch_embed.img_size[0], None, None)
     if info.in_chans != model.patch_embed.proj.in_channels:
-        raise ValueError(f"the model takes {model.patch_embed.proj.in_channels}-channel images; {info.name} has "
-                         f"{info.in_chans} channels")
+        raise UserError(f"the model takes {model.patch_embed.proj.in_channels}-channel images; {info.name} has "
+                        f"{info.in_chans} channels")
     xs, ys = first_images(val, cfg.images)
     with made_directory(out):  # (an analysis that fails leaves no empty --out)
         if cfg.analysis == "loo":

@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..methods import Method, method_kinds, parse_method
+from ..errors import UserError
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,10 @@ def select(arms: tuple[Arm, ...], names: Optional[Iterable[str]], keep: Iterable
         except ValueError as e:
             kind = name.partition(":")[0].strip()
             if kind in method_kinds():  # a registered method, badly set: what is wrong with its spec
-                raise ValueError(f"--methods {name!r}: {e}") from None
-            raise ValueError(f"unknown method {name!r} for --methods; choose from {', '.join(map(repr, known))}, or a "
-                             f"registered method ({', '.join(method_kinds())}) or its spec, e.g. "
-                             "'tome:cost=0.5'") from None
+                raise UserError(f"--methods {name!r}: {e}") from None
+            raise UserError(f"unknown method {name!r} for --methods; choose from {', '.join(map(repr, known))}, or a "
+                            f"registered method ({', '.join(method_kinds())}) or its spec, e.g. "
+                            "'tome:cost=0.5'") from None
     wanted = set(names) | set(keep)
     while True:  # and what the named arms are compared with or chosen from
         more = {n for a in arms if a.name in wanted for n in (a.counterpart, *a.best_of) if n} - wanted

@@ -29,6 +29,7 @@ from ..fast import compile as fast_compile
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import autocast
 from ..train.models import check_vit_name
+from ..errors import UserError
 
 
 DEVICES = ("auto", "cpu", "cuda")  # what --device takes
@@ -37,9 +38,9 @@ DEVICES = ("auto", "cpu", "cuda")  # what --device takes
 def resolve_device(name: str) -> torch.device:
     """``--device``: ``auto`` (a GPU where torch sees one), ``cpu`` or ``cuda``; refuses ``cuda`` where there is none."""
     if name not in DEVICES:
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
+        raise UserError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA device; use --device cpu")
+        raise UserError(f"--device cuda, but torch {torch.__version__} sees no CUDA device; use --device cpu")
     return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
@@ -74,14 +75,14 @@ def time_callables(fns: dict[str, Callable[[], Any]], repeats: int = 10, warmup:
     missing ones are run, after ``warmup`` rounds of this sitting (none when no round is missing).
     """
     if repeats < 1 or warmup < 0:
-        raise ValueError("repeats must be >= 1 and warmup >= 0")
+        raise UserError("repeats must be >= 1 and warmup >= 0")
     if reference is not None and reference not in fns:
-        raise ValueError(f"the reference {reference!r} is not one of the callables timed ({', '.join(fns)})")
+        raise UserError(f"the reference {reference!r} is not one of the callables timed ({', '.join(fns)})")
     kept = list(rounds.rounds[:repeats]) if rounds is not None else []
     for saved in kept:
         if set(saved["times"]) != set(fns) or (reference is not None and set(saved.get("ratios", ())) != set(fns)):
-            raise ValueError(f"a saved round of {rounds.path} times {', '.join(saved['times'])}, not "
-                             f"{', '.join(fns)}{' against ' + reference if reference else ''}")
+            raise UserError(f"a saved round of {rounds.path} times {', '.join(saved['times'])}, not "
+                            f"{', '.join(fns)}{' against ' + reference if reference else ''}")
     if len(kept) < repeats:
         for r in range(warmup):
             _round(fns, r, device, reference)
@@ -311,8 +312,8 @@ def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optiona
     if hf_source(name) is not None:
         native = model.patch_embed.img_size[0]
         if img_size is not None and img_size != native:
-            raise ValueError(f"{name} is a Hugging Face model of {native}-px images (its config's image_size); "
-                             f"drop --img-size {img_size}")
+            raise UserError(f"{name} is a Hugging Face model of {native}-px images (its config's image_size); "
+                            f"drop --img-size {img_size}")
         if convert_kwargs:
             torch.manual_seed(0)
             convert(model, **convert_kwargs)
@@ -328,7 +329,7 @@ def paired_ratios(base: list[float], other: list[float]) -> dict[str, float]:
     at that moment, so these ratios are steadier than a quotient of medians on a noisy machine."""
     ratios = sorted(b / o for b, o in zip(base, other))
     if not ratios:
-        raise ValueError("no rounds to compare")
+        raise UserError("no rounds to compare")
     q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     return {"median": statistics.median(ratios), "q1": q[0], "q3": q[2], "min": ratios[0], "max": ratios[-1],
             "rounds": len(ratios)}
@@ -373,14 +374,14 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LA
     (speedup / flop_speedup), plus the settings. Peak memory is measured for eager PyTorch only.
     """
     if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        raise UserError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if hf_source(model) is None:
         check_vit_name(model)  # amod's supported-models line, not timm's error about an argument of another family
     if runtime == "onnxruntime":
         if compile:
-            raise ValueError("--compile applies to the torch runtime; ONNX Runtime compiles the graph itself")
+            raise UserError("--compile applies to the torch runtime; ONNX Runtime compiles the graph itself")
         if device == "cuda" or amp != "off":
-            raise ValueError("the ONNX Runtime benchmark runs fp32 on the CPU: use --device cpu (or auto) and --amp off")
+            raise UserError("the ONNX Runtime benchmark runs fp32 on the CPU: use --device cpu (or auto) and --amp off")
         device = "cpu"
     dev = resolve_device(device)
     convert_kwargs = {"router": router, "capacity": capacity, "layers": layers}

@@ -27,6 +27,7 @@ from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import output_file_lock
 from .presets import check_not_hugging_face
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -47,15 +48,15 @@ class CalibrateConfig:
         naming the flag."""
         validate_cost(self.cost, "--cost")
         if self.images < 1:
-            raise ValueError(f"--images must be a positive integer, got {self.images}")
+            raise UserError(f"--images must be a positive integer, got {self.images}")
         if not str(self.out).endswith(".safetensors"):
-            raise ValueError(f"--out must name a .safetensors file, got {self.out!r}")
+            raise UserError(f"--out must name a .safetensors file, got {self.out!r}")
         if Path(self.out).resolve() == Path(self.checkpoint).resolve():
-            raise ValueError("--out must not be the dense --checkpoint it starts from")
+            raise UserError("--out must not be the dense --checkpoint it starts from")
         check_output_file(self.out, "the .safetensors file", self.force)
         if router_class(self.router).learnable:
-            raise ValueError(f"--router {self.router} learns its scores; calibration uses no training: give "
-                             "attention (A-MoD) or a control such as random")
+            raise UserError(f"--router {self.router} learns its scores; calibration uses no training: give "
+                            "attention (A-MoD) or a control such as random")
         check_not_hugging_face(self.checkpoint, "--checkpoint", "calibrate", "a dense amod .safetensors file")
         check_dense_file(self.checkpoint)
         _, _, info = build_datasets(self.data, None, None, None)
@@ -69,8 +70,8 @@ def model_channels(model: torch.nn.Module, info: DataInfo) -> int:
     ValueError where neither fits."""
     chans = model.patch_embed.proj.in_channels
     if info.in_chans not in (chans, 1):
-        raise ValueError(f"the model takes {chans}-channel images and {info.name} has {info.in_chans} channels: "
-                         f"calibrate it on {chans}-channel (or gray) images")
+        raise UserError(f"the model takes {chans}-channel images and {info.name} has {info.in_chans} channels: "
+                        f"calibrate it on {chans}-channel (or gray) images")
     return chans
 
 

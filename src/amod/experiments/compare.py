@@ -48,6 +48,7 @@ from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, demo_skeleton, run_in_directory, run_once, starting_checkpoint
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
 from .probe import features, mean_cosine, probe_images
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -100,13 +101,13 @@ class CompareConfig:
     def validate(self) -> "CompareConfig":
         """Check every setting before the first run starts; raises ValueError naming the setting."""
         if not self.costs:
-            raise ValueError("give at least one --cost")
+            raise UserError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
         calibrated = [a.name for a in self.methods if a.needs_images]
         if calibrated:
-            raise ValueError(f"--methods {calibrated[0]!r} chooses its setting on unlabeled images, which amod compare "
-                             "does not take: run it in amod frontier or amod study")
+            raise UserError(f"--methods {calibrated[0]!r} chooses its setting on unlabeled images, which amod compare "
+                            "does not take: run it in amod frontier or amod study")
         hf = hf_source(self.checkpoint) is not None  # (check_settings reads amod files: check_inputs checks HF ones)
         check_settings(dataclasses.replace(self, checkpoint=None) if hf else self,
                        ("epochs", "batch_size", "speed_batch", "speed_repeats", "probe_train"),
@@ -136,9 +137,9 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
     train, _, info = build_datasets(cfg.data, None, None, None)
     if cfg.checkpoint is None:  # the demo's model, pretrained on this data at the data's own size
         if cfg.img_size is not None and cfg.img_size != info.img_size:
-            raise ValueError(f"--img-size {cfg.img_size}: the demo's model has a classifier and is compared at its own "
-                             f"input size, {info.img_size} px ({info.name}); --img-size is for a backbone without "
-                             "classifier (probe protocol)")
+            raise UserError(f"--img-size {cfg.img_size}: the demo's model has a classifier and is compared at its own "
+                            f"input size, {info.img_size} px ({info.name}); --img-size is for a backbone without "
+                            "classifier (probe protocol)")
         check_costs_reachable(cfg, demo_skeleton(cfg.data, cfg.quick, info))
         return info
     # the model without its weights (an amod file), or as loaded (a Hugging Face folder or hf:ID)
@@ -149,31 +150,31 @@ def check_inputs(cfg: CompareConfig) -> DataInfo:
     chans = model.patch_embed.proj.in_channels
     if not family.trainable:  # (a Hugging Face model) the probe protocol, at its own input size and channels
         if cfg.img_size is not None and cfg.img_size != h:
-            raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} is a {family.models} model of {h}-px "
-                             "images (its config's image_size); drop --img-size")
+            raise UserError(f"--img-size {cfg.img_size}: {cfg.checkpoint} is a {family.models} model of {h}-px "
+                            "images (its config's image_size); drop --img-size")
         if chans != info.in_chans:
-            raise ValueError(f"{cfg.checkpoint} takes {chans}-channel images and {cfg.data} has {info.in_chans} "
-                             "channels")
+            raise UserError(f"{cfg.checkpoint} takes {chans}-channel images and {cfg.data} has {info.in_chans} "
+                            "channels")
         probe_images(len(train), cfg.probe_train, cfg.data)
         check_costs_reachable(cfg, model)
         return info
     classes = family.num_classes(model)
     if classes == 0:
         if cfg.img_size is not None and (cfg.img_size % ph or cfg.img_size % pw):
-            raise ValueError(f"--img-size {cfg.img_size} is not a multiple of the patch size {ph}x{pw} of "
-                             f"{cfg.checkpoint}")
+            raise UserError(f"--img-size {cfg.img_size} is not a multiple of the patch size {ph}x{pw} of "
+                            f"{cfg.checkpoint}")
         probe_images(len(train), cfg.probe_train, cfg.data)
         check_costs_reachable(cfg, set_input_size(model, cfg.img_size) if cfg.img_size else model)
         return info
     if cfg.img_size is not None and (cfg.img_size, cfg.img_size) != (h, w):
-        raise ValueError(f"--img-size {cfg.img_size}: {cfg.checkpoint} has a classifier and is compared at its own "
-                         f"input size, {h}x{w} px; --img-size is for a backbone without classifier (probe protocol)")
+        raise UserError(f"--img-size {cfg.img_size}: {cfg.checkpoint} has a classifier and is compared at its own "
+                        f"input size, {h}x{w} px; --img-size is for a backbone without classifier (probe protocol)")
     if info.in_chans != chans:
-        raise ValueError(f"{cfg.checkpoint} takes {chans}-channel images and {cfg.data} has {info.in_chans} "
-                         "channels: a model with a classifier is compared on the data it was trained for")
+        raise UserError(f"{cfg.checkpoint} takes {chans}-channel images and {cfg.data} has {info.in_chans} "
+                        "channels: a model with a classifier is compared on the data it was trained for")
     if info.num_classes > classes:
-        raise ValueError(f"{cfg.data} has {info.num_classes} classes and the classifier of {cfg.checkpoint} "
-                         f"{classes}: a model with a classifier is compared on the data it was trained for")
+        raise UserError(f"{cfg.data} has {info.num_classes} classes and the classifier of {cfg.checkpoint} "
+                        f"{classes}: a model with a classifier is compared on the data it was trained for")
     check_costs_reachable(cfg, model)
     return info
 
@@ -190,7 +191,7 @@ def check_costs_reachable(cfg: Any, model: nn.Module) -> None:
             try:
                 arm.at_cost(model, cost)
             except ValueError as e:
-                raise ValueError(f"--cost {cost:g} ({arm.name}): {e}") from None
+                raise UserError(f"--cost {cost:g} ({arm.name}): {e}") from None
 
 
 def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:

@@ -21,6 +21,7 @@ from ..mod.routers import router_class
 from ..tome import schedule_for_cost
 from ..train.models import check_vit_name
 from .bench import dense_twin
+from ..errors import UserError
 
 
 def flops_methods(capacities: Sequence[float], router: str = MoDConfig.router, layers=None,
@@ -52,8 +53,8 @@ def dense_models(models: Sequence[str]) -> list[tuple[str, Callable[[], nn.Modul
                 makers.append((name, lambda m=hf_model: dense_twin(m), hf_model))
             continue
         if name not in timm.list_models():
-            raise ValueError(f"unknown timm model {name!r} (a Hugging Face model: its save_pretrained directory, "
-                             "with config.json, or hf:ID)")
+            raise UserError(f"unknown timm model {name!r} (a Hugging Face model: its save_pretrained directory, "
+                            "with config.json, or hf:ID)")
         check_vit_name(name)
         makers.append((name, lambda n=name: open_model(n, timm_names=True), None))
     return makers

@@ -14,6 +14,7 @@ from ..families import family_of
 from ..hf.loading import hf_source
 from ..train.data import build_datasets
 from ..train.engine import BadImages, Dist, evaluate, make_loader
+from ..errors import UserError
 
 
 @dataclass
@@ -36,8 +37,8 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     if cfg.capacity is not None:
         running = method_of(model)
         if not isinstance(running, MoD):
-            raise ValueError(f"--capacity turns the dial of an MoD model (a router, or fold); {cfg.checkpoint} runs "
-                             f"{running.label()}, which has none: drop --capacity")
+            raise UserError(f"--capacity turns the dial of an MoD model (a router, or fold); {cfg.checkpoint} runs "
+                            f"{running.label()}, which has none: drop --capacity")
         set_capacity(model, cfg.capacity)
     counted = model  # what amod.flops prices
     family = family_of(model)
@@ -45,16 +46,16 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     model = family.tensor_module(model)  # the loop needs one tensor out: the logits
     native = model.patch_embed.img_size[0]
     if cfg.img_size is not None and cfg.img_size != native:
-        raise ValueError(f"{cfg.checkpoint} takes {native}-px images, not {cfg.img_size}: drop --img-size, "
-                         "or finetune the model at that size first")
+        raise UserError(f"{cfg.checkpoint} takes {native}-px images, not {cfg.img_size}: drop --img-size, "
+                        "or finetune the model at that size first")
     if num_classes == 0:  # (amod finetune takes timm models; compare and frontier take Hugging Face ones too)
         finetune = "finetune it with amod finetune, or " if source is None else ""
-        raise ValueError(f"{cfg.checkpoint} has no classifier (a backbone): {finetune}compare reduced versions of it "
-                         "with the linear probe of amod compare or amod frontier")
+        raise UserError(f"{cfg.checkpoint} has no classifier (a backbone): {finetune}compare reduced versions of it "
+                        "with the linear probe of amod compare or amod frontier")
     _, val, info = build_datasets(cfg.data, native, None, cfg.val_limit)
     if info.num_classes > num_classes or info.in_chans != model.patch_embed.proj.in_channels:
-        raise ValueError(f"the model ({num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
-                         f"does not fit {info.name} ({info.num_classes} classes, {info.in_chans} channels)")
+        raise UserError(f"the model ({num_classes} classes, {model.patch_embed.proj.in_channels} channels) "
+                        f"does not fit {info.name} ({info.num_classes} classes, {info.in_chans} channels)")
     dist_info = Dist(device=device)
     bad_images = BadImages(skip=cfg.skip_bad_images)
     metrics = evaluate(model, make_loader(val, cfg.batch_size, False, 0, 0, dist_info), device, cfg.amp, dist_info,

@@ -22,6 +22,7 @@ from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, _sigterm_cleans_up, export
 from ..files import check_output_file
 from ..train.data import TensorImages, load_fashion_mnist
 from ..train.rundir import output_file_lock
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -62,7 +63,7 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[in
     out = Path(out)
     if out.resolve() == Path(checkpoint).resolve() or (out.exists() and Path(checkpoint).exists()
                                                          and os.path.samefile(out, checkpoint)):
-        raise ValueError(f"--out {out} is the checkpoint being exported; write the ONNX file elsewhere")
+        raise UserError(f"--out {out} is the checkpoint being exported; write the ONNX file elsewhere")
     check_output_file(out, "the .onnx file", force)
     with _sigterm_cleans_up(), output_file_lock(out):  # (SIGTERM too lets the file go, leaving no lock file)
         check_output_file(out, "the .onnx file", force)  # (again, held: a command just ended may have written it)

@@ -56,6 +56,7 @@ from .finetune_study_report import write_report
 from .finetune_study_rows import EvalRows, pack
 from .presets import check_trainable, run_in_directory
 from .probe import LinearProbe, probe_images
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -147,7 +148,7 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         try:
             state = load_torch(state_path)
         except UnreadableFileError as e:
-            raise ValueError(f"{e}; remove it to run {name} at cost {cost:g} (seed {seed}) again from step 0") from None
+            raise UserError(f"{e}; remove it to run {name} at cost {cost:g} (seed {seed}) again from step 0") from None
         # (the rows of the evaluations up to the state's step are written before it: a state without them is not used)
         if state.get("fingerprint") == rows.fingerprint and all(rows.get(seed, p.cost_target, name, amp, s)
                                                                 for p in evaluated for s in eval_steps
@@ -163,8 +164,8 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         engine.seed_everything(seed)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: steps * cfg.batch_size]
     if len(order) < steps * cfg.batch_size:
-        raise ValueError(f"{steps} steps of {cfg.batch_size} need {steps * cfg.batch_size} training images; "
-                         f"the data has {len(train)}")
+        raise UserError(f"{steps} steps of {cfg.batch_size} need {steps * cfg.batch_size} training images; "
+                        f"the data has {len(train)}")
     extra = {"distillation": distilled.text} if distilled else {}
     if planned.arm.best_of:
         extra["of"] = planned.arm.best_of[0]
@@ -259,8 +260,8 @@ def check_backbone(checkpoint: str, command: str = "study") -> Path:
     check_dense_file(path)
     model = load_weightless(path)
     if family_of(model).num_classes(model) != 0:
-        raise ValueError(f"{path} has a classifier; a matched-cost finetune starts from a backbone without one "
-                         "(its head comes from the dense linear probe)")
+        raise UserError(f"{path} has a classifier; a matched-cost finetune starts from a backbone without one "
+                        "(its head comes from the dense linear probe)")
     return path
 
 
@@ -289,25 +290,25 @@ def check_teacher(cfg: FinetuneConfig, info: DataInfo, backbone: nn.Module) -> N
         check_dense_file(path)
         teacher = load_weightless(path)
     except ValueError as e:
-        raise ValueError(f"--teacher: {e}") from None
+        raise UserError(f"--teacher: {e}") from None
     try:
         classifiers_of(teacher)
     except ValueError:
-        raise ValueError(f"the teacher {path} has no classifier to learn from (a backbone, or not a timm model): give "
-                         f"a dense timm model finetuned on {info.name}") from None
+        raise UserError(f"the teacher {path} has no classifier to learn from (a backbone, or not a timm model): give "
+                        f"a dense timm model finetuned on {info.name}") from None
     size, chans = tuple(teacher.patch_embed.img_size), teacher.patch_embed.proj.in_channels
     if size != (cfg.img_size, cfg.img_size):
-        raise ValueError(f"the teacher {path} takes {size[0]}x{size[1]}-px images and the study runs at --img-size "
-                         f"{cfg.img_size}: give a teacher finetuned at {cfg.img_size} px")
+        raise UserError(f"the teacher {path} takes {size[0]}x{size[1]}-px images and the study runs at --img-size "
+                        f"{cfg.img_size}: give a teacher finetuned at {cfg.img_size} px")
     classes = family_of(teacher).num_classes(teacher)
     if chans != info.in_chans or classes != info.num_classes:
-        raise ValueError(f"the teacher {path} takes {chans}-channel images into {classes} classes and "
-                         f"{info.name} has {info.in_chans}-channel images of {info.num_classes}: give a teacher "
-                         f"finetuned on {info.name}")
+        raise UserError(f"the teacher {path} takes {chans}-channel images into {classes} classes and "
+                        f"{info.name} has {info.in_chans}-channel images of {info.num_classes}: give a teacher "
+                        f"finetuned on {info.name}")
     if cfg.distillation.features > 0 and teacher.num_features != backbone.num_features:
-        raise ValueError(f"the teacher {path} has {teacher.num_features} features and the backbone "
-                         f"{backbone.num_features}: feature distillation needs the same width (or "
-                         "--distill-features 0)")
+        raise UserError(f"the teacher {path} has {teacher.num_features} features and the backbone "
+                        f"{backbone.num_features}: feature distillation needs the same width (or "
+                        "--distill-features 0)")
 
 
 def prepare(cfg: FinetuneConfig, root: Path, device: torch.device) -> Prepared:
@@ -364,8 +365,8 @@ def _check_has_rows(cfg: FinetuneConfig) -> None:
             return
     elif not checkpoint.is_file():
         return  # prepare says what is wrong with the checkpoint
-    raise ValueError(f"{path} holds no evaluation of this study's settings (backbone, data, steps, batch, lr, images); "
-                     "--report-only writes the report of evaluations made: run the study without it first")
+    raise UserError(f"{path} holds no evaluation of this study's settings (backbone, data, steps, batch, lr, images); "
+                    "--report-only writes the report of evaluations made: run the study without it first")
 
 
 def _run_study(cfg: FinetuneConfig, root: Path) -> Path:

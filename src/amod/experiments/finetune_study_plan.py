@@ -17,6 +17,7 @@ from ..cost import COST_TOLERANCE, validate_cost
 from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
 from .arms import Arm, select
+from ..errors import UserError
 
 if TYPE_CHECKING:
     from .finetune_study_rows import EvalRows
@@ -95,21 +96,21 @@ class FinetuneConfig:
 
     def validate(self) -> "FinetuneConfig":
         if not self.costs:
-            raise ValueError("give at least one --cost")
+            raise UserError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
         for name in ("seeds", "steps", "batch_size", "eval_images", "probe_train", "img_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not self.eval_at or any(not 0 < f <= 1 for f in self.eval_at):
-            raise ValueError(f"evaluation points are shares of the steps in (0, 1], got {self.eval_at}")
+            raise UserError(f"evaluation points are shares of the steps in (0, 1], got {self.eval_at}")
         if self.amp not in ("off", "bf16"):
-            raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
+            raise UserError(f"--amp must be off or bf16, got {self.amp!r}")
         if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+            raise UserError(f"--lr must be positive, got {self.lr}")
         if self.state_every_s is not None and not self.state_every_s >= 0:
-            raise ValueError(f"state_every_s must be None or at least 0 seconds, got {self.state_every_s}")
+            raise UserError(f"state_every_s must be None or at least 0 seconds, got {self.state_every_s}")
         self.distillation.validate()
         return self
 
@@ -186,7 +187,7 @@ def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[f
                 method = IsoFLOP(router=ref.router, capacity=ref.capacity, layers=ref.layers)
             elif arm.needs_images:
                 if calibrated is None:
-                    raise ValueError(f"{arm.name} needs calibration images to be planned")
+                    raise UserError(f"{arm.name} needs calibration images to be planned")
                 method = calibrated(cost, arm.method)
             else:
                 method = arm.method.at_cost(model, cost)

@@ -47,6 +47,7 @@ from .features import dense_features, dense_probe, feature_model, features_key, 
 from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
 from .probe import LinearProbe, features, mean_cosine, probe_images
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -98,27 +99,27 @@ class FrontierConfig:
     def validate(self) -> "FrontierConfig":
         """Check every setting before any work; raises ValueError naming the flag."""
         if not self.checkpoint:
-            raise ValueError("give --checkpoint: the dense backbone to sweep (an amod .safetensors file, a "
-                             "save_pretrained folder or hf:ID)")
+            raise UserError("give --checkpoint: the dense backbone to sweep (an amod .safetensors file, a "
+                            "save_pretrained folder or hf:ID)")
         if not self.costs:
-            raise ValueError("give at least one --cost")
+            raise UserError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
         for name in ("probe_train", "speed_repeats", "forwards_per_call", "calibration_images"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if any(a.needs_images for a in self.methods) and self.calibration_images > self.probe_train:
-            raise ValueError(f"--calibration-images ({self.calibration_images}) must be at most --probe-train "
-                             f"({self.probe_train}): they are the first of the probe's training images")
+            raise UserError(f"--calibration-images ({self.calibration_images}) must be at most --probe-train "
+                            f"({self.probe_train}): they are the first of the probe's training images")
         if self.val_limit is not None and self.val_limit < 2:
-            raise ValueError(f"--val-limit must be at least 2 (two halves of the test images), got {self.val_limit}")
+            raise UserError(f"--val-limit must be at least 2 (two halves of the test images), got {self.val_limit}")
         if not self.speed_batches or any(not isinstance(b, int) or b < 1 for b in self.speed_batches):
-            raise ValueError(f"--speed-batch must be positive integers, got {list(self.speed_batches)}")
+            raise UserError(f"--speed-batch must be positive integers, got {list(self.speed_batches)}")
         if not self.speedups or any(not (s > 1 and math.isfinite(s)) for s in self.speedups):
-            raise ValueError(f"--speedups must be finite numbers above 1, got {list(self.speedups)}")
+            raise UserError(f"--speedups must be finite numbers above 1, got {list(self.speedups)}")
         if self.amp not in AMP_MODES:
-            raise ValueError(f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
+            raise UserError(f"--amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
         resolve_device(self.device)
         if hf_source(self.checkpoint) is None:
             check_dense_file(self.checkpoint)
@@ -141,12 +142,12 @@ def check_data_size(cfg: FrontierConfig) -> None:
     train, val, _ = build_datasets(cfg.data, None, None, None)
     n_probe = probe_images(len(train), cfg.probe_train, cfg.data)
     if any(a.needs_images for a in cfg.methods) and cfg.calibration_images > n_probe:
-        raise ValueError(f"--calibration-images {cfg.calibration_images}: the calibrated methods calibrate on the "
-                         f"first of the probe's {n_probe} training images ({cfg.data} has {len(train)}); give at "
-                         f"most {n_probe}")
+        raise UserError(f"--calibration-images {cfg.calibration_images}: the calibrated methods calibrate on the "
+                        f"first of the probe's {n_probe} training images ({cfg.data} has {len(train)}); give at "
+                        f"most {n_probe}")
     if min(len(val), cfg.val_limit or len(val)) < 2:
-        raise ValueError(f"{cfg.data} has {len(val)} test image{'' if len(val) == 1 else 's'}; the frontier needs at "
-                         "least 2 (two halves give the error bar)")
+        raise UserError(f"{cfg.data} has {len(val)} test image{'' if len(val) == 1 else 's'}; the frontier needs at "
+                        "least 2 (two halves give the error bar)")
 
 
 # ---------------------------------------------------------------- reading a frontier

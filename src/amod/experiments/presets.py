@@ -25,6 +25,7 @@ from ..train.models import build_model
 from ..train.config import RunConfig
 from ..train.run import train
 from ..train.rundir import RunDirectory, check_output_dir
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 T = TypeVar("T")
@@ -78,13 +79,13 @@ def check_settings(cfg: Any, positive: tuple[str, ...], optional: tuple[str, ...
     for name in positive:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
     for name in optional:
         value = getattr(cfg, name)
         if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if not cfg.lr > 0:
-        raise ValueError(f"--lr must be a positive number, got {cfg.lr}")
+        raise UserError(f"--lr must be a positive number, got {cfg.lr}")
     if cfg.checkpoint is not None:
         check_dense_file(cfg.checkpoint)
 
@@ -107,8 +108,8 @@ def check_not_hugging_face(path: Optional[str], option: str, command: str, takes
     """Refuse, in one line that says what the command takes and which commands take it, a Hugging Face model (a
     ``save_pretrained`` folder or ``hf:ID``) given to ``amod command``'s ``option``, which takes ``takes``."""
     if path is not None and hf_source(path) is not None:
-        raise ValueError(f"{option} {path} is a Hugging Face model; amod {command} takes {takes} "
-                         f"({HF_COMMANDS} take Hugging Face models)")
+        raise UserError(f"{option} {path} is a Hugging Face model; amod {command} takes {takes} "
+                        f"({HF_COMMANDS} take Hugging Face models)")
 
 
 def check_trainable(path: Optional[str], option: str, command: str, takes: str) -> None:
@@ -124,8 +125,8 @@ def check_trainable(path: Optional[str], option: str, command: str, takes: str) 
         return
     if not family.trainable:
         trainable = " and ".join(f.name for f in FAMILIES if f.trainable)  # ("timm")
-        raise ValueError(f"{option} {path} holds a {family.models} model; amod {command} takes {trainable} models "
-                         f"only ({HF_COMMANDS} take Hugging Face models)")
+        raise UserError(f"{option} {path} holds a {family.models} model; amod {command} takes {trainable} models "
+                        f"only ({HF_COMMANDS} take Hugging Face models)")
 
 
 def run_in_directory(out: str, data: str, body: Callable[[Path], T]) -> T:
@@ -144,5 +145,5 @@ def check_not_a_training_run(root: Path) -> None:
     into that run's ``train.log``. Raises ValueError; creates nothing."""
     marks = [name for name in ("config.yaml", "checkpoint.pt") if (root / name).is_file()]
     if marks:
-        raise ValueError(f"--out {root} holds an amod train or finetune run ({marks[0]}); give this command a "
-                         "directory of its own")
+        raise UserError(f"--out {root} holds an amod train or finetune run ({marks[0]}); give this command a "
+                        "directory of its own")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..files import load_torch, torch_save
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
@@ -33,7 +34,7 @@ def probe_images(available: int, probe_train: int, data: str) -> int:
     if n < MIN_PROBE_IMAGES:
         why = f"--probe-train is {probe_train}" if probe_train < MIN_PROBE_IMAGES else \
             f"{data} has {available} training image{'' if available == 1 else 's'}"
-        raise ValueError(f"the linear probe needs at least {MIN_PROBE_IMAGES} training images and {why}")
+        raise UserError(f"the linear probe needs at least {MIN_PROBE_IMAGES} training images and {why}")
     return n
 
 
@@ -96,10 +97,10 @@ def fit_probe(feats: torch.Tensor, labels: torch.Tensor, held_out: float = 0.2, 
     samples (the rest fit), then the probe is refitted on all of them with that penalty.
     """
     if feats.ndim != 2 or len(feats) != len(labels) or len(feats) < MIN_PROBE_IMAGES:
-        raise ValueError(f"fit_probe needs (N, D) features and N labels, N >= {MIN_PROBE_IMAGES}; got "
-                         f"{tuple(feats.shape)}, {tuple(labels.shape)}")
+        raise UserError(f"fit_probe needs (N, D) features and N labels, N >= {MIN_PROBE_IMAGES}; got "
+                        f"{tuple(feats.shape)}, {tuple(labels.shape)}")
     if not 0 < held_out < 1:
-        raise ValueError(f"held_out must be in (0, 1), got {held_out}")
+        raise UserError(f"held_out must be in (0, 1), got {held_out}")
     x = feats.double()
     y = labels.long()
     classes = int(y.max()) + 1

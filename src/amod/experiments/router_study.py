@@ -35,6 +35,7 @@ from .arms import Arm
 from .plots import accuracy_vs_epoch, routing_figure
 from .presets import BASE, check_settings, check_trainable, run_in_directory, run_once, starting_checkpoint
 from ..stats import mean_std, paired_bootstrap_ci
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -82,7 +83,7 @@ class StudyConfig:
     def validate(self) -> "StudyConfig":
         """Check every setting before the first run starts; raises ValueError naming the setting."""
         if not self.capacities:
-            raise ValueError("give at least one --capacity")
+            raise UserError("give at least one --capacity")
         for c in self.capacities:
             validate_capacity(c)
         check_trainable(self.checkpoint, "--checkpoint", "study", "a dense amod .safetensors file")

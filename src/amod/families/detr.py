@@ -49,6 +49,7 @@ from ..ops import attention_with_scores, recomputing, tracing
 from ..tokens import gather_tokens, scatter_tokens
 from .hf_base import HFCheckpoints, amod_role, hf_base, install_save_pretrained, role_class, set_view
 from .vit import ViTFamily
+from ..errors import UnsupportedModelError, UserError
 
 ImgSize = Union[int, tuple[int, int]]
 
@@ -96,15 +97,15 @@ def _refuse(attention_mask: Optional[torch.Tensor]) -> None:
     mask on as None in eager mode, but as a built mask while tracing (torch.compile, export), whose values a trace
     cannot read: there the batch is taken to be pad-free, as documented."""
     if attentions_requested():
-        raise ValueError("output_attentions is not available on an amod-converted DETR encoder: its MoD layers attend "
-                         "over the positions they keep and its scoring layers return no probabilities; use the "
-                         "dense model")
+        raise UserError("output_attentions is not available on an amod-converted DETR encoder: its MoD layers attend "
+                        "over the positions they keep and its scoring layers return no probabilities; use the "
+                        "dense model")
     if attention_mask is None or tracing():
         return
     attends = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     if not bool(attends.all()):
-        raise ValueError("an amod DETR encoder takes batches without padding (a pixel_mask of ones: images of one "
-                         "size); its MoD layers run attention on a subset of the positions, without a mask")
+        raise UserError("an amod DETR encoder takes batches without padding (a pixel_mask of ones: images of one "
+                        "size); its MoD layers run attention on a subset of the positions, without a mask")
 
 
 class DetrScoringAttention:
@@ -241,10 +242,10 @@ def layer_macs(layer: nn.Module, tokens: int) -> int:
 
 def _img_size(img_size: Optional[ImgSize]) -> tuple[int, int]:
     if img_size is None:
-        raise ValueError("a DETR takes images of any size: give img_size (an int or (H, W))")
+        raise UserError("a DETR takes images of any size: give img_size (an int or (H, W))")
     h, w = (img_size, img_size) if isinstance(img_size, int) else (int(img_size[0]), int(img_size[1]))
     if h < 1 or w < 1:
-        raise ValueError(f"img_size must be positive, got {h}x{w}")
+        raise UserError(f"img_size must be positive, got {h}x{w}")
     return h, w
 
 
@@ -307,7 +308,7 @@ def capacity_for_encoder_cost(model: nn.Module, cost: float, img_size: ImgSize) 
     (ties to the larger capacity; the model is not changed). Tries every k / N."""
     cost = validate_cost(cost)
     if getattr(model, "amod_config", None) is None:
-        raise ValueError("model is not an amod MoD model; convert it with amod.convert first")
+        raise UserError("model is not an amod MoD model; convert it with amod.convert first")
     h, w = _img_size(img_size)
     n, other = _positions_and_rest(model, (h, w))
     ratios = {k / n: _report(model, (h, w), n, other, k / n).encoder_ratio for k in range(1, n + 1)}
@@ -335,10 +336,11 @@ class DetrFamily(HFCheckpoints, ViTFamily):
 
     def check_block(self, block: nn.Module, index: int) -> None:
         if hf_base(block).__name__ not in LAYERS or hf_base(block.self_attn).__name__ not in ATTENTIONS:
-            raise TypeError(f"encoder layer {index} is a {type(block).__name__}; amod converts transformers' "
-                            "DetrEncoderLayer with DetrSelfAttention")
+            raise UnsupportedModelError(
+                f"encoder layer {index} is a {type(block).__name__}; amod converts transformers' "
+                "DetrEncoderLayer with DetrSelfAttention")
         if amod_role(block) is not None and not isinstance(block, DetrMoDLayer):
-            raise TypeError(f"encoder layer {index} is already converted ({type(block).__name__})")
+            raise UnsupportedModelError(f"encoder layer {index} is already converted ({type(block).__name__})")
 
     def make_mod(self, block: nn.Module) -> nn.Module:
         block.__class__ = role_class(None, DetrMoDLayer, hf_base(block), layer=False)
@@ -358,8 +360,8 @@ class DetrFamily(HFCheckpoints, ViTFamily):
     def validate(self, config: MoDConfig, model: nn.Module) -> None:
         # (the router: any of router_names("detr"), checked by amod.convert from the router's ``families``)
         if config.skipped != "bypass":
-            raise ValueError(f"skipped={config.skipped!r} does not fit a DETR encoder, whose decoder reads every "
-                             "position: use bypass")
+            raise UserError(f"skipped={config.skipped!r} does not fit a DETR encoder, whose decoder reads every "
+                            "position: use bypass")
 
     def convert(self, model: nn.Module, config: MoDConfig) -> None:
         super().convert(model, config)
@@ -370,8 +372,9 @@ class DetrFamily(HFCheckpoints, ViTFamily):
                 model.blocks[i].router.norms = norms
 
     def merge_apply(self, model: nn.Module, merge: Any) -> nn.Module:
-        raise TypeError("token merging does not fit a DETR encoder: it moves a position's content into another, and "
-                        "the decoder reads the encoder output by position; use amod.convert (MoD, bypass)")
+        raise UnsupportedModelError(
+            "token merging does not fit a DETR encoder: it moves a position's content into another, and "
+            "the decoder reads the encoder output by position; use amod.convert (MoD, bypass)")
 
     def flops(self, model: nn.Module, img_size: Any, capacity: Optional[float]) -> DetrCostReport:
         return detr_flops(self.prepare(model), img_size, capacity)
@@ -389,11 +392,12 @@ class DetrFamily(HFCheckpoints, ViTFamily):
         return model
 
     def tensor_module(self, model: nn.Module) -> nn.Module:
-        raise TypeError("amod.export takes one image tensor in and one tensor out; for a DETR, torch.onnx.export a "
-                        "wrapper returning its logits and pred_boxes (docs/detr.md)")
+        raise UnsupportedModelError(
+            "amod.export takes one image tensor in and one tensor out; for a DETR, torch.onnx.export a "
+            "wrapper returning its logits and pred_boxes (docs/detr.md)")
 
     def feature_module(self, model: nn.Module) -> nn.Module:
-        raise TypeError("a DETR has no image features for a linear probe; evaluate it with amod detect")
+        raise UnsupportedModelError("a DETR has no image features for a linear probe; evaluate it with amod detect")
 
 
 def mod_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:

@@ -44,6 +44,7 @@ from ..mod.routers import Router
 from ..ops import attention_inputs, attention_output, tracing
 from ..reduce import SizedAttention
 from .vit import ViTFamily
+from ..errors import MissingDependencyError, UnsupportedModelError, UserError
 
 IDENTITY = nn.Identity()  # timm's q_norm, k_norm, norm, proj_drop, ls1, ls2 where HF has none (no parameters)
 
@@ -52,7 +53,8 @@ def transformers_module():
     try:
         import transformers
     except ImportError:
-        raise ImportError("Hugging Face models need transformers, the optional extra: pip install 'amod[hf]'") from None
+        raise MissingDependencyError(
+            "Hugging Face models need transformers, the optional extra: pip install 'amod[hf]'") from None
     return transformers
 
 
@@ -171,12 +173,12 @@ def refuse_kwargs(attention_mask: Optional[torch.Tensor]) -> None:
     # Hugging Face makes no mask when it is given none (sdpa) or an all-attend one (e.g. eager, or while traced for
     # export, where its values cannot be read: amod's export calls the model without one)
     if attention_mask is not None and not tracing() and not _attends_everywhere(attention_mask):
-        raise ValueError("amod-converted Hugging Face models do not take an attention_mask (routing, folding and "
-                         "merging decide which tokens attend); call the model without one")
+        raise UserError("amod-converted Hugging Face models do not take an attention_mask (routing, folding and "
+                        "merging decide which tokens attend); call the model without one")
     if attentions_requested():
-        raise ValueError("output_attentions is not available on an amod-converted Hugging Face model: amod's layers "
-                         "compute attention without its probabilities (A-MoD's scores come from amod's own op) and "
-                         "on fewer tokens; use output_hidden_states, or the dense model")
+        raise UserError("output_attentions is not available on an amod-converted Hugging Face model: amod's layers "
+                        "compute attention without its probabilities (A-MoD's scores come from amod's own op) and "
+                        "on fewer tokens; use output_hidden_states, or the dense model")
 
 
 def _layer_forward(amod_cls: type):
@@ -420,7 +422,7 @@ class HFFamily(HFCheckpoints, ViTFamily):
         base = hf_base(module)
         table = self.layer_views if layer else self.attention_views
         if base.__name__ not in table:
-            raise TypeError(f"amod does not know the Hugging Face module {base.__name__}")
+            raise UnsupportedModelError(f"amod does not know the Hugging Face module {base.__name__}")
         module.__class__ = role_class(table[base.__name__], amod_cls, base, layer)
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -434,11 +436,13 @@ class HFFamily(HFCheckpoints, ViTFamily):
             attn = self.attention(layer)
             for module, table in ((layer, self.layer_views), (attn, self.attention_views)):
                 if hf_base(module).__name__ not in table:
-                    raise TypeError(f"layer {i} holds a {hf_base(module).__name__}; amod's {self.name} family takes "
-                                    f"{', '.join(self.layer_views)} with {', '.join(self.attention_views)}")
+                    raise UnsupportedModelError(
+                        f"layer {i} holds a {hf_base(module).__name__}; amod's {self.name} family takes "
+                        f"{', '.join(self.layer_views)} with {', '.join(self.attention_views)}")
             if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
-                raise TypeError(f"layer {i}'s attention has no q_proj/k_proj/v_proj: amod.hf needs the attention "
-                                f"layout of transformers 5.18 or later (this is {transformers_module().__version__})")
+                raise UnsupportedModelError(
+                    f"layer {i}'s attention has no q_proj/k_proj/v_proj: amod.hf needs the attention "
+                    f"layout of transformers 5.18 or later (this is {transformers_module().__version__})")
             if getattr(type(layer), "_amod_hf_base", None) is None:
                 self._swap(layer, None, layer=True)
             if getattr(type(attn), "_amod_hf_base", None) is None:
@@ -458,8 +462,9 @@ class HFFamily(HFCheckpoints, ViTFamily):
 
     def check_block(self, block: nn.Module, index: int) -> None:
         if amod_role(block) is not None:
-            raise TypeError(f"layer {index} is a {type(block).__name__}; amod converts unconverted Hugging Face "
-                            "layers only")
+            raise UnsupportedModelError(
+                f"layer {index} is a {type(block).__name__}; amod converts unconverted Hugging Face "
+                "layers only")
 
     def make_mod(self, block: nn.Module) -> nn.Module:
         self._swap(block, MoDBlock, layer=True)

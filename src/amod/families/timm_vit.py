@@ -19,6 +19,7 @@ from ..family import class_names, register_family
 from ..mod.block import MoDBlock, ScoringAttention
 from ..reduce import make_sized
 from .vit import ViTFamily
+from ..errors import UnsupportedModelError
 
 
 class TimmViTFamily(ViTFamily):
@@ -34,10 +35,12 @@ class TimmViTFamily(ViTFamily):
 
     def check_block(self, block: nn.Module, index: int) -> None:
         if type(block) not in (Block, MoDBlock):
-            raise TypeError(f"block {index} is a {type(block).__name__}; amod converts timm's pre-norm "
-                            "timm.models.vision_transformer.Block only")
+            raise UnsupportedModelError(
+                f"block {index} is a {type(block).__name__}; amod converts timm's pre-norm "
+                "timm.models.vision_transformer.Block only")
         if type(block.attn) not in (Attention, ScoringAttention):
-            raise TypeError(f"block {index} uses {type(block.attn).__name__}; amod supports timm.layers.Attention only")
+            raise UnsupportedModelError(
+                f"block {index} uses {type(block.attn).__name__}; amod supports timm.layers.Attention only")
 
     def make_mod(self, block: nn.Module) -> nn.Module:
         block.__class__ = MoDBlock

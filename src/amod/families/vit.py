@@ -13,6 +13,7 @@ from ..cost import CostReport, embed_head_macs, vit_flops
 from ..family import Family
 from ..mod.config import MoDConfig
 from ..mod.modes import skipped_mode
+from ..errors import UnsupportedModelError, UserError
 
 
 class ViTFamily(Family):
@@ -39,14 +40,14 @@ class ViTFamily(Family):
 
     def keep_blocks(self, model: nn.Module, keep: list[int]) -> nn.Module:
         """Keep only the blocks ``keep`` (the isoFLOP baseline's fewer blocks), in place; returns the model."""
-        raise NotImplementedError(f"{self.name} models cannot drop blocks")
+        raise UnsupportedModelError(f"{self.name} models cannot drop blocks")
 
     def set_input_size(self, model: nn.Module, img_size: Any) -> nn.Module:
         """Make ``model`` take ``img_size`` images (resampling its position embedding), in place."""
-        raise ValueError(f"a {self.name} model takes its config's image_size {tuple(model.patch_embed.img_size)}; "
-                         "it cannot be changed here")
+        raise UserError(f"a {self.name} model takes its config's image_size {tuple(model.patch_embed.img_size)}; "
+                        "it cannot be changed here")
 
     def set_input_channels(self, model: nn.Module, in_chans: int) -> nn.Module:
         """Make ``model`` take ``in_chans``-channel images (its patch embedding's filters adapted), in place."""
-        raise ValueError(f"a {self.name} model takes {model.patch_embed.proj.in_channels}-channel images (its "
-                         f"config's num_channels); it cannot be changed to {in_chans} here")
+        raise UserError(f"a {self.name} model takes {model.patch_embed.proj.in_channels}-channel images (its "
+                        f"config's num_channels); it cannot be changed to {in_chans} here")

@@ -19,6 +19,7 @@ from torch import nn
 from ..family import FAMILIES, family_of
 from ..methods import method_from_metadata
 from .common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT
+from ..errors import MissingDependencyError, UserError
 
 
 HF_PREFIX = "hf:"  # a hub id on the command line: hf:facebook/dinov2-small
@@ -28,7 +29,8 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError("Hugging Face models need transformers, the optional extra: pip install 'amod[hf]'") from None
+        raise MissingDependencyError(
+            "Hugging Face models need transformers, the optional extra: pip install 'amod[hf]'") from None
     return transformers
 
 
@@ -78,13 +80,13 @@ def _check_hub_reachable(repo_id: str) -> None:
     except HfHubHTTPError:
         return
     except ValueError as e:  # huggingface_hub's HFValidationError: not a repository id
-        raise ValueError(f"{repo_id!r} is neither a local directory nor a Hugging Face hub id "
-                         f"({' '.join(str(e).split())[:200]})") from None
+        raise UserError(f"{repo_id!r} is neither a local directory nor a Hugging Face hub id "
+                        f"({' '.join(str(e).split())[:200]})") from None
     except Exception as e:  # no connection, no name resolution, a timeout, a proxy refusing, a malformed id...
         first = " ".join(str(e).split())[:200]
-        raise ValueError(f"cannot load {repo_id!r} from the Hugging Face hub at {constants.ENDPOINT} (the network "
-                         f"is unreachable: {type(e).__name__}: {first}); give a local save_pretrained "
-                         "directory") from None
+        raise UserError(f"cannot load {repo_id!r} from the Hugging Face hub at {constants.ENDPOINT} (the network "
+                        f"is unreachable: {type(e).__name__}: {first}); give a local save_pretrained "
+                        "directory") from None
 
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -96,17 +98,17 @@ def _check_local_folder(path: Path) -> None:
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({' '.join(str(e).split())[:160]}); give a "
-                         "directory written by save_pretrained") from None
+        raise UserError(f"{path / 'config.json'} is not valid JSON ({' '.join(str(e).split())[:160]}); give a "
+                        "directory written by save_pretrained") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path / 'config.json'} is not a JSON object; give a directory written by save_pretrained")
+        raise UserError(f"{path / 'config.json'} is not a JSON object; give a directory written by save_pretrained")
     if any(f.name != SIDECAR for f in path.glob("*.safetensors")):
         return
     pickled = sorted(f for pattern in PICKLED_WEIGHTS for f in path.glob(pattern))
     if pickled:
-        raise ValueError(f"{pickled[0]} holds pickled weights, which amod does not load (a pickle can run code); "
-                         "save the model again with save_pretrained, which writes model.safetensors")
-    raise ValueError(f"{path} holds no weights (no model.safetensors); give a directory written by save_pretrained")
+        raise UserError(f"{pickled[0]} holds pickled weights, which amod does not load (a pickle can run code); "
+                        "save the model again with save_pretrained, which writes model.safetensors")
+    raise UserError(f"{path} holds no weights (no model.safetensors); give a directory written by save_pretrained")
 
 
 def _architecture(config: Any, source: str, cls: Optional[str]) -> str:
@@ -118,9 +120,9 @@ def _architecture(config: Any, source: str, cls: Optional[str]) -> str:
     supported = f"amod takes {', '.join(known)}"
     if name is None:
         kind = getattr(config, "model_type", None) or "unknown"
-        raise ValueError(f"{source}: config.json names no architecture (model_type {kind!r}); {supported} "
-                         "(pass cls= to choose one)")
-    raise ValueError(f"{source} holds a {name}, which amod does not take; {supported}")
+        raise UserError(f"{source}: config.json names no architecture (model_type {kind!r}); {supported} "
+                        "(pass cls= to choose one)")
+    raise UserError(f"{source} holds a {name}, which amod does not take; {supported}")
 
 
 def read_sidecar(path: Path) -> Optional[tuple[dict[str, str], dict[str, torch.Tensor]]]:
@@ -134,11 +136,11 @@ def read_sidecar(path: Path) -> Optional[tuple[dict[str, str], dict[str, torch.T
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{sidecar} is corrupt ({' '.join(str(e).split())[:160]}); save the model again") from None
+        raise UserError(f"{sidecar} is corrupt ({' '.join(str(e).split())[:160]}); save the model again") from None
     version = meta.get("amod.format", "")
     if not version.isdigit() or int(version) > int(SIDECAR_FORMAT):
-        raise ValueError(f"{sidecar} is in amod format {version!r}; this amod reads format {SIDECAR_FORMAT} and "
-                         "older: upgrade amod to load it")
+        raise UserError(f"{sidecar} is in amod format {version!r}; this amod reads format {SIDECAR_FORMAT} and "
+                        "older: upgrade amod to load it")
     return meta, tensors
 
 
@@ -151,13 +153,13 @@ def _rebuild_conversion(model: nn.Module, path: Path, meta: dict[str, str],
     try:
         model = method_from_metadata(meta).restore(family.prepare(model))
     except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"{path / SIDECAR}: its conversion cannot be applied to the model in {path} "
-                         f"({type(e).__name__}: {e})") from None
+        raise UserError(f"{path / SIDECAR}: its conversion cannot be applied to the model in {path} "
+                        f"({type(e).__name__}: {e})") from None
     own = set(model.state_dict()) - dense_keys
     if own != set(tensors):
         missing, extra = sorted(own - set(tensors)), sorted(set(tensors) - own)
-        raise ValueError(f"{path / SIDECAR} does not fit its conversion: missing {missing[:3]}, unexpected "
-                         f"{extra[:3]}")
+        raise UserError(f"{path / SIDECAR} does not fit its conversion: missing {missing[:3]}, unexpected "
+                        f"{extra[:3]}")
     model.load_state_dict(tensors, strict=False)
     return model.eval()
 
@@ -175,37 +177,37 @@ def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None
     transformers = _transformers()
     path = Path(path_or_id)
     if not str(path_or_id).strip():
-        raise ValueError("give a save_pretrained directory or a hub id (hf:ID), not an empty name")
+        raise UserError("give a save_pretrained directory or a hub id (hf:ID), not an empty name")
     if path.is_file():
-        raise ValueError(f"{path} is a file; give a save_pretrained directory (an amod .safetensors file loads with "
-                         "amod.load)")
+        raise UserError(f"{path} is a file; give a save_pretrained directory (an amod .safetensors file loads with "
+                        "amod.load)")
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} has no config.json; give a directory written by save_pretrained")
+            raise UserError(f"{path} has no config.json; give a directory written by save_pretrained")
         _check_local_folder(path)
         source, local = str(path), True
     else:
         source, local = str(path_or_id), False
         if _offline():
-            raise ValueError(f"{source!r} is not a local directory, and the Hugging Face hub is offline here "
-                             "(HF_HUB_OFFLINE); save the model with save_pretrained where the hub is reachable and "
-                             "give that directory")
+            raise UserError(f"{source!r} is not a local directory, and the Hugging Face hub is offline here "
+                            "(HF_HUB_OFFLINE); save the model with save_pretrained where the hub is reachable and "
+                            "give that directory")
         _check_hub_reachable(source)
     sidecar = read_sidecar(path) if local else None
     try:
         config = transformers.AutoConfig.from_pretrained(source, local_files_only=local)
     except (OSError, ValueError) as e:
         if local:
-            raise ValueError(f"{path / 'config.json'} is not a config transformers can read "
-                             f"({' '.join(str(e).split())[:200]})") from None
+            raise UserError(f"{path / 'config.json'} is not a config transformers can read "
+                            f"({' '.join(str(e).split())[:200]})") from None
         raise _hub_error(source, e) from None
     name = _architecture(config, source, cls)
     conversion = getattr(config, CONFIG_KEY, None)
     if local and sidecar is None and conversion is not None:
         label = conversion.get("method", "an amod") if isinstance(conversion, dict) else "an amod"
-        raise ValueError(f"{path} was saved from a converted model ({label}), but its {SIDECAR} is missing: as a dense "
-                         f"model its numbers would be another model's; copy {SIDECAR} along with the folder (or, for "
-                         f"the dense model, delete {CONFIG_KEY!r} from its config.json)")
+        raise UserError(f"{path} was saved from a converted model ({label}), but its {SIDECAR} is missing: as a dense "
+                        f"model its numbers would be another model's; copy {SIDECAR} along with the folder (or, for "
+                        f"the dense model, delete {CONFIG_KEY!r} from its config.json)")
     hf_logging = transformers.utils.logging
     bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # ("Loading weights" on stderr; CLI errors are one line)
@@ -217,8 +219,8 @@ def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # unreadable weights; the hub unreachable
         if local:
             files = ", ".join(sorted(f.name for f in path.glob("*.safetensors") if f.name != SIDECAR))
-            raise ValueError(f"cannot read the weights in {path} ({files}): "
-                             f"{' '.join(str(e).split())[:200]}") from None
+            raise UserError(f"cannot read the weights in {path} ({files}): "
+                            f"{' '.join(str(e).split())[:200]}") from None
         if not isinstance(e, OSError):
             raise
         raise _hub_error(source, e) from None
@@ -229,9 +231,9 @@ def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None
     unexpected, missing = list(info.get("unexpected_keys", [])), list(info.get("missing_keys", []))
     routers = [k for k in unexpected if ".router." in k]
     if sidecar is None and routers:
-        raise ValueError(f"{source} holds amod router weights ({routers[0]}) but not amod's conversion "
-                         f"({SIDECAR}): as a dense model its numbers would be another model's; save it with "
-                         "save_pretrained of the converted model (which writes both) or amod.save")
+        raise UserError(f"{source} holds amod router weights ({routers[0]}) but not amod's conversion "
+                        f"({SIDECAR}): as a dense model its numbers would be another model's; save it with "
+                        "save_pretrained of the converted model (which writes both) or amod.save")
     if unexpected or missing:
         warnings.warn(f"{source}: the weights do not fit {name} exactly (missing {missing[:3]}, unexpected "
                       f"{unexpected[:3]}); missing ones keep their initial values", stacklevel=2)
@@ -241,5 +243,5 @@ def load_hf_model(path_or_id: Union[str, os.PathLike], cls: Optional[str] = None
 
 def _hub_error(source: str, e: BaseException) -> ValueError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return ValueError(f"cannot load {source!r} from the Hugging Face hub ({first[:200]}); give a local "
-                      "save_pretrained directory")
+    return UserError(f"cannot load {source!r} from the Hugging Face hub ({first[:200]}); give a local "
+                     "save_pretrained directory")

@@ -16,6 +16,7 @@ import transformers
 from torch import nn
 
 from ..tome.merging import reduces_tokens
+from ..errors import UserError
 
 FAMILIES = {"ViT": "vit", "DeiT": "deit", "Dinov2": "dinov2"}
 
@@ -24,31 +25,31 @@ def _family(hf_name: str) -> str:
     for prefix in ("Dinov2WithRegisters", "Dinov2", "DeiT", "ViT"):
         if hf_name.startswith(prefix):
             if prefix == "Dinov2WithRegisters":
-                raise ValueError("from_timm does not map DINOv2 with registers (timm and Hugging Face place the "
-                                 "register tokens' position embeddings differently)")
+                raise UserError("from_timm does not map DINOv2 with registers (timm and Hugging Face place the "
+                                "register tokens' position embeddings differently)")
             return FAMILIES[prefix]
-    raise ValueError(f"from_timm maps ViT, DeiT and Dinov2 classes, not {hf_name}")
+    raise UserError(f"from_timm maps ViT, DeiT and Dinov2 classes, not {hf_name}")
 
 
 def _check(timm_model: nn.Module, family: str) -> None:
     h, w = timm_model.patch_embed.img_size
     ph, pw = timm_model.patch_embed.patch_size
     if h != w or ph != pw:
-        raise ValueError(f"from_timm needs square images and patches, got {h}x{w} px and {ph}x{pw} patches")
+        raise UserError(f"from_timm needs square images and patches, got {h}x{w} px and {ph}x{pw} patches")
     if timm_model.cls_token is None or getattr(timm_model, "no_embed_class", False) \
             or getattr(timm_model, "num_reg_tokens", 0):
-        raise ValueError("from_timm needs a class token with its own position embedding and no register tokens")
+        raise UserError("from_timm needs a class token with its own position embedding and no register tokens")
     distilled = getattr(timm_model, "dist_token", None) is not None
     if distilled != (family == "deit"):
-        raise ValueError("Hugging Face's DeiT has a distillation token: map a timm deit_*_distilled_* model to DeiT "
-                         "and a timm model without one to ViT or Dinov2")
+        raise UserError("Hugging Face's DeiT has a distillation token: map a timm deit_*_distilled_* model to DeiT "
+                        "and a timm model without one to ViT or Dinov2")
     blk = timm_model.blocks[0]
     has_ls = not isinstance(blk.ls1, nn.Identity)
     if has_ls != (family == "dinov2"):
-        raise ValueError("LayerScale (timm's init_values) maps to Dinov2 only; ViT and DeiT have none")
+        raise UserError("LayerScale (timm's init_values) maps to Dinov2 only; ViT and DeiT have none")
     if not isinstance(blk.attn.q_norm, nn.Identity) or not isinstance(blk.mlp.act, nn.GELU) \
             or timm_model.global_pool not in ("token", ""):
-        raise ValueError("from_timm maps timm ViTs with plain attention, a GELU MLP and class-token pooling")
+        raise UserError("from_timm maps timm ViTs with plain attention, a GELU MLP and class-token pooling")
 
 
 def hf_config_from_timm(timm_model: nn.Module, hf_class: Union[str, type]) -> Any:
@@ -69,7 +70,7 @@ def hf_config_from_timm(timm_model: nn.Module, hf_class: Union[str, type]) -> An
     if family == "dinov2":
         hidden = blk.mlp.fc1.out_features
         if hidden % dim:
-            raise ValueError(f"Dinov2Config takes an integer mlp_ratio; this model's MLP is {hidden} for width {dim}")
+            raise UserError(f"Dinov2Config takes an integer mlp_ratio; this model's MLP is {hidden} for width {dim}")
         return transformers.Dinov2Config(mlp_ratio=hidden // dim, layerscale_value=1.0,
                                          use_swiglu_ffn=False, drop_path_rate=0.0, **common)
     config_cls = transformers.ViTConfig if family == "vit" else transformers.DeiTConfig
@@ -122,8 +123,8 @@ def timm_to_hf_state_dict(timm_model: nn.Module, hf_model: nn.Module) -> dict[st
     for hn, tn in heads.items():
         if isinstance(hf_model._modules[hn], nn.Linear):
             if name.startswith("Dinov2"):
-                raise ValueError("Dinov2ForImageClassification's head reads the class token and the mean patch token "
-                                 "(2 x hidden); timm's DINOv2 has no such head: map to Dinov2Model")
+                raise UserError("Dinov2ForImageClassification's head reads the class token and the mean patch token "
+                                "(2 x hidden); timm's DINOv2 has no such head: map to Dinov2Model")
             out[f"{hn}.weight"] = sd[f"{tn}.weight"]
             out[f"{hn}.bias"] = sd[f"{tn}.bias"]
     return out
@@ -134,7 +135,7 @@ def from_timm(timm_model: nn.Module, hf_class: Union[str, type] = "Dinov2Model",
     architecture with its weights, in eval mode. ``config_overrides`` go to the config (e.g.
     ``attn_implementation="eager"``). Dense timm models only (convert the Hugging Face model afterwards)."""
     if reduces_tokens(timm_model):
-        raise ValueError("from_timm maps a dense timm model; convert the Hugging Face model afterwards")
+        raise UserError("from_timm maps a dense timm model; convert the Hugging Face model afterwards")
     cls = getattr(transformers, hf_class) if isinstance(hf_class, str) else hf_class
     config = hf_config_from_timm(timm_model, cls)
     attn = config_overrides.pop("attn_implementation", None)
@@ -148,6 +149,6 @@ def from_timm(timm_model: nn.Module, hf_class: Union[str, type] = "Dinov2Model",
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("mask_token")]
     if missing or unexpected:
-        raise ValueError(f"the timm weights do not fit {cls.__name__}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise UserError(f"the timm weights do not fit {cls.__name__}: missing {missing[:5]}, "
+                        f"unexpected {unexpected[:5]}")
     return model.to(timm_model.pos_embed.device, timm_model.pos_embed.dtype).eval()

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import UserError
+
 
 @triton.jit
 def _scaled_logits(q, k, scale, EXACT: tl.constexpr):
@@ -104,7 +106,7 @@ def received_attention_triton(q: torch.Tensor, k: torch.Tensor, scale: float, bl
                                                            block_d, exact)
     else:
         if lse.shape[:2] != (B, H) or lse.shape[2] < NQ:
-            raise ValueError(f"lse must be (B, H, >= Nq) = ({B}, {H}, >= {NQ}), got {tuple(lse.shape)}")
+            raise UserError(f"lse must be (B, H, >= Nq) = ({B}, {H}, >= {NQ}), got {tuple(lse.shape)}")
         lse = lse.detach().float().reshape(B * H, lse.shape[2])
     cols = torch.empty(B * H, NK, dtype=torch.float32, device=q.device)
     _column_sum_kernel[(B * H, triton.cdiv(NK, block_n))](q, k, lse, cols, scale, NQ, NK, *strides, lse.stride(0), D,

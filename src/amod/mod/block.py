@@ -43,6 +43,7 @@ from .config import MoDConfig
 from .modes import MODES, SkippedMode, register_skipped_mode
 from .routers import Router, build_router, router_class
 from .routing import keep_index, num_kept, select_tokens, skipped_tokens
+from ..errors import UserError
 
 
 class ScoreHandoff:
@@ -353,7 +354,7 @@ class KVMode(MoDMode):
     def validate(self, config: MoDConfig, model: nn.Module) -> None:
         consecutive = [i for i in config.layers if i - 1 in config.layers]
         if router_class(config.router).needs_attention and consecutive:
-            raise ValueError(
+            raise UserError(
                 f"skipped='kv' cannot score attention for the next block (blocks {consecutive[0] - 1} and "
                 f"{consecutive[0]} are both MoD blocks); use layers with a dense block before each MoD block, "
                 "e.g. 'alternate'")

@@ -39,6 +39,7 @@ from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
 from .config import MoDConfig, validate_protect
 from .convert import capacity_for_cost, convert, get_config
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -97,10 +98,10 @@ def _features(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.
 
 def _validate_tilts(tilts: Sequence[float]) -> list[float]:
     if isinstance(tilts, (str, bytes)) or not isinstance(tilts, Sequence) or not tilts:
-        raise ValueError(f"tilts must be a non-empty list of numbers, got {tilts!r}")
+        raise UserError(f"tilts must be a non-empty list of numbers, got {tilts!r}")
     for t in tilts:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-            raise ValueError(f"a tilt must be a finite number (the schedule's slope over the blocks), got {t!r}")
+            raise UserError(f"a tilt must be a finite number (the schedule's slope over the blocks), got {t!r}")
     return [float(t) for t in tilts]
 
 
@@ -108,17 +109,17 @@ def _validate_images(model: nn.Module, images: Any) -> torch.Tensor:
     """``images`` as the model takes them (its device and float dtype), or a ValueError that says what it takes."""
     channels, (h, w) = model.patch_embed.proj.in_channels, tuple(model.patch_embed.img_size)
     if not isinstance(images, torch.Tensor) or images.dim() != 4 or len(images) < 1:
-        raise ValueError(f"images must be a (N, C, H, W) tensor of at least one image, got "
-                         f"{type(images).__name__}{'' if not isinstance(images, torch.Tensor) else tuple(images.shape)}")
+        raise UserError(f"images must be a (N, C, H, W) tensor of at least one image, got "
+                        f"{type(images).__name__}{'' if not isinstance(images, torch.Tensor) else tuple(images.shape)}")
     if not images.is_floating_point():
-        raise ValueError(f"images must be floating-point tensors, preprocessed (normalised) as for the model, got "
-                         f"{images.dtype}")
+        raise UserError(f"images must be floating-point tensors, preprocessed (normalised) as for the model, got "
+                        f"{images.dtype}")
     if tuple(images.shape[1:]) != (channels, h, w):
-        raise ValueError(f"images are {'x'.join(map(str, images.shape[1:]))} (C x H x W); the model takes "
-                         f"{channels}x{h}x{w}: calibrate at the size the model runs at (amod.arch.set_input_size "
-                         "changes a timm model's)")
+        raise UserError(f"images are {'x'.join(map(str, images.shape[1:]))} (C x H x W); the model takes "
+                        f"{channels}x{h}x{w}: calibrate at the size the model runs at (amod.arch.set_input_size "
+                        "changes a timm model's)")
     if not torch.isfinite(images).all():
-        raise ValueError("images hold NaN or infinite values; the calibration compares features on them")
+        raise UserError("images hold NaN or infinite values; the calibration compares features on them")
     weight = next(model.parameters())
     return images.to(weight.device, weight.dtype)
 
@@ -151,15 +152,15 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
     cost = validate_cost(cost)
     tilts = _validate_tilts(tilts)
     if isinstance(protects, (str, bytes)) or not isinstance(protects, Sequence) or not protects:
-        raise ValueError(f"protects must be a non-empty list of shares in [0, 1), got {protects!r}")
+        raise UserError(f"protects must be a non-empty list of shares in [0, 1), got {protects!r}")
     protects = [validate_protect(p) for p in protects]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise UserError(f"batch_size must be a positive integer, got {batch_size!r}")
     family = family_of(model)
     model = family.prepare(model)  # a Hugging Face model's timm-style views (blocks, patch_embed, ...)
     if getattr(model, "amod_config", None) is not None:
-        raise ValueError("calibrate takes a dense model; this one is already converted (amod.set_capacity turns "
-                         "a converted model's dial)")
+        raise UserError("calibrate takes a dense model; this one is already converted (amod.set_capacity turns "
+                        "a converted model's dial)")
     start = time.perf_counter()
     depth = family.layers_count(model)
     # the trial model refuses what cannot fold (a router, a family) before any work
@@ -180,9 +181,9 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
     if not reachable:
         low = min(settings, key=lambda s: s[3])
         h, w = model.patch_embed.img_size
-        raise ValueError(f"no schedule tried reaches cost {cost:g} (within {tolerance_text()}) on this model at "
-                         f"{h}x{w} px: the lowest is {low[3]:.3f} (tilt {low[0]:+g}, protect {low[1]:g}); ask for a "
-                         "cost of at least that" + (", or a lower protect" if low[1] > 0 else ""))
+        raise UserError(f"no schedule tried reaches cost {cost:g} (within {tolerance_text()}) on this model at "
+                        f"{h}x{w} px: the lowest is {low[3]:.3f} (tilt {low[0]:+g}, protect {low[1]:g}); ask for a "
+                        "cost of at least that" + (", or a lower protect" if low[1] > 0 else ""))
     for tilt, protect, capacity, matched in settings:
         if (tilt, protect, capacity, matched) not in reachable:
             log.info("calibrate: tilt %+g, protect %g cannot reach cost %g (closest %.3f): not tried", tilt, protect,
@@ -191,8 +192,8 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
     model.eval()
     reference = _features(model, images, batch_size)
     if not torch.isfinite(reference).all():
-        raise ValueError("the dense model's features on these images are not finite (NaN or inf): check its weights "
-                         "and the images' preprocessing")
+        raise UserError("the dense model's features on these images are not finite (NaN or inf): check its weights "
+                        "and the images' preprocessing")
     report = Calibration(cost_target=cost, images=len(images), seconds=0.0)
     for tilt, protect, capacity, matched in reachable:
         config.shape, config.protect, config.capacity = tilt_shape(tilt, depth), protect, capacity

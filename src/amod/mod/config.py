@@ -10,6 +10,7 @@ from typing import Any, Optional
 from ..static import StaticNumbers
 from .modes import skipped_mode, skipped_mode_names
 from .routers import ROUTER_CLASSES, router_class
+from ..errors import UserError
 
 LAYER_PRESETS = ("alternate", "later", "all")
 
@@ -44,7 +45,7 @@ class MoDConfig(StaticNumbers):
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown MoD config keys {sorted(unknown)}; known keys: {sorted(known)}")
+            raise UserError(f"unknown MoD config keys {sorted(unknown)}; known keys: {sorted(known)}")
         return cls(**data)
 
 
@@ -61,10 +62,10 @@ def __getattr__(name: str) -> tuple[str, ...]:
 def validate_capacity(capacity: Any) -> float:
     """Return ``capacity`` as a float, or raise a ValueError that says what is allowed."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, float)):
-        raise ValueError(f"capacity must be a number in (0, 1], got {capacity!r}")
+        raise UserError(f"capacity must be a number in (0, 1], got {capacity!r}")
     capacity = float(capacity)
     if math.isnan(capacity) or not 0.0 < capacity <= 1.0:
-        raise ValueError(f"capacity must be in (0, 1] (the share of patch tokens processed), got {capacity}")
+        raise UserError(f"capacity must be in (0, 1] (the share of patch tokens processed), got {capacity}")
     return capacity
 
 
@@ -82,8 +83,8 @@ def validate_protect(protect: Any) -> float:
     """Return ``protect`` (a share of patch tokens) as a float in [0, 1), or raise a ValueError."""
     if isinstance(protect, bool) or not isinstance(protect, (int, float)) or math.isnan(protect) \
             or not 0.0 <= protect < 1.0:
-        raise ValueError(f"protect must be a number in [0, 1) (the share of patch tokens a fold block's router "
-                         f"protects), got {protect!r}")
+        raise UserError(f"protect must be a number in [0, 1) (the share of patch tokens a fold block's router "
+                        f"protects), got {protect!r}")
     return float(protect)
 
 
@@ -94,12 +95,12 @@ def validate_shape(shape: Any, depth: int) -> Optional[list[float]]:
     try:
         values = list(shape)
     except TypeError:
-        raise ValueError(f"shape must be a list of {depth} numbers (one capacity exponent per block), "
-                         f"got {shape!r}") from None
+        raise UserError(f"shape must be a list of {depth} numbers (one capacity exponent per block), "
+                        f"got {shape!r}") from None
     if len(values) != depth or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                    or v < 0 for v in values):
-        raise ValueError(f"shape must be {depth} finite numbers >= 0 (one capacity exponent per block of this "
-                         f"model), got {shape!r}")
+        raise UserError(f"shape must be {depth} finite numbers >= 0 (one capacity exponent per block of this "
+                        f"model), got {shape!r}")
     return [float(v) for v in values]
 
 
@@ -121,28 +122,28 @@ def resolve_layers(layers: Any, depth: int, router: str, own_attention: bool = F
         elif layers == "all":
             indices = list(range(depth))
         else:
-            raise ValueError(
+            raise UserError(
                 f"unknown layers preset {layers!r}; use one of {', '.join(LAYER_PRESETS)} or a list of block indices"
             )
     else:
         try:
             indices = list(layers)
         except TypeError:
-            raise ValueError(
+            raise UserError(
                 f"layers must be one of {', '.join(LAYER_PRESETS)} or a list of block indices, got {layers!r}"
             ) from None
         for i in indices:
             if isinstance(i, bool) or not isinstance(i, int):
-                raise ValueError(f"layer indices must be integers, got {i!r}")
+                raise UserError(f"layer indices must be integers, got {i!r}")
             if not 0 <= i < depth:
-                raise ValueError(f"layer index {i} is out of range: the model has blocks 0..{depth - 1}")
+                raise UserError(f"layer index {i} is out of range: the model has blocks 0..{depth - 1}")
         if len(set(indices)) != len(indices):
-            raise ValueError(f"layer indices must be unique, got {indices}")
+            raise UserError(f"layer indices must be unique, got {indices}")
         indices = sorted(indices)
     if not indices:
-        raise ValueError(f"layers {layers!r} selects no block in a model of depth {depth}")
+        raise UserError(f"layers {layers!r} selects no block in a model of depth {depth}")
     if router_class(router).needs_attention and indices[0] == 0 and not own_attention:
-        raise ValueError(
+        raise UserError(
             f"the {router} router cannot route block 0: it reads the attention of the previous block, "
             "and block 0 has none; start at block 1 or later"
         )

@@ -18,6 +18,7 @@ from .config import (MoDConfig, resolve_layers, validate_capacity, validate_prot
 from .fold import FoldBlock
 from .modes import skipped_mode
 from .routers import router_class
+from ..errors import UserError
 
 LayersSpec = Union[str, Sequence[int]]
 # the layers of a conversion in the default skipped mode (``"alternate"``), which an isoFLOP baseline matches by default
@@ -81,15 +82,15 @@ def convert(
     if scale_output is None:
         scale_output = default_scale_output(router)
     if not isinstance(scale_output, bool):
-        raise ValueError(f"scale_output must be True, False or None, got {scale_output!r}")
+        raise UserError(f"scale_output must be True, False or None, got {scale_output!r}")
     if getattr(model, "amod_config", None) is not None:
-        raise ValueError("model is already converted; use amod.set_capacity to change its capacity")
+        raise UserError("model is already converted; use amod.set_capacity to change its capacity")
     allowed = router_class(router).families
     if allowed is not None and family.name not in allowed:
-        raise ValueError(f"router={router!r} routes {' and '.join(allowed)} models only "
-                         f"({router_class(router).families_why}); this is a {family.name} model")
+        raise UserError(f"router={router!r} routes {' and '.join(allowed)} models only "
+                        f"({router_class(router).families_why}); this is a {family.name} model")
     if shape is not None and skipped != "fold":
-        raise ValueError(f"shape bends the token schedule of skipped='fold'; skipped={skipped!r} has none")
+        raise UserError(f"shape bends the token schedule of skipped='fold'; skipped={skipped!r} has none")
     family.prepare(model)  # (views only: ``blocks`` for a Hugging Face model)
     shape = validate_shape(shape, family.layers_count(model))
     if layers is None:
@@ -110,7 +111,7 @@ def get_config(model: nn.Module) -> MoDConfig:
     """The ``MoDConfig`` of a converted model; raises if the model was not converted."""
     config = getattr(model, "amod_config", None)
     if config is None:
-        raise ValueError("model is not an amod MoD model; convert it with amod.convert first")
+        raise UserError("model is not an amod MoD model; convert it with amod.convert first")
     return config
 
 
@@ -134,8 +135,8 @@ def set_recording(model: nn.Module, enabled: bool = True) -> None:
     """Keep each MoD block's kept patch indices of the last forward in ``block.amod_last_index``."""
     for _, blk in mod_blocks(model):
         if not isinstance(blk, RoutedForward):
-            raise ValueError("recording kept indices is for MoD blocks; a fold model's tokens change identity as "
-                             "they fold (see amod_last_tokens)")
+            raise UserError("recording kept indices is for MoD blocks; a fold model's tokens change identity as "
+                            "they fold (see amod_last_tokens)")
         blk.amod.record = enabled
         if not enabled:
             blk.__dict__.pop("amod_last_index", None)

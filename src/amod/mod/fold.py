@@ -43,6 +43,7 @@ from .config import MoDConfig
 from .modes import SkippedMode, register_skipped_mode
 from .routers import Router, build_router, router_class
 from .routing import num_kept
+from ..errors import UserError
 
 
 def fold_count(capacity: float, tokens: int, protect: float) -> int:
@@ -149,8 +150,8 @@ class FoldMode(SkippedMode):
 
     def validate(self, config: MoDConfig, model: nn.Module) -> None:
         if router_class(config.router).learnable or config.scale_output:
-            raise ValueError("skipped='fold' routes with a parameter-free router and no output scaling; use "
-                             "router='attention' (or a control router) and scale_output=False")
+            raise UserError("skipped='fold' routes with a parameter-free router and no output scaling; use "
+                            "router='attention' (or a control router) and scale_output=False")
 
     def convert(self, model: nn.Module, config: MoDConfig, family: Any) -> None:
         """Every block becomes a FoldBlock (all of them apply the proportional-attention bias once tokens have

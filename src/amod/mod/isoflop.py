@@ -13,6 +13,7 @@ from ..cost import flops
 from ..family import family_of
 from .config import MoDConfig
 from .convert import DEFAULT_LAYERS, convert
+from ..errors import UserError
 
 
 def isoflop_depth(model: nn.Module, mod_macs: int, img_size=None) -> int:
@@ -60,7 +61,7 @@ def isoflop_baseline(
         dense = timm.create_model(name_or_model, pretrained=pretrained, **create_kwargs)
     else:
         if getattr(name_or_model, "amod_config", None) is not None:
-            raise ValueError("isoflop_baseline needs the dense model, not a converted one")
+            raise UserError("isoflop_baseline needs the dense model, not a converted one")
         dense = copy.deepcopy(name_or_model)
     mod = convert(copy.deepcopy(dense), router=router, capacity=capacity, layers=layers)
     target = flops(mod, img_size).macs

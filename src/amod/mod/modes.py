@@ -10,6 +10,7 @@ register the built-in modes.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
+from ..errors import UserError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -67,7 +68,7 @@ def register_skipped_mode(name: str) -> Callable[[M], M]:
     def wrap(cls: M) -> M:
         old = MODES.get(name)
         if old is not None and (type(old).__module__, type(old).__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"skipped mode {name!r} is already registered ({type(old).__qualname__})")
+            raise UserError(f"skipped mode {name!r} is already registered ({type(old).__qualname__})")
         cls.name = name
         MODES[name] = cls()
         return cls
@@ -83,7 +84,7 @@ def skipped_mode_names() -> tuple[str, ...]:
 def skipped_mode(name: str) -> SkippedMode:
     """The mode registered under ``name``; a ValueError naming the supported ones otherwise."""
     if not isinstance(name, str) or name not in MODES:
-        raise ValueError(f"unknown skipped-token mode {name!r}; supported: {', '.join(MODES)}")
+        raise UserError(f"unknown skipped-token mode {name!r}; supported: {', '.join(MODES)}")
     return MODES[name]
 
 

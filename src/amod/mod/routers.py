@@ -23,6 +23,7 @@ from torch import nn
 from ..cost import linear_macs_per_token
 from ..tokens import DECISION_GRID
 from .routing import mean_normalized_gate
+from ..errors import UserError
 
 R = TypeVar("R", bound=type)
 
@@ -82,7 +83,7 @@ def register_router(name: str) -> Callable[[R], R]:
     def wrap(cls: R) -> R:
         old = ROUTER_CLASSES.get(name)
         if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"router {name!r} is already registered ({old.__qualname__})")
+            raise UserError(f"router {name!r} is already registered ({old.__qualname__})")
         ROUTER_CLASSES[name] = cls
         return cls
 
@@ -190,7 +191,7 @@ class SeededDraws:
     def freeze_draws(self, rows: int) -> None:
         """Reuse one call's draws from the next forward on (see the class docstring)."""
         if rows < 1:
-            raise ValueError(f"rows must be at least 1, got {rows}")
+            raise UserError(f"rows must be at least 1, got {rows}")
         self.amod_frozen_rows, self.amod_frozen = int(rows), None
 
     def unfreeze_draws(self) -> None:
@@ -267,7 +268,7 @@ def router_names(family: Optional[str] = None) -> tuple[str, ...]:
 def router_class(name: str) -> type[Router]:
     """The router class registered under ``name``; a ValueError naming the supported ones otherwise."""
     if not isinstance(name, str) or name not in ROUTER_CLASSES:
-        raise ValueError(f"unknown router {name!r}; supported routers: {', '.join(ROUTER_CLASSES)}")
+        raise UserError(f"unknown router {name!r}; supported routers: {', '.join(ROUTER_CLASSES)}")
     return ROUTER_CLASSES[name]
 
 

@@ -31,6 +31,7 @@ from ..cost import COST_TOLERANCE, token_sizes, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
+from ..errors import UserError
 
 
 @dataclass(kw_only=True)
@@ -101,21 +102,21 @@ def _validate_schedule(model: nn.Module, r: Union[int, Sequence[int]]) -> list[i
     """``r`` as one entry per block; refuses what is not an int, and more merges than the model has tokens."""
     depth = len(model.blocks)
     if isinstance(r, bool) or not isinstance(r, (int, list, tuple)):
-        raise ValueError(f"r must be an int (tokens merged in every block) or a list of ints (one per block), "
-                         f"got {r!r}")
+        raise UserError(f"r must be an int (tokens merged in every block) or a list of ints (one per block), "
+                        f"got {r!r}")
     schedule = [r] * depth if isinstance(r, int) else list(r)
     if len(schedule) != depth:
-        raise ValueError(f"the merge schedule has {len(schedule)} entries; the model has {depth} blocks")
+        raise UserError(f"the merge schedule has {len(schedule)} entries; the model has {depth} blocks")
     for v in schedule:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"tokens merged per block must be integers >= 0, got {v!r}")
+            raise UserError(f"tokens merged per block must be integers >= 0, got {v!r}")
     # A block merges min(r, half the patch tokens it has left); an r above the model's patch count can
     # only be a mistake.
     n = model.patch_embed.num_patches
     too_many = [v for v in schedule if v > n]
     if too_many:
-        raise ValueError(f"r = {too_many[0]} is more than the {n} patch tokens of the model; each block merges at "
-                         f"most half of the patch tokens it has left")
+        raise UserError(f"r = {too_many[0]} is more than the {n} patch tokens of the model; each block merges at "
+                        f"most half of the patch tokens it has left")
     return schedule
 
 
@@ -140,8 +141,8 @@ def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: f
             break  # cost only falls from here on
     got = tome_macs(model, best, img_size) / dense
     if abs(got - cost) / cost > tolerance:
-        raise ValueError(f"token merging cannot reach {cost:.3f} of dense on this model: the closest schedule "
-                         f"{best} costs {got:.3f}")
+        raise UserError(f"token merging cannot reach {cost:.3f} of dense on this model: the closest schedule "
+                        f"{best} costs {got:.3f}")
     return best
 
 
@@ -172,10 +173,10 @@ def check_mergeable(model: nn.Module, family: Any, method: str) -> None:
     already merges (any token-reduction block, ``reduces_tokens``), a block its family cannot take
     (``family.check_block``)."""
     if getattr(model, "amod_config", None) is not None:
-        raise ValueError(f"model is an MoD model; {method} applies to a dense model")
+        raise UserError(f"model is an MoD model; {method} applies to a dense model")
     if reduces_tokens(model):
-        raise ValueError("model already merges tokens; use amod.tome.set_schedule (ToMe) or amod.pitome.set_keep "
-                         "(PiToMe) to change it")
+        raise UserError("model already merges tokens; use amod.tome.set_schedule (ToMe) or amod.pitome.set_keep "
+                        "(PiToMe) to change it")
     for i, blk in enumerate(model.blocks):
         family.check_block(blk, i)
 
@@ -184,7 +185,7 @@ def merge_blocks(model: nn.Module, r, cost: Optional[float], img_size, family: A
     """What ``apply`` does once the model family is known (``Family.merge_apply`` of the ViT pattern): the shared
     checks (``check_mergeable``), then every block made a ``ToMeBlock`` by ``family.make_sized``."""
     if (r is None) == (cost is None):
-        raise ValueError("give exactly one of r= (tokens merged per block) and cost= (share of dense MACs)")
+        raise UserError("give exactly one of r= (tokens merged per block) and cost= (share of dense MACs)")
     check_mergeable(model, family, "token merging")
     schedule = schedule_for_cost(model, cost, img_size) if cost is not None else _validate_schedule(model, r)
     sizes = TokenSizes()
@@ -199,7 +200,7 @@ def set_schedule(model: nn.Module, r: Union[int, Sequence[int]]) -> nn.Module:
     """Change the tokens merged per block of a merged model, in place."""
     config = getattr(model, "amod_tome", None)
     if config is None:
-        raise ValueError("model does not merge tokens; use amod.tome.apply first")
+        raise UserError("model does not merge tokens; use amod.tome.apply first")
     schedule = _validate_schedule(model, r)
     for blk, v in zip(model.blocks, schedule):
         blk.amod.r = v

@@ -50,6 +50,7 @@ from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
 from ..tokens import TokenSizes, best_match, descending_order, merge_matched, order_of_keys, with_sizes, without_sizes
 from .merging import check_mergeable
+from ..errors import UserError
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
 
@@ -152,8 +153,8 @@ class PiToMeConfig:
 
 def _validate_keep(keep: float) -> float:
     if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.5 <= keep <= 1.0:
-        raise ValueError(f"keep must be a number in [0.5, 1] (the share of its patch tokens a block keeps; a block "
-                         f"merges at most half of them), got {keep!r}")
+        raise UserError(f"keep must be a number in [0.5, 1] (the share of its patch tokens a block keeps; a block "
+                        f"merges at most half of them), got {keep!r}")
     return float(keep)
 
 
@@ -167,8 +168,8 @@ def apply(model: nn.Module, keep: Optional[float] = None, cost: Optional[float] 
         cost: instead of ``keep``, the share of the dense model's MACs to match (e.g. 0.56), by ``keep_for_cost``.
     """
     if (keep is None) == (cost is None):
-        raise ValueError("give exactly one of keep= (share of patch tokens each block keeps) and cost= (share of "
-                         "dense MACs)")
+        raise UserError("give exactly one of keep= (share of patch tokens each block keeps) and cost= (share of "
+                        "dense MACs)")
     keep = None if keep is None else _validate_keep(keep)
     cost = None if cost is None else validate_cost(cost)
     return family_of(model).merge_apply(model, lambda m, family: _merging_blocks(m, keep, cost, family))
@@ -191,7 +192,7 @@ def set_keep(model: nn.Module, keep: float) -> nn.Module:
     """Change the share of its patch tokens every block of a PiToMe model keeps, in place."""
     config = getattr(model, "amod_pitome", None)
     if config is None:
-        raise ValueError("model does not merge with PiToMe; use amod.pitome.apply first")
+        raise UserError("model does not merge with PiToMe; use amod.pitome.apply first")
     keep = _validate_keep(keep)
     for blk in model.blocks:
         blk.amod.keep = keep
@@ -221,6 +222,6 @@ def keep_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float
     finally:
         set_keep(model, before)
     if abs(got - cost) / cost > tolerance:
-        raise ValueError(f"PiToMe cannot reach {cost:.3f} of dense on this model: the closest keep, {best / 1000:g}, "
-                         f"costs {got:.3f}" + (" (each block merges at most half of its tokens)" if got > cost else ""))
+        raise UserError(f"PiToMe cannot reach {cost:.3f} of dense on this model: the closest keep, {best / 1000:g}, "
+                        f"costs {got:.3f}" + (" (each block merges at most half of its tokens)" if got > cost else ""))
     return best / 1000

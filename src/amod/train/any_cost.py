@@ -10,6 +10,7 @@ from torch import nn
 from ..cost import COST_TOLERANCE, flops
 from ..methods import MoD, method_of
 from ..mod.convert import capacity_for_cost, set_capacity
+from ..errors import UserError
 
 GRID = 12  # costs drawn from, evenly spaced over the range
 # What --any-cost needs, said by the run's settings (``RunConfig.validate``) and by the model (``AnyCost``).
@@ -24,10 +25,10 @@ class AnyCost:
 
     def __init__(self, model: nn.Module, low: float, high: float) -> None:
         if not 0 < low < high <= 1:
-            raise ValueError(f"an any-cost range is LOW HIGH with 0 < LOW < HIGH <= 1, got {low} {high}")
+            raise UserError(f"an any-cost range is LOW HIGH with 0 < LOW < HIGH <= 1, got {low} {high}")
         running = method_of(model)
         if not isinstance(running, MoD):
-            raise ValueError(f"{NEEDS_MOD}; the starting model runs {running.label()}")
+            raise UserError(f"{NEEDS_MOD}; the starting model runs {running.label()}")
         self.costs = [low + (high - low) * i / (GRID - 1) for i in range(GRID)]
         self.capacities = [capacity_for_cost(model, c) for c in self.costs]
         self.lowest_cost = flops(model, capacity=self.capacities[0]).ratio  # what a draw of LOW runs at
@@ -39,9 +40,9 @@ class AnyCost:
         Returns self."""
         low, high = self.costs[0], self.costs[-1]
         if self.lowest_cost > low * (1 + COST_TOLERANCE):
-            raise ValueError(f"--any-cost {low:g} {high:g}: this model reaches no cost below {self.lowest_cost:.3f} "
-                             f"of the dense MACs (capacity {self.capacities[0]:g}, its lowest); give LOW of at least "
-                             f"{self.lowest_cost:.3f}")
+            raise UserError(f"--any-cost {low:g} {high:g}: this model reaches no cost below {self.lowest_cost:.3f} "
+                            f"of the dense MACs (capacity {self.capacities[0]:g}, its lowest); give LOW of at least "
+                            f"{self.lowest_cost:.3f}")
         return self
 
     def capacity(self, seed: int, step: int) -> float:

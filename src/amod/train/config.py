@@ -24,6 +24,7 @@ from . import engine
 from .any_cost import NEEDS_MOD
 from .distill import Distillation
 from .models import checkpoint_architecture, saved_method
+from ..errors import UserError
 
 # Fields that only mean something for an MoD model (a router given).
 MOD_ONLY = ("capacity", "layers", "scale_output", "router_seed", "skipped", "protect", "shape")
@@ -108,61 +109,61 @@ class RunConfig:
         validate_skipped(self.skipped)
         validate_protect(self.protect)
         if self.amp not in ("off", "bf16"):
-            raise ValueError(f"--amp must be off or bf16, got {self.amp!r}")
+            raise UserError(f"--amp must be off or bf16, got {self.amp!r}")
         for name in ("epochs", "batch_size", "eval_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+                raise UserError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("img_size", "patch_size", "depth", "embed_dim", "num_heads", "num_classes", "train_limit",
                      "val_limit"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"--{_flag(name)} must be a positive integer, got {value}")
+                raise UserError(f"--{_flag(name)} must be a positive integer, got {value}")
         if self.embed_dim is not None and self.num_heads is not None and self.embed_dim % self.num_heads:
-            raise ValueError(f"--embed-dim {self.embed_dim} must be divisible by --num-heads {self.num_heads}")
+            raise UserError(f"--embed-dim {self.embed_dim} must be divisible by --num-heads {self.num_heads}")
         if self.img_size is not None and self.patch_size is not None and self.img_size % self.patch_size:
-            raise ValueError(f"--img-size {self.img_size} must be a multiple of --patch-size {self.patch_size}")
+            raise UserError(f"--img-size {self.img_size} must be a multiple of --patch-size {self.patch_size}")
         if self.workers < 0:
-            raise ValueError(f"--workers must be >= 0, got {self.workers}")
+            raise UserError(f"--workers must be >= 0, got {self.workers}")
         if not 0.0 <= self.drop_path < 1.0:
-            raise ValueError(f"--drop-path must be in [0, 1) (a stochastic-depth rate), got {self.drop_path}")
+            raise UserError(f"--drop-path must be in [0, 1) (a stochastic-depth rate), got {self.drop_path}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+            raise UserError(f"--lr must be a positive number, got {self.lr}")
         if not (0.0 <= self.clip_grad < math.inf):
-            raise ValueError(f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}")
+            raise UserError(f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise UserError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (0 <= self.warmup_epochs < math.inf and 0 <= self.weight_decay < math.inf) \
                 or not 0 <= self.label_smoothing < 1:
-            raise ValueError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
+            raise UserError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
         merging = [name for name, given in (("token merging (--tome-cost/--tome-r)", (self.tome_cost, self.tome_r)),
                                             ("PiToMe (--pitome-cost)", (self.pitome_cost, self.pitome_keep)))
                    if given != (None, None)]
         if len(merging) > 1:
-            raise ValueError(f"give one of {' and '.join(merging)}, not both")
+            raise UserError(f"give one of {' and '.join(merging)}, not both")
         if merging and (self.router is not None or self.isoflop):
-            raise ValueError(f"{merging[0]} replaces MoD: drop --router/--isoflop")
+            raise UserError(f"{merging[0]} replaces MoD: drop --router/--isoflop")
         if self.tome_cost is not None and self.tome_r is not None:
-            raise ValueError("give either --tome-cost or --tome-r, not both")
+            raise UserError("give either --tome-cost or --tome-r, not both")
         if self.pitome_cost is not None and self.pitome_keep is not None:
-            raise ValueError("give either --pitome-cost or pitome_keep, not both")
+            raise UserError("give either --pitome-cost or pitome_keep, not both")
         for name in ("tome_cost", "pitome_cost"):
             if getattr(self, name) is not None:
                 validate_cost(getattr(self, name), f"--{_flag(name)}")
         if self.isoflop and self.router is None:
-            raise ValueError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
+            raise UserError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
         if self.pretrained and self.checkpoint:
-            raise ValueError("give either --pretrained or --checkpoint, not both")
+            raise UserError("give either --pretrained or --checkpoint, not both")
         if self.teacher is not None:
             self.distill = True
         if self.distill:
             self.distillation().validate()
         if self.any_cost is not None:
             if len(self.any_cost) != 2 or not 0 < self.any_cost[0] < self.any_cost[1] <= 1:
-                raise ValueError(f"--any-cost takes LOW HIGH, shares of the dense MACs with 0 < LOW < HIGH <= 1, got "
-                                 f"{self.any_cost}")
+                raise UserError(f"--any-cost takes LOW HIGH, shares of the dense MACs with 0 < LOW < HIGH <= 1, got "
+                                f"{self.any_cost}")
             method = self.method()  # Dense with a --checkpoint: the file decides (``AnyCost`` checks the model)
             if not isinstance(method, MoD) and not (isinstance(method, Dense) and self.checkpoint):
-                raise ValueError(NEEDS_MOD)
+                raise UserError(NEEDS_MOD)
         return self
 
     def _expand_method_spec(self) -> None:
@@ -171,12 +172,12 @@ class RunConfig:
         been given; refuses fields that select another method, and a method set to a cost on images."""
         spec = parse_method(self.method_spec)
         if spec.needs_images:
-            raise ValueError(f"--method {self.method_spec}: {spec.kind} chooses its setting on unlabeled images; "
-                             "make the model with amod calibrate and start from it (--checkpoint)")
+            raise UserError(f"--method {self.method_spec}: {spec.kind} chooses its setting on unlabeled images; "
+                            "make the model with amod calibrate and start from it (--checkpoint)")
         own = method_from_run_fields(dataclasses.replace(self, method_spec=None))
         if not isinstance(own, Dense) and type(own) is not type(spec):  # (the same kind: a resumed run's own fields)
-            raise ValueError(f"--method {self.method_spec} and the options of {own.label()} select two methods; give "
-                             "one of them")
+            raise UserError(f"--method {self.method_spec} and the options of {own.label()} select two methods; give "
+                            "one of them")
         for name, value in spec.run_fields().items():
             if name != "method_spec":
                 setattr(self, name, value)
@@ -202,7 +203,7 @@ class RunConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{source}: unknown keys {unknown}; known keys: {sorted(known)}")
+            raise UserError(f"{source}: unknown keys {unknown}; known keys: {sorted(known)}")
         check_types(data, source)
         return cls(**data)
 
@@ -247,7 +248,7 @@ def check_types(values: Any, source: str) -> None:
     items = values.items() if isinstance(values, dict) else ((f, getattr(values, f)) for f in hints)
     for name, value in items:
         if name in hints and not _matches(value, hints[name]):
-            raise ValueError(f"{source}: {name} must be {_type_name(hints[name])}, got {value!r}")
+            raise UserError(f"{source}: {name} must be {_type_name(hints[name])}, got {value!r}")
 
 
 def _refuse_ignored(given: dict[str, Any], names: tuple[str, ...], needs: str) -> None:
@@ -255,7 +256,7 @@ def _refuse_ignored(given: dict[str, Any], names: tuple[str, ...], needs: str) -
     word; ``needs``: what they apply to and what to do, in words."""
     ignored = [f"--{_flag(k)}" for k in names if k in given]
     if ignored:
-        raise ValueError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to {needs}")
+        raise UserError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to {needs}")
 
 
 def mod_options_without_router(given: dict[str, Any], router: Optional[str], isoflop: bool) -> None:
@@ -278,12 +279,12 @@ def mod_options_of_a_saved_method(cfg: RunConfig, given: dict[str, Any]) -> RunC
         return cfg
     flags = ", ".join(f"--{_flag(k)}" for k in asked)
     if not isinstance(saved, MoD):
-        raise ValueError(f"{flags} only {'applies' if len(asked) == 1 else 'apply'} to an MoD model; {cfg.checkpoint} "
-                         f"runs {saved.label()}: drop {flags}")
+        raise UserError(f"{flags} only {'applies' if len(asked) == 1 else 'apply'} to an MoD model; {cfg.checkpoint} "
+                        f"runs {saved.label()}: drop {flags}")
     fixed = [f"--{_flag(k)}" for k in asked if k != "capacity"]
     if fixed:
-        raise ValueError(f"{cfg.checkpoint} already runs {saved.label()}, which {', '.join(fixed)} cannot change (only "
-                         f"--capacity turns its dial): drop {', '.join(fixed)}")
+        raise UserError(f"{cfg.checkpoint} already runs {saved.label()}, which {', '.join(fixed)} cannot change (only "
+                        f"--capacity turns its dial): drop {', '.join(fixed)}")
     return dataclasses.replace(cfg, **{**saved.run_fields(), "capacity": cfg.capacity}).validate()
 
 
@@ -317,7 +318,7 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     base = {**base, **yaml_values, **flags}
     cfg = RunConfig.from_dict(base, config or "options")
     if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
-        raise ValueError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
+        raise UserError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
     method_spec_alone({**yaml_values, **flags})
     if not resume:
         cfg = mod_options_of_a_saved_method(cfg, {**yaml_values, **flags})
@@ -327,24 +328,24 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
         # (RunConfig.model has a default, so only here can a given --model be told from it)
         arch = checkpoint_architecture(cfg.checkpoint)
         if arch is not None and arch[0] != cfg.model:
-            raise ValueError(f"--model {cfg.model} does not match {cfg.checkpoint}, which is a {arch[0]}: a model "
-                             "saved by amod keeps its architecture; drop --model")
+            raise UserError(f"--model {cfg.model} does not match {cfg.checkpoint}, which is a {arch[0]}: a model "
+                            "saved by amod keeps its architecture; drop --model")
     return cfg
 
 
 def load_yaml_config(path: Union[str, Path]) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"config file {path} is a directory; give the YAML file")
+        raise UserError(f"config file {path} is a directory; give the YAML file")
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+        raise UserError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option: value")
+        raise UserError(f"config file {path} must hold a mapping of option: value")
     odd = [k for k in data if not isinstance(k, str)]  # YAML reads `1:` as an int and `~:` as None
     if odd:
-        raise ValueError(f"config file {path}: option names are words (epochs, lr, ...), got the key {odd[0]!r}")
+        raise UserError(f"config file {path}: option names are words (epochs, lr, ...), got the key {odd[0]!r}")
     return {k.replace("-", "_"): v for k, v in data.items()}

@@ -19,6 +19,8 @@ from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import Dataset, Subset, default_collate
 
+from ..errors import UserError
+
 FASHION_MNIST_DIRS = ("/usr/share/datasets/fashion-mnist",)
 FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -35,7 +37,7 @@ TORCHVISION_SETS = {  # name: (class name, train split kwargs, val split kwargs,
 DATA_SPECS = ("fashion-mnist", "imagefolder:PATH", *TORCHVISION_SETS)
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Data that is missing or malformed; the message says what was looked for and how to get it."""
 
 
@@ -253,7 +255,7 @@ def _subset(ds: Dataset, limit: Optional[int]) -> Dataset:
     if limit is None or limit >= len(ds):
         return ds
     if limit < 1:
-        raise ValueError(f"a data limit must be a positive number of images, got {limit}")
+        raise UserError(f"a data limit must be a positive number of images, got {limit}")
     idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))[:limit]
     return Subset(ds, idx.tolist())
 

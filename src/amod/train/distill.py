@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -44,15 +45,15 @@ class Distillation:
 
     def validate(self) -> "Distillation":
         if not 0.0 <= self.logits <= 1.0:
-            raise ValueError(f"--distill-logits is the soft-logit term's weight in [0, 1] (the labels get the rest), "
-                             f"got {self.logits}")
+            raise UserError(f"--distill-logits is the soft-logit term's weight in [0, 1] (the labels get the rest), "
+                            f"got {self.logits}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"--distill-temperature must be a positive number, got {self.temperature}")
+            raise UserError(f"--distill-temperature must be a positive number, got {self.temperature}")
         if not (0.0 <= self.features < math.inf):
-            raise ValueError(f"--distill-features must be >= 0, got {self.features}")
+            raise UserError(f"--distill-features must be >= 0, got {self.features}")
         if self.logits == 0 and self.features == 0:
-            raise ValueError("distillation with both weights 0 is plain finetuning: give --distill-logits or "
-                             "--distill-features above 0, or leave distillation off")
+            raise UserError("distillation with both weights 0 is plain finetuning: give --distill-logits or "
+                            "--distill-features above 0, or leave distillation off")
         return self
 
     def text(self) -> str:
@@ -84,8 +85,8 @@ def classifiers_of(model: nn.Module) -> tuple[nn.Module, ...]:
     heads = get() if callable(get) else None
     heads = tuple(heads) if isinstance(heads, (tuple, list)) else (heads,)
     if not all(isinstance(head, nn.Module) and not isinstance(head, nn.Identity) for head in heads):
-        raise ValueError(f"{type(inner).__name__} has no classifier (timm's get_classifier) to distill into: "
-                         "distillation trains a model with a classification head")
+        raise UserError(f"{type(inner).__name__} has no classifier (timm's get_classifier) to distill into: "
+                        "distillation trains a model with a classification head")
     return heads
 
 
@@ -153,11 +154,11 @@ class Teacher:
             student.train(was)
             t_logits, t_features = self(sample[:1])
         if logits.shape[-1] != t_logits.shape[-1]:
-            raise ValueError(f"the teacher has {t_logits.shape[-1]} classes and the model {logits.shape[-1]}: "
-                             "distill from a teacher trained on the same classes")
+            raise UserError(f"the teacher has {t_logits.shape[-1]} classes and the model {logits.shape[-1]}: "
+                            "distill from a teacher trained on the same classes")
         if features and student_features.shape[-1] != t_features.shape[-1]:
-            raise ValueError(f"the teacher's features have {t_features.shape[-1]} channels and the model's "
-                             f"{student_features.shape[-1]}: feature distillation needs the same width (or --distill-features 0)")
+            raise UserError(f"the teacher's features have {t_features.shape[-1]} channels and the model's "
+                            f"{student_features.shape[-1]}: feature distillation needs the same width (or --distill-features 0)")
 
 
 class TeacherOutputs:

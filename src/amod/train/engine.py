@@ -30,11 +30,12 @@ from .. import files
 from ..mod.routers import SeededDraws
 from .data import BadSample, DataError, collate_checked
 from .distill import Distillation, Teacher, training_loss
+from ..errors import USER_ERRORS, UserError
 
 log = logging.getLogger("amod")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """Training produced a NaN or infinite loss, or weights that are no longer finite."""
 
 
@@ -82,7 +83,7 @@ def refused_alike(world: int) -> Iterator[None]:
     settings, files and data) as ``RefusedOnEveryProcess``; without torchrun as it is."""
     try:
         yield
-    except (ValueError, TypeError, OSError) as e:
+    except USER_ERRORS as e:
         if world > 1:
             raise RefusedOnEveryProcess(e) from e
         raise
@@ -173,10 +174,10 @@ def load_training_checkpoint(path: Path, needed: frozenset[str] = TRAINING_CHECK
     try:
         ckpt = files.load_torch(path)
     except files.UnreadableFileError as e:
-        raise ValueError(f"{e}; start a new run in another --out directory, the files there were left as they "
-                         "are") from None
+        raise UserError(f"{e}; start a new run in another --out directory, the files there were left as they "
+                        "are") from None
     if not isinstance(ckpt, dict) or not needed <= set(ckpt):
-        raise ValueError(f"checkpoint {path} is not an amod training checkpoint")
+        raise UserError(f"checkpoint {path} is not an amod training checkpoint")
     return ckpt
 
 
@@ -254,7 +255,7 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
         n += len(y)
     loss_sum, top1, top5, n, model_time = dist_info.sum([loss_sum, top1, top5, n, model_time])
     if n == 0:
-        raise ValueError("the evaluation set is empty")
+        raise UserError("the evaluation set is empty")
     return {"loss": loss_sum / n, "top1": top1 / n, "top5": top5 / n, "images": int(n),
             "images_per_s": n / max(model_time, 1e-9)}
 
@@ -499,6 +500,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line))
             except ValueError:
-                raise ValueError(f"{path} line {number} is not JSON ({line[:60]!r}); the run's metrics are damaged: "
-                                 "restore the file or start a new run") from None
+                raise UserError(f"{path} line {number} is not JSON ({line[:60]!r}); the run's metrics are damaged: "
+                                "restore the file or start a new run") from None
     return rows

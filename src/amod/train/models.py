@@ -21,6 +21,7 @@ from ..methods import Dense, Method, MoD, method_from_metadata, method_from_run_
 from ..arch import set_input_size
 from ..mod.convert import set_capacity
 from ..checkpoint import load as load_amod, load_weightless, read_metadata
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -44,7 +45,7 @@ def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as e:
-            raise ValueError(f"cannot read checkpoint {path}: {e}") from None
+            raise UserError(f"cannot read checkpoint {path}: {e}") from None
     ckpt = files.load_torch(path)
     if isinstance(ckpt, dict):
         for key in ("model_ema", "state_dict_ema", "state_dict", "model"):
@@ -52,7 +53,7 @@ def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
                 ckpt = ckpt[key]
                 break
     if not isinstance(ckpt, dict) or not all(isinstance(v, torch.Tensor) for v in ckpt.values()):
-        raise ValueError(f"{path} does not hold a state dict of tensors")
+        raise UserError(f"{path} does not hold a state dict of tensors")
     return {k.removeprefix("module."): v for k, v in ckpt.items()}
 
 
@@ -70,8 +71,8 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path, hin
     try:
         state = checkpoint_filter_fn(state, model)
     except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
-        raise ValueError(f"checkpoint {path} does not fit the model ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}); {hint}") from None
+        raise UserError(f"checkpoint {path} does not fit the model ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); {hint}") from None
     w = state.get("patch_embed.proj.weight")
     if w is not None and w.shape[1] != own["patch_embed.proj.weight"].shape[1]:
         state["patch_embed.proj.weight"] = adapt_input_conv(own["patch_embed.proj.weight"].shape[1], w)
@@ -82,13 +83,13 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], path: Path, hin
     wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
     if wrong:
         k = wrong[0]
-        raise ValueError(f"checkpoint {path} does not fit the model: {k} is {tuple(state[k].shape)} in the file and "
-                         f"{tuple(own[k].shape)} in the model ({len(wrong)} tensors differ); {hint}")
+        raise UserError(f"checkpoint {path} does not fit the model: {k} is {tuple(state[k].shape)} in the file and "
+                        f"{tuple(own[k].shape)} in the model ({len(wrong)} tensors differ); {hint}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in dropped]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-                         f"{hint}")
+        raise UserError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                        f"{hint}")
     if dropped:
         log.info("checkpoint head has another number of classes: new head initialised")
     return not dropped and "head.weight" in own and "head.weight" in state
@@ -115,13 +116,13 @@ def fit_to_data(model: nn.Module, in_chans: int, img_size: int) -> nn.Module:
 def check_vit_name(name: str) -> None:
     """Refuse a name that is not a timm model, or a timm model that is not a ``VisionTransformer``."""
     if not isinstance(name, str) or not timm.is_model(name):
-        raise ValueError(f"unknown timm model {name!r}; amod supports timm's VisionTransformer models "
-                         "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
+        raise UserError(f"unknown timm model {name!r}; amod supports timm's VisionTransformer models "
+                        "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
     with torch.device("meta"):  # the class only: no memory, no weights
         model = timm.create_model(name, pretrained=False)
     if claimed(model) is None:
-        raise ValueError(f"{name} is a {type(model).__name__}; amod supports timm's VisionTransformer models "
-                         "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
+        raise UserError(f"{name} is a {type(model).__name__}; amod supports timm's VisionTransformer models "
+                        "(vit_*, deit_*, deit3_*, *_reg*, *_dinov2)")
 
 
 def check_hub_reachable(name: str) -> None:
@@ -165,7 +166,7 @@ def _create(name: str, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
         return timm.create_model(name, pretrained=pretrained, **kwargs)
     except (RuntimeError, AssertionError, TypeError, ValueError) as e:  # e.g. widths that do not divide
         settings = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        raise ValueError(f"cannot build {name} with {settings}: {e}") from None
+        raise UserError(f"cannot build {name} with {settings}: {e}") from None
 
 
 def _is_amod_file(path: Path) -> bool:
@@ -223,11 +224,11 @@ def checkpoint_settings(cfg: Any) -> dict[str, Any]:
         given = getattr(cfg, field)
         if given is not None and value is not None and given != value:
             flag = field.replace("_", "-")
-            raise ValueError(f"--{flag} {given} does not match {cfg.checkpoint}, which has {field} {value}: a model "
-                             f"saved by amod keeps its architecture; drop --{flag}")
+            raise UserError(f"--{flag} {given} does not match {cfg.checkpoint}, which has {field} {value}: a model "
+                            f"saved by amod keeps its architecture; drop --{flag}")
     if getattr(cfg, "drop_path", 0.0):
-        raise ValueError(f"--drop-path does not apply to {cfg.checkpoint}: a model saved by amod is rebuilt as it was "
-                         "saved, without stochastic depth; drop --drop-path")
+        raise UserError(f"--drop-path does not apply to {cfg.checkpoint}: a model saved by amod is rebuilt as it was "
+                        "saved, without stochastic depth; drop --drop-path")
     settings: dict[str, Any] = {"model": name, **{k: v for k, v in own.items() if v is not None}}
     if isinstance(method_from_run_fields(cfg), Dense):
         settings.update(method_from_metadata(read_metadata(cfg.checkpoint)).run_fields())
@@ -239,8 +240,8 @@ def check_trainable(model: nn.Module, source: str) -> nn.Module:
     ``source`` otherwise (e.g. a Hugging Face model saved by amod: it has no timm classifier to train)."""
     family = family_of(model)
     if not family.trainable:
-        raise ValueError(f"{source} holds a {family.models} model, which amod's training does not take (it trains "
-                         "timm models); amod compare and amod frontier measure it without training")
+        raise UserError(f"{source} holds a {family.models} model, which amod's training does not take (it trains "
+                        "timm models); amod compare and amod frontier measure it without training")
     return model
 
 
@@ -253,8 +254,8 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
         if path.is_dir():
-            raise ValueError(f"checkpoint {path} is a directory; give the model file (an amod .safetensors or a "
-                             "timm/DeiT .pth)")
+            raise UserError(f"checkpoint {path} is a directory; give the model file (an amod .safetensors or a "
+                            "timm/DeiT .pth)")
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} does not exist")
         if _is_amod_file(path):
@@ -270,8 +271,8 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     ph, pw = model.patch_embed.patch_size
     h, w = model.patch_embed.img_size
     if h % ph or w % pw:
-        raise ValueError(f"the input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; "
-                         "change --img-size or --patch-size")
+        raise UserError(f"the input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; "
+                        "change --img-size or --patch-size")
     method = method_from_run_fields(cfg)
     running = method_of(model)
     if isinstance(method, MoD) and isinstance(running, MoD) and getattr(cfg, "router_seed", None) is None:
@@ -285,8 +286,8 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         return model
     if not isinstance(running, Dense):
         dial = " (--capacity alone sets its capacity)" if isinstance(running, MoD) else ""
-        raise ValueError(f"the checkpoint already runs {running.label()}; drop the method options "
-                         f"(--router, --tome-cost, ...) to keep it{dial}")
+        raise UserError(f"the checkpoint already runs {running.label()}; drop the method options "
+                        f"(--router, --tome-cost, ...) to keep it{dial}")
     return method.apply(model)
 
 
@@ -298,8 +299,8 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
     if cfg.teacher is not None:
         path = Path(cfg.teacher).expanduser()
         if path.is_dir():
-            raise ValueError(f"the teacher {path} is a directory; give the model file (an amod .safetensors or a "
-                             "timm/DeiT .pth)")
+            raise UserError(f"the teacher {path} is a directory; give the model file (an amod .safetensors or a "
+                            "timm/DeiT .pth)")
         if not path.is_file():
             raise FileNotFoundError(f"no teacher at {path}")
         if _is_amod_file(path):
@@ -307,9 +308,9 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
         else:
             teacher, head_loaded = _from_weights_file(cfg, path, num_classes, in_chans, img_size, TEACHER_HINT)
             if not head_loaded and cfg.distill_logits > 0:
-                raise ValueError(f"the teacher {path} has no classifier for the data's {num_classes} classes, so its "
-                                 "logits would teach nothing: give a teacher finetuned on this data, or distil "
-                                 "features alone (--distill-logits 0 --distill-features 1)")
+                raise UserError(f"the teacher {path} has no classifier for the data's {num_classes} classes, so its "
+                                "logits would teach nothing: give a teacher finetuned on this data, or distil "
+                                "features alone (--distill-logits 0 --distill-features 1)")
         source = str(path)
     else:
         source = "the starting weights"
@@ -319,15 +320,15 @@ def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> n
             teacher = build_model(cfg.without_method(), num_classes, in_chans, img_size)
             trained_head = _trained_head(cfg, num_classes)
         if cfg.distill_logits > 0 and not trained_head:
-            raise ValueError(f"the starting weights have no classifier trained for the data's {num_classes} classes, "
-                             "so their logits teach nothing: give --teacher FILE (a dense model finetuned on this "
-                             "data), or distil features alone (--distill-logits 0 --distill-features 1)")
+            raise UserError(f"the starting weights have no classifier trained for the data's {num_classes} classes, "
+                            "so their logits teach nothing: give --teacher FILE (a dense model finetuned on this "
+                            "data), or distil features alone (--distill-logits 0 --distill-features 1)")
     if not isinstance(method_of(teacher), Dense):
-        raise ValueError(f"the teacher ({source}) runs {method_of(teacher).label()}; distil from a dense model")
+        raise UserError(f"the teacher ({source}) runs {method_of(teacher).label()}; distil from a dense model")
     classes = family_of(teacher).num_classes(teacher)
     if classes != num_classes and cfg.distill_logits > 0:
-        raise ValueError(f"the teacher ({source}) has {classes} classes and the data {num_classes}: distil from a "
-                         "teacher trained on the same classes")
+        raise UserError(f"the teacher ({source}) has {classes} classes and the data {num_classes}: distil from a "
+                        "teacher trained on the same classes")
     return teacher
 
 

@@ -31,6 +31,7 @@ from .any_cost import AnyCost
 from .distill import Teacher
 from .models import build_model, build_teacher, checkpoint_settings
 from .rundir import RunDirectory, check_output_dir
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 CHECKPOINT_FORMAT = 1
@@ -56,14 +57,14 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             _check_same_run(out, state["config"])
             _check_resumable(_from_checkpoint_file(RunConfig.from_dict(state["config"], str(ckpt_path))), cfg)
         elif ckpt_path.exists():
-            raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it or choose "
-                             "another --out")
+            raise UserError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it or choose "
+                            "another --out")
         train_ds, val_ds, info = build_datasets(cfg.data, cfg.img_size, cfg.train_limit, cfg.val_limit)
         num_classes = _num_classes(cfg, info)
         if len(train_ds) < world:
-            raise ValueError(f"{len(train_ds)} training image{'' if len(train_ds) == 1 else 's'} for "
-                             f"{world} processes: each process needs at least one; give more images "
-                             "(--train-limit) or start fewer processes")
+            raise UserError(f"{len(train_ds)} training image{'' if len(train_ds) == 1 else 's'} for "
+                            f"{world} processes: each process needs at least one; give more images "
+                            "(--train-limit) or start fewer processes")
         engine.seed_everything(cfg.seed)
         img_size = cfg.img_size or info.img_size
         model = build_model(cfg, num_classes, info.in_chans, img_size)
@@ -78,7 +79,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             teacher.model.to(dist_info.device)
         with RunDirectory(out, lock=dist_info.main):
             if state is None and ckpt_path.exists():  # another run finished here while we were getting ready
-                raise ValueError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it")
+                raise UserError(f"{out} already holds a run (checkpoint.pt); pass --resume to continue it")
             return _train(cfg, model, state, train_ds, val_ds, info, dist_info, teacher, any_cost)
     finally:
         engine.teardown_distributed()
@@ -97,8 +98,8 @@ def _num_classes(cfg: RunConfig, info: DataInfo) -> int:
     if cfg.num_classes is None:
         return info.num_classes
     if cfg.num_classes < info.num_classes:
-        raise ValueError(f"--num-classes {cfg.num_classes} is smaller than the {info.num_classes} classes of "
-                         f"{info.name} (labels 0..{info.num_classes - 1}); drop it to use the data's")
+        raise UserError(f"--num-classes {cfg.num_classes} is smaller than the {info.num_classes} classes of "
+                        f"{info.name} (labels 0..{info.num_classes - 1}); drop it to use the data's")
     return cfg.num_classes
 
 
@@ -232,28 +233,28 @@ def _check_same_run(out: Path, saved: dict[str, Any]) -> None:
     try:
         own = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"cannot resume: {path} cannot be read ({type(e).__name__}), so {out / 'checkpoint.pt'} "
-                         "cannot be told to be this run's") from None
+        raise UserError(f"cannot resume: {path} cannot be read ({type(e).__name__}), so {out / 'checkpoint.pt'} "
+                        "cannot be told to be this run's") from None
     if not isinstance(own, dict):
-        raise ValueError(f"cannot resume: {path} does not hold a run's settings")
+        raise UserError(f"cannot resume: {path} does not hold a run's settings")
     defaults = RunConfig().to_dict()  # (fields added since either file was written: their defaults)
     own, saved = {**defaults, **own}, yaml.safe_load(yaml.safe_dump({**defaults, **saved}))  # (as config.yaml has it)
     diffs = [k for k in sorted(set(own) | set(saved)) if k not in RESUMABLE_CHANGES and own.get(k) != saved.get(k)]
     if diffs:
         more = ", ..." if len(diffs) > 3 else ""
         ckpt, yml = (", ".join(f"{k}={d.get(k)!r}" for k in diffs[:3]) + more for d in (saved, own))
-        raise ValueError(f"cannot resume: {out / 'checkpoint.pt'} is not the checkpoint of the run in {out} (it has "
-                         f"{ckpt}; config.yaml has {yml}); nothing was changed: resume a run in its own directory, "
-                         "or start a new one with another --out")
+        raise UserError(f"cannot resume: {out / 'checkpoint.pt'} is not the checkpoint of the run in {out} (it has "
+                        f"{ckpt}; config.yaml has {yml}); nothing was changed: resume a run in its own directory, "
+                        "or start a new one with another --out")
 
 
 def _check_resumable(saved: RunConfig, now: RunConfig) -> None:
     if now.epochs != saved.epochs:
-        raise ValueError(f"cannot resume with --epochs {now.epochs}: the learning-rate schedule of this run was made "
-                         f"for {saved.epochs} epoch{'' if saved.epochs == 1 else 's'} (it ends at lr x "
-                         f"{saved.min_lr_ratio:g}); resume it without --epochs, or finetune its model.safetensors "
-                         "with --checkpoint into another --out for more")
+        raise UserError(f"cannot resume with --epochs {now.epochs}: the learning-rate schedule of this run was made "
+                        f"for {saved.epochs} epoch{'' if saved.epochs == 1 else 's'} (it ends at lr x "
+                        f"{saved.min_lr_ratio:g}); resume it without --epochs, or finetune its model.safetensors "
+                        "with --checkpoint into another --out for more")
     diffs = [k for k, v in saved.to_dict().items() if k not in RESUMABLE_CHANGES and now.to_dict()[k] != v]
     if diffs:
         detail = ", ".join(f"{k}: {saved.to_dict()[k]!r} -> {now.to_dict()[k]!r}" for k in diffs)
-        raise ValueError(f"cannot resume: the checkpoint was made with other settings ({detail})")
+        raise UserError(f"cannot resume: the checkpoint was made with other settings ({detail})")

