@@ -19,6 +19,17 @@ TIMM_VARIANTS = {
     "qk_norm": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=8, depth=4, qk_norm=True)),
 }
 
+# The devices a test parametrised over ``device`` runs on: the CPU always; CUDA marked ``cuda`` (``pytest -m cuda`` runs
+# only those), skipped with its reason where torch sees no GPU (pytest_runtest_setup below).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False); run `pytest -m cuda` on a GPU"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``cuda`` is skipped, and counted as skipped, where torch sees no GPU."""
+    if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+
 
 def make_model(variant: str = "vit", seed: int = 0, **extra) -> torch.nn.Module:
     name, kwargs = TIMM_VARIANTS[variant]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TIMM_VARIANTS, images, make_model
+from conftest import DEVICES, TIMM_VARIANTS, images, make_model
 from hypothesis import given, settings, strategies as st
 
 import amod
@@ -120,14 +120,15 @@ def test_consecutive_mod_blocks_carry_scores_of_skipped_tokens():
     assert torch.allclose(processed_mass, torch.full_like(processed_mass, M / N), atol=1e-5)
 
 
-def test_standard_router_learns_and_attention_adds_no_parameters():
-    dense = make_model("vit")
+@pytest.mark.parametrize("device", DEVICES)
+def test_standard_router_learns_and_attention_adds_no_parameters(device):
+    dense = make_model("vit").to(device)
     n_params = sum(p.numel() for p in dense.parameters())
     keys = set(dense.state_dict())
     att = amod.convert(copy.deepcopy(dense), router="attention", capacity=0.5)
     assert sum(p.numel() for p in att.parameters()) == n_params
     assert set(att.state_dict()) == keys
-    x = images(dense, 4)
+    x = images(dense, 4).to(device)
     for scale in (True, False):  # scaled: gate in the graph; unscaled: straight-through estimator
         std = amod.convert(copy.deepcopy(dense), router="standard", capacity=0.5, scale_output=scale).train()
         new_keys = set(std.state_dict()) - keys

@@ -1,23 +1,25 @@
-"""The fast path: fused attention stays on, and `amod bench` reports what it promises."""
+"""The fast path: fused attention stays on, `amod bench` reports what it promises, and on CUDA (`pytest -m cuda`) a
+converted model gives the CPU's output, eager, as a CUDA graph and compiled."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
-from conftest import cli_in_process, images, make_model
+from conftest import DEVICES, cli_in_process, images, make_model
 from timm.layers import Attention
 
 import amod
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["vit", "deit_distilled", "dinov2_reg", "qk_norm"])
 @pytest.mark.parametrize("layers", ["alternate", [1, 2, 3]])
-def test_fused_and_explicit_attention_give_the_same_model(family, layers):
-    model = amod.convert(make_model(family), router="attention", capacity=0.3, layers=layers)
+def test_fused_and_explicit_attention_give_the_same_model(family, layers, device):
+    model = amod.convert(make_model(family), router="attention", capacity=0.3, layers=layers).to(device)
     attns = [m for m in model.modules() if isinstance(m, Attention)]
     assert attns and all(a.fused_attn for a in attns), "converting must not switch fused attention off"
-    x = images(model, 3)
+    x = images(model, 3).to(device)
     amod.set_recording(model)
     with torch.no_grad():
         fused = model(x)
@@ -30,11 +32,13 @@ def test_fused_and_explicit_attention_give_the_same_model(family, layers):
     assert all(torch.equal(a, b) for a, b in zip(kept_fused, kept_explicit))
 
 
-def test_bench_json_has_the_promised_keys(capsys):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bench_json_has_the_promised_keys(capsys, device):
     res = cli_in_process(["bench", "--model", "vit_tiny_patch16_224", "--img-size", "64", "--batch-size", "4",
-                          "--repeats", "2", "--warmup", "1", "--capacity", "0.5", "--json"], capsys)
+                          "--repeats", "2", "--warmup", "1", "--capacity", "0.5", "--device", device, "--json"], capsys)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
+    assert out["device"].startswith(device)
     for part in ("dense", "mod"):
         assert out[part]["images_per_s"] > 0 and out[part]["peak_mem_mb"] > 0 and out[part]["macs"] > 0
     assert out["flop_speedup"] == pytest.approx(out["dense"]["macs"] / out["mod"]["macs"])
@@ -108,4 +112,89 @@ def test_a_compiled_model_keeps_every_graph_past_torchs_limit_of_eight(torch_tak
         for b in sizes:
             other(torch.zeros(b))
     assert len(graphs) == 10 + 8
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- CUDA against the CPU (`pytest -m cuda`)
+
+# Logits on CUDA against the CPU's fp32, error over the largest logit. fp32 (TF32 off): the same numbers up to rounding
+# and the same kept tokens. bf16 autocast: dense within its rounding; a routed model's token choices flip where two
+# scores lie within bf16 rounding, each flip moving the logits, so its bound is loose (yet far below a wrong input's,
+# about 1) and most kept tokens must agree. fold's matching is discrete: near-ties flip in fp32 too.
+FP32_TOL, DENSE_BF16_TOL, ROUTED_TOL, BF16_KEPT_OVERLAP = 1e-4, 5e-2, 0.3, 0.9
+CUDA_VARIANTS = {"dense": None, "A-MoD": dict(router="attention", capacity=0.5),
+                 "standard MoD": dict(router="standard", capacity=0.5),
+                 "fold": dict(router="attention", skipped="fold", capacity=0.75)}
+
+
+def sharpened(variant: str) -> torch.nn.Module:
+    """A 64-patch ViT with qkv weights ~ N(0, 1/dim): timm's random init gives near-uniform attention, where the kept
+    tokens would be decided by ties; this gives logits of order one, as trained models have."""
+    model = make_model("vit", img_size=64)
+    for blk in model.blocks:
+        torch.nn.init.normal_(blk.attn.qkv.weight, std=blk.attn.qkv.in_features ** -0.5)
+    kwargs = CUDA_VARIANTS[variant]
+    return model if kwargs is None else amod.convert(model, **kwargs)
+
+
+def forward_on(model: torch.nn.Module, x: torch.Tensor, device: str, amp: bool) -> tuple[torch.Tensor, list]:
+    """fp32 logits on the CPU and each MoD block's kept patch indices (none for fold) of one forward on ``device``."""
+    model = model.to(device)
+    routed = variant_routes(model)
+    if routed:
+        amod.set_recording(model)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
+        logits = model(x.to(device)).float().cpu()
+    kept = [b.amod_last_index.cpu() for _, b in amod.mod_blocks(model)] if routed else []
+    return logits, kept
+
+
+def variant_routes(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an MoD model that records its kept tokens (fold's tokens change identity as they fold)."""
+    try:
+        return amod.get_config(model).skipped != "fold"
+    except ValueError:  # dense
+        return False
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", list(CUDA_VARIANTS))
+def test_a_converted_model_on_cuda_gives_the_cpus_output(variant, amp, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # (on by default: the patch embedding's conv)
+    model = sharpened(variant)
+    x = images(model, 4)
+    ref, ref_kept = forward_on(model, x, "cpu", False)
+    got, kept = forward_on(model, x, "cuda", amp)
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    if not amp and variant != "fold":
+        assert err <= FP32_TOL and all(torch.equal(a, b) for a, b in zip(kept, ref_kept)), err
+    else:
+        assert err <= (DENSE_BF16_TOL if variant == "dense" else ROUTED_TOL), err
+        for a, b in zip(kept, ref_kept):  # (B, K) each: the share of kept tokens the CPU kept too
+            assert (a[:, :, None] == b[:, None, :]).any(-1).float().mean() >= BF16_KEPT_OVERLAP
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", list(CUDA_VARIANTS))
+def test_a_cuda_graph_of_a_converted_model_replays_its_eager_forward(variant):
+    """amod.compile's mode="cuda-graphs" (eager kernels recorded once, replayed), fp32 and under bf16 autocast; and
+    torch.compile's inductor with CUDA graphs (amod.compile's default on a GPU) on the fold model."""
+    model = sharpened(variant).cuda()
+    x = images(model, 4).cuda()
+    with torch.inference_mode():
+        for dtype in (None, torch.bfloat16):
+            graph = amod.compile(model, x, mode="cuda-graphs", dtype=dtype)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype is not None):
+                eager = model(x).float()
+            assert graph.amod_compile_seconds > 0
+            assert (graph(x).float() - eager).abs().max() <= 1e-3 * eager.abs().max()
+    if variant != "fold":
+        return
+    torch._dynamo.reset()
+    compiled = amod.compile(model, x)
+    with torch.inference_mode():
+        eager = model(x)
+        assert (compiled(x) - eager).abs().max() <= 1e-3 * eager.abs().max()
     torch._dynamo.reset()

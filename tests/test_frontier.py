@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli_in_process
+from conftest import DEVICES, cli_in_process
 
 from amod.experiments.frontier import accuracy_at, pareto
 
@@ -24,12 +24,14 @@ def test_the_frontier_keeps_the_points_nothing_beats_and_interpolates_between_th
     assert accuracy_at([], 1.5) is None
 
 
-def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_measured(backbone_path, tmp_path, capsys):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_measured(backbone_path, tmp_path, capsys,
+                                                                                     device):
     out = tmp_path / "frontier"
     argv = ["frontier", "--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.5", "0.8", "--probe-train",
             "100", "--val-limit", "64", "--speed-batch", "4", "1", "--speed-repeats", "1", "--speedups", "1.05", "50",
             "--methods", "ToMe", "A-MoD fold", "A-MoD calibrated", "--calibration-images", "16",
-            "--out", str(out)]
+            "--device", device, "--out", str(out)]
     res = cli_in_process(argv, capsys)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((out / "frontier.json").read_text())

@@ -1,12 +1,13 @@
-"""benchmarks/gpu_check.py, the prepared GPU check: its CPU quick run end to end, the Triton kernel
-check under the interpreter, the failure report, and the pieces that only run on CUDA (the
-device-against-CPU comparison, run here CPU against CPU; the targets and the Markdown of a CUDA report)."""
+"""benchmarks/gpu_check.py, the GPU check's orchestrator: its tiny plan run for real on the CPU, and its GPU plan with
+every command replaced by one that writes what the real command writes (the real frontier report of
+docs/frontier_dinov2_224.json, bench_scores.py's report of benchmarks/results/scores_cpu.json): each target read
+from the numbers, a step out of time or failing recorded while the run goes on, a part out of budget skipped."""
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,183 +17,158 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTION_KEYS = {"title", "status", "seconds", "budget_s", "settings", "items", "error"}
 
 
 def load_script():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up)
     spec.loader.exec_module(module)
     return module
 
 
-def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The script as a user runs it from a plain checkout: PYTHONPATH=src, from the repository root."""
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": "src", **(env or {})})
+def junit(path: Path, passed: int, failed: int, skipped: int) -> None:
+    cases = ([f'<testcase classname="tests.test_ops" name="ok{i}"/>' for i in range(passed)]
+             + [f'<testcase classname="tests.test_fast" name="bad{i}"><failure message="x"/></testcase>'
+                for i in range(failed)]
+             + [f'<testcase classname="tests.test_ops" name="skip{i}"><skipped message="no GPU"/></testcase>'
+                for i in range(skipped)])
+    path.write_text(f'<testsuites><testsuite tests="{passed + failed + skipped}" failures="{failed}" errors="0" '
+                    f'skipped="{skipped}">{"".join(cases)}</testsuite></testsuites>')
 
 
-def test_quick_cpu_run_writes_both_reports(tmp_path):
-    """The whole quick run, with the Triton kernel check run by Triton's interpreter (where triton is installed)."""
-    res = run_script("--device", "cpu", "--quick", "--out", str(tmp_path), env={"TRITON_INTERPRET": "1"})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+def flag(argv: list[str], name: str) -> list[str]:
+    """The values after ``name`` in ``argv`` (up to the next flag)."""
+    i = argv.index(name) + 1
+    values = []
+    while i < len(argv) and not argv[i].startswith("--"):
+        values.append(argv[i])
+        i += 1
+    return values
+
+
+class FakeCommands:
+    """Stands in for subprocess.run: each command writes what the real one writes, with numbers the test chooses."""
+
+    def __init__(self, efficiency: float = 0.93, failed_tests: int = 0, slow: tuple[str, ...] = ()) -> None:
+        self.efficiency, self.failed_tests, self.slow = efficiency, failed_tests, slow
+        self.calls: list[tuple[list[str], float, dict]] = []
+        self.out = Path()  # the check's --out
+
+    def __call__(self, argv, cwd, env, capture_output, text, timeout):
+        out_dir = Path(flag(argv, "--out")[0]) if "--out" in argv else None
+        report = self.out / "gpu_check.json"  # (what the check had written when it ran this command)
+        self.calls.append((argv, timeout, json.loads(report.read_text()) if report.is_file() else None))
+        assert cwd == ROOT and str(ROOT / "src") in env["PYTHONPATH"].split(os.pathsep)
+        if any(s in " ".join(argv) for s in self.slow):
+            raise subprocess.TimeoutExpired(argv, timeout, output=b"half way")
+        stdout = ""
+        if "pytest" in argv:
+            junit(Path(flag(argv, "--junitxml")[0]), 20, self.failed_tests, 0)
+        elif argv[2:4] == ["amod", "bench"]:
+            stdout = json.dumps({"model": flag(argv, "--model")[0], "batch_size": int(flag(argv, "--batch-size")[0]),
+                                 "device": "cuda:0", "amp": "bf16", "compile": "--compile" in argv,
+                                 "label": "attention@0.125", "speedup": 1.5, "flop_speedup": 1.5 / self.efficiency,
+                                 "efficiency": self.efficiency, "dense": {"images_per_s": 1000.0},
+                                 "mod": {"images_per_s": 1500.0}})
+        elif argv[1].endswith("bench_scores.py"):
+            shutil.copy(ROOT / "benchmarks" / "results" / "scores_cpu.json", out_dir)
+        else:  # amod frontier: the CPU frontier's real report, as if timed at this step's batch sizes
+            data = json.loads((ROOT / "docs" / "frontier_dinov2_224.json").read_text())
+            for row in [data["dense"], *data["rows"]]:
+                speeds = list(row["speed"].values())
+                row["speed"] = {b: {**s, **({"compile_s": 42.0} if "--compile" in argv else {})}
+                                for b, s in zip(flag(argv, "--speed-batch"), speeds)}
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "frontier.json").write_text(json.dumps(data))
+        return subprocess.CompletedProcess(argv, 1 if self.failed_tests and "pytest" in argv else 0, stdout, "")
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    module = load_script()
+    monkeypatch.setattr(module, "write_backbone", lambda spec: None)  # (a random ViT-B is 350 MB)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    return module
+
+
+def run_gpu_plan(gpu_check, tmp_path, fake, *extra: str) -> tuple[int, dict, str]:
+    args = gpu_check.parse_args(["--out", str(tmp_path), *extra])
+    fake.out = tmp_path
+    code = gpu_check.run(args, "cuda", True, runner=fake)
+    return code, json.loads((tmp_path / "gpu_check.json").read_text()), (tmp_path / "gpu_check.md").read_text()
+
+
+def test_every_target_of_the_gpu_plan_is_read_from_its_step(gpu_check, tmp_path):
+    fake = FakeCommands(efficiency=0.93)
+    code, report, md = run_gpu_plan(gpu_check, tmp_path, fake)
+    assert code == 0 and report["ok"] is True and report["plan"] == "GPU"
+    assert [s["status"] for s in report["steps"]] == ["ok"] * len(fake.calls) and len(fake.calls) == 9
+    assert all("--device" not in argv or flag(argv, "--device") == ["cuda"] for argv, _, _ in fake.calls)
+    # the report is rewritten after every step: each command sees the steps before it
+    assert [len(seen["steps"]) if seen else 0 for _, _, seen in fake.calls] == list(range(9))
+    frontier = json.loads((ROOT / "docs" / "frontier_dinov2_224.json").read_text())
+    calibrated = next(r for r in frontier["rows"] if r["method"] == "A-MoD calibrated" and r["cost_target"] == 0.5)
+    eager, batch1 = (s["speedup"] for s in calibrated["speed"].values())
+    overhead = json.loads((ROOT / "benchmarks" / "results" / "scores_cpu.json").read_text())["n197"]["kernel_overhead"]
+    expected = [(0, True), (0.93, True), (overhead, overhead <= 0.1), (eager, eager >= 1.5), (eager, eager >= 1.7),
+                (eager, eager >= 1.5), (batch1, batch1 >= 1.2), (42.0, True)]
+    assert [(t["value"], t["met"]) for t in report["targets"]] == expected
+    # each calibrated row says where its schedule comes from, and each frontier step what its weights are
+    setting = calibrated["setting"]
+    assert (f"calibrated on this model ({calibrated['calibration']['images']} images): shape "
+            f"{','.join(f'{w:g}' for w in setting['shape'])}, protect {setting['protect']:g}") in md
+    assert "Weights: random (deit_small_patch16_224, pretrained=False)" in md and "means nothing" in md
+    assert "NVIDIA H100 80GB HBM3" in md and "| compile s, batch 256 |" in md
+
+
+def test_targets_not_met_failed_tests_and_a_step_out_of_time_are_reported_and_the_run_goes_on(gpu_check, tmp_path):
+    fake = FakeCommands(efficiency=0.77, failed_tests=2, slow=("vit_base_patch16_224",))
+    code, report, md = run_gpu_plan(gpu_check, tmp_path, fake, "--parts", "tests,bench")
+    assert code == 1 and report["ok"] is False
+    steps = {s["name"]: s for s in report["steps"]}
+    assert steps["pytest -m cuda"]["status"] == "failed" and steps["pytest -m cuda"]["result"]["failed"] == 2
+    assert steps["bench ViT-B/16 C=0.125 batch 256"]["status"] == "timed out"  # (both ViT-B steps: `slow`)
+    assert steps["bench ViT-B/16 C=0.125 batch 1"]["status"] == "timed out"
+    assert steps["bench DeiT-S C=0.125 batch 256 compiled"]["status"] == "ok"
+    targets = {t["target"].split(":")[0]: t for t in report["targets"]}
+    assert targets["`pytest -m cuda`"]["value"] == 2 and targets["`pytest -m cuda`"]["met"] is False
+    bench = targets["A-MoD C=0.125, ViT-B/16, batch 256, bf16"]
+    assert bench["met"] is None and bench["note"] == "not measured: 'bench ViT-B/16 C=0.125 batch 256' timed out"
+    assert "- failed: `tests.test_fast::bad1`" in md and "half way" in (tmp_path / "logs" / "bench_ViT_B_16_C_0_125_batch_256.log").read_text()
+
+
+def test_a_part_gets_its_share_of_the_budget_and_a_step_that_does_not_fit_is_skipped(gpu_check, tmp_path):
+    fake = FakeCommands()
+    _, report, md = run_gpu_plan(gpu_check, tmp_path, fake, "--parts", "scores,frontier", "--budget-s", "26")
+    # scores: 20 / 260 of 26 s = 2 s, below its 10 s: skipped; the frontier's steps need 30 s of its 24
+    assert {s["status"] for s in report["steps"]} == {"skipped"} and fake.calls == []
+    assert report["steps"][0]["reason"].startswith("time budget: 2 s left")
+    assert report["ok"] is True and all(t["met"] is None for t in report["targets"])
+    _, report, _ = run_gpu_plan(gpu_check, tmp_path / "b", fake, "--parts", "tests,bench", "--budget-s", "220")
+    # the tests' share is 150 / 220 of it; they took no time, and what a part leaves goes to the later ones
+    assert [round(t) for _, t, _ in fake.calls][:2] == [150, 220]
+
+
+def test_the_tiny_plan_runs_for_real_on_the_cpu(tmp_path):
+    """The commands as they run from a plain checkout (PYTHONPATH=src, set by the check): `pytest -m cuda` (every test
+    skipped, and counted, on a machine without CUDA) and `amod bench` on a tiny ViT, read back into the report."""
+    code = load_script().main(["--device", "cpu", "--parts", "tests,bench", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    md = (tmp_path / "gpu_check.md").read_text()
-    assert {"tool", "started", "ok", "wall_s", "machine", "settings", "sections", "targets"} <= set(report)
-    assert {"device", "name", "torch", "triton", "timm", "python"} <= set(report["machine"])
-    assert report["ok"] is True and report["machine"]["device"] == "cpu"
-    assert report["settings"]["quick"] is True and set(report["settings"]["per_section"]) == {"1", "2", "3", "4", "5"}
-    for n, sec in report["sections"].items():
-        assert SECTION_KEYS <= set(sec) and sec["status"] == "ok" and sec["error"] is None, (n, sec)
-        for item in sec["items"]:
-            assert item["status"] in ("ok", "skipped"), item
-            if item["status"] == "skipped":  # only what needs CUDA (or Triton's interpreter) is skipped
-                assert "CUDA" in item["reason"] or "CPU" in item["reason"], item
-    items = {n: {i["name"]: i for i in s["items"]} for n, s in report["sections"].items()}
-    assert sum(i["status"] == "ok" and i["name"].startswith("attention_with_scores") for i in items["1"].values()) >= 20
-    for job in items["2"].values():
-        assert {r["variant"] for r in job["rows"]} >= {"dense", "A-MoD C=0.5", "A-MoD C=0.125"}
-        assert any(r["variant"].startswith("A-MoD fold @") for r in job["rows"])
-        assert any(r["variant"].startswith("ToMe @") for r in job["rows"])
-        for r in job["rows"]:
-            assert r["images_per_s"] > 0 and r["efficiency"] == pytest.approx(r["speedup"] * r["cost"])
-    assert all(i["overhead"] > -1 for i in items["3"].values() if i["status"] == "ok")
-    train = items["4"]["AdamW steps: dense, A-MoD, standard MoD"]
-    assert all(math.isfinite(r["last_loss"]) and r["steps_per_s"] > 0 for r in train["rows"])
-    standard = next(r for r in train["rows"] if r["variant"].startswith("standard"))
-    assert any("router" in n and ok for n, ok in standard["grads_reached"].items())
-    assert items["4"]["DDP, one process"]["status"] == "ok"
-    # the frontier: every method at the cost, eager against dense at both batch sizes (CUDA graphs need CUDA); then
-    # dense and the calibrated point compiled, with their compile time
-    front = items["5"]["frontier vit_tiny_patch16_224"]
-    assert {p["method"] for p in front["points"].values()} == {"ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated",
-                                                             "calibrated, nothing protected", "A-MoD (paper)"}
-    for batch in ("4", "1"):
-        res = front["batches"][batch]
-        built = {k for k, p in front["points"].items() if "cost" in p}  # (a setting repeated is timed once)
-        assert set(res["eager"]) == {"dense", *built} and res["eager"]["dense"]["speedup"] == 1.0
-        assert "cuda_graphs" not in res
-    # (with no CPU frontier schedule of its depth, both calibrated methods fall back to one setting)
-    assert front["points"]["calibrated, nothing protected @ 0.7"]["same_as"] == "A-MoD calibrated @ 0.7"
-    compiled = items["5"]["compiled vit_tiny_patch16_224 batch 4"]
-    assert set(compiled["compiled"]) == {"dense", "A-MoD calibrated @ 0.7"}
-    assert all(v > 0 for v in compiled["compile_s"].values())
-    assert "**vit_tiny_patch16_224, batch 4**" in md and "| eager | CUDA graphs |" in md and "compile s" in md
-    assert all(t["met"] is None for t in report["targets"])  # the targets are for the GPU run
-    assert report["machine"]["name"] in md and "CPU" in md
-    assert "## 2. speed: ok" in md and "| FLOP bound | efficiency |" in md
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
-    kernel = [i for i in items["1"].values() if i["name"].startswith("received_attention_triton")]
-    assert len(kernel) >= 6 and all(i["status"] == "ok" for i in kernel)
-    assert {i["name"].split()[1] for i in kernel} == {"float32", "bfloat16"}
-
-
-def test_a_failing_section_is_reported_and_the_run_goes_on(tmp_path, capsys):
-    gpu_check = load_script()
-    threads = torch.get_num_threads()
-    code = gpu_check.main(["--device", "cpu", "--quick", "--sections", "1,3", "--fail-section", "1",
-                           "--out", str(tmp_path)])
-    assert code == 1 and torch.get_num_threads() == threads
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    failed, after = report["sections"]["1"], report["sections"]["3"]
-    assert report["ok"] is False and failed["status"] == "failed" and after["status"] == "ok"
-    assert failed["error"]["type"] == "RuntimeError" and "--fail-section" in failed["error"]["message"]
-    assert failed["error"]["traceback"] and "RuntimeError" in failed["error"]["traceback"][-1]
-    assert "1. correctness: failed" in (tmp_path / "gpu_check.md").read_text()
-    assert "FAILED" in capsys.readouterr().out
-
-
-def test_an_item_that_raises_fails_its_section_only(tmp_path):
-    gpu_check = load_script()
-    sec_budget = gpu_check.Budget(10, float("inf"))
-
-    def body(sec):
-        sec.attempt("raises", lambda: 1 / 0)
-        sec.attempt("misses its tolerance", lambda: {"passed": False, "summary": "error 1 > 0.1"})
-        sec.attempt("fine", lambda: {"summary": "ok"})
-
-    out = gpu_check.run_section(3, body, {"budget_s": 10}, sec_budget, torch.device("cpu"))
-    assert out["status"] == "failed" and out["error"] is None
-    assert [i["status"] for i in out["items"]] == ["failed", "failed", "ok"]
-    assert out["items"][0]["error"]["type"] == "ZeroDivisionError"
+    assert code == 0, [s.get("tail") for s in report["steps"]]
+    assert report["plan"] == "tiny" and [s["status"] for s in report["steps"]] == ["ok", "ok"]
+    tests, bench = (s["result"] for s in report["steps"])
+    if not torch.cuda.is_available():
+        assert tests["passed"] == tests["failed"] == 0 and tests["skipped"] >= 7
+        assert report["targets"][0]["met"] is None and "no `cuda` test ran" in report["targets"][0]["note"]
+    assert bench["model"] == "vit_tiny_patch16_224" and bench["efficiency"] == pytest.approx(
+        bench["speedup"] / bench["flop_speedup"])
+    assert "### bench ViT-Ti C=0.125 batch 4" in (tmp_path / "gpu_check.md").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_fails_in_one_line(tmp_path, capsys):
-    code = load_script().main(["--device", "cuda", "--quick", "--out", str(tmp_path / "out")])
+    code = load_script().main(["--device", "cuda", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert code == 2
-    assert len(err.strip().splitlines()) == 1 and "--device cuda" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--device cuda" in err
     assert not (tmp_path / "out").exists()
-
-
-def test_device_comparison_cpu_against_cpu():
-    """The CUDA-against-CPU model check, with the CPU on both sides: identical in fp32, within the
-    bf16 bounds under bf16 autocast."""
-    gpu_check = load_script()
-    dense = gpu_check.sharpen_attention(gpu_check.build_model(gpu_check.QUICK_MODEL))
-    x = torch.randn(2, 3, *gpu_check.input_size(dense), generator=torch.Generator().manual_seed(0))
-    model = gpu_check.variant(dense, "A-MoD C=0.5")
-    cpu = torch.device("cpu")
-    exact = gpu_check.compare_devices(model, x, cpu, cpu, "off")
-    assert exact["passed"] and exact["logits_error"] == 0 and exact["same_kept"] is True
-    assert gpu_check.compare_devices(model, x, cpu, cpu, "bf16")["passed"]
-    a = torch.tensor([[0, 1, 2, 3]])
-    assert gpu_check.kept_agreement([a], [torch.tensor([[0, 1, 2, 5]])]) == (False, 0.75)
-
-
-def test_targets_and_markdown_of_a_cuda_report():
-    """The parts only a GPU run reaches: targets met or not, and the memory table."""
-    gpu_check = load_script()
-    rows = [{"variant": "dense", "efficiency": 1.0}, {"variant": "A-MoD C=0.125", "efficiency": 0.93}]
-    report = {
-        "machine": {"device": "cuda", "name": "NVIDIA H200", "torch": "2.x", "torch_cuda": "12.x", "triton": "3.x",
-                    "timm": "1.x", "python": "3.12"},
-        "settings": {"quick": False, "per_section": {}}, "ok": True, "wall_s": 300.0, "started": "now",
-        "sections": {
-            "2": {"title": "speed", "status": "ok", "seconds": 1.0, "budget_s": 150, "error": None,
-                  "settings": {"amp": "bf16"},
-                  "items": [{"name": "vit_base_patch16_224 batch 256", "status": "ok", "rows": rows, "notes": [],
-                             "model": {"name": "vit_base_patch16_224"}, "batch": 256, "repeats": 10, "warmup": 3}]},
-            "3": {"title": "score kernels", "status": "ok", "seconds": 1.0, "budget_s": 30, "error": None,
-                  "settings": {}, "items": [
-                      {"name": "time N = 197 [256, 12, 197, 64]", "status": "ok", "overhead": 0.25,
-                       "shape_BHND": [256, 12, 197, 64], "dtype": "bfloat16", "ms": {"sdpa": 1.0, "sdpa+scores": 1.25},
-                       "spread": {"sdpa": 0.01, "sdpa+scores": 0.01}},
-                      {"name": "peak memory", "status": "ok", "growth": 2.0, "linear": True, "B_H_D": [2, 12, 64],
-                       "dtype": "bfloat16", "peak_mb": {"2049": {"sdpa": 6.0, "sdpa+scores": 7.0, "explicit": 900.0,
-                                                                 "fp32_matrix": 384.0}}}]}},
-    }
-    calibrated = "A-MoD calibrated @ 0.5"
-
-    def frontier(name: str, eager: float, graphed: float) -> dict:
-        return {"name": f"frontier {name}", "status": "ok", "model": {"name": name},
-                "points": {calibrated: {"method": "A-MoD calibrated", "cost_target": 0.5, "cost": 0.5,
-                                        "cpu_top1": None, "source": "x"}},
-                "batches": {"256": {"eager": {"dense": {"speedup": 1.0, "ms": 2.0}, calibrated: {"speedup": eager,
-                                                                                                "ms": 1.0}}},
-                            "1": {"eager": {"dense": {"speedup": 1.0, "ms": 2.0}},
-                                  "cuda_graphs": {"dense": {"speedup": 1.0}, calibrated: {"speedup": graphed}}}}}
-
-    def compiled(name: str, speedup: float, seconds: float) -> dict:
-        return {"name": f"compiled {name} batch 256", "status": "ok", "model": {"name": name}, "batch": 256,
-                "points": {}, "compiled": {"dense": {"speedup": 1.0, "ms": 2.0}, calibrated: {"speedup": speedup,
-                                                                                             "ms": 1.0}},
-                "compile_s": {"dense": 20.0, calibrated: seconds}}
-
-    report["sections"]["5"] = {"title": "frontier", "status": "ok", "seconds": 1.0, "budget_s": 130, "error": None,
-                               "settings": {"amp": "bf16"},
-                               "items": [frontier("deit_small_patch16_224", 1.2, 1.0),
-                                         frontier("vit_base_patch16_224", 1.8, 1.3),
-                                         compiled("deit_small_patch16_224", 1.6, 60.0),
-                                         compiled("vit_base_patch16_224", 1.9, 70.0)]}
-    report["targets"] = gpu_check.targets(report)
-    met = {t["target"]: t["met"] for t in report["targets"]}
-    assert [t["met"] for t in report["targets"]] == [True, False, False, True, True, True, True, True, None, True]
-    assert report["targets"][0]["value"] == 0.93 and "public ToMe" in report["targets"][8]["target"]
-    assert met["compiling a reduced DeiT-S (calibrated @ 0.5, batch 256) <= 90 s"] is True
-    md = gpu_check.markdown(report)
-    assert "NVIDIA H200" in md and "Peak memory" in md and "| 2049 | 6.0 | 7.0 | 900.0 | 384.0 |" in md

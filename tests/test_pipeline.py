@@ -17,7 +17,7 @@ from amod.cli import main as amod_main
 from amod.train.engine import read_metrics
 from amod.train.config import RunConfig
 from amod.train.run import train
-from conftest import cli_in_process
+from conftest import cli_in_process, images, make_model
 
 TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
         "--num-heads", "2", "--val-limit", "256", "--batch-size", "64"]
@@ -159,6 +159,43 @@ def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
     # validation split across both ranks and summed, each image counted once (127 is odd: no padding)
     assert len(rows) == 3 and rows[-1]["val_images"] == 127 and summary["val_images"] == 127
+
+
+@pytest.mark.cuda
+def test_ddp_over_nccl_on_one_gpu_trains_every_parameter(tmp_path):
+    """DDP's CUDA path, in one process (world size 1: the torchrun test above runs two CPU processes over gloo): A-MoD,
+    standard MoD and a calibrated-style fold train under bf16 autocast with NCCL, every parameter in the graph with a
+    finite gradient (DDP without find_unused_parameters raises at the next step otherwise), the learned routers
+    reached."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from amod.mod.calibrate import tilt_shape
+
+    conversions = {"A-MoD": dict(router="attention", capacity=0.125),
+                   "standard MoD": dict(router="standard", capacity=0.125),
+                   "fold": dict(router="attention", capacity=0.8, skipped="fold", protect=0.1, shape=tilt_shape(-1.0, 4))}
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for name, kwargs in conversions.items():
+            model = amod.convert(make_model("vit", img_size=64), **kwargs).cuda().train()
+            ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+            x, y = images(model, 8).cuda(), torch.arange(8, device="cuda") % 10
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(ddp(x).float(), y)
+                loss.backward()
+                assert torch.isfinite(loss), name
+                grads = {n: p.grad for n, p in model.named_parameters()}
+                assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), name
+                opt.step()
+            routers = [g for n, g in grads.items() if ".router." in n]
+            assert bool(routers) == (name == "standard MoD") and all(g.abs().sum() > 0 for g in routers[:1]), name
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
