@@ -246,13 +246,13 @@ def test_the_demo_on_a_backbone_and_a_killed_demo_goes_on_where_it_stopped(backb
             return run
         return time_callables({n: count(n, f) for n, f in fns.items()}, *args, **kwargs)
 
-    def stepped(*args, on_step, step, **kwargs):  # a kill right after step kill["step"] (its on_step done)
-        def on(done, out):
-            on_step(done, out)
+    def stepped(*args, on_report, step, **kwargs):  # a kill right after step kill["step"] (its report done)
+        def on(done, report):
+            on_report(done, report)
             if done == kill.get("step"):
                 raise Killed
         starts.append(step)
-        return train_steps(*args, on_step=on, step=step, **kwargs)
+        return train_steps(*args, on_report=on, step=step, **kwargs)
 
     monkeypatch.setattr(bench, "time_callables", counted)
     monkeypatch.setattr(engine, "train_steps", stepped)

@@ -134,15 +134,60 @@ def test_kill_and_resume_ends_with_the_same_metrics(tmp_path, uninterrupted_run,
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
+def test_kill_and_resume_with_grad_accum_ends_with_the_same_run(tmp_path, capsys, monkeypatch):
+    """--grad-accum 2: 4 batches an epoch make 2 optimizer steps (the schedule counts them); stopped right after the
+    checkpoint of epoch 1 (a step boundary; in this process, as KILL_AT's "after" leaves the files) and resumed, the
+    run ends as an unbroken one."""
+    args = ["train", *TINY, "--val-limit", "32", "--train-limit", "64", "--batch-size", "16", "--epochs", "2",
+            "--grad-accum", "2", "--router", "random", "--capacity", "0.5", "--drop-path", "0.1", "--seed", "3"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert amod_main([*args, "--out", str(full)]) == 0
+    assert torch.load(full / "checkpoint.pt", weights_only=True)["scheduler"]["last_epoch"] == 4
+
+    class Killed(BaseException):
+        pass
+
+    real_replace = os.replace
+
+    def replace(src, dst, *a, **kw):
+        real_replace(src, dst, *a, **kw)
+        if Path(dst).name == "checkpoint.pt":
+            raise Killed
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Killed):
+        amod_main([*args, "--out", str(killed)])
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert torch.load(killed / "checkpoint.pt", weights_only=True)["scheduler"]["last_epoch"] == 2
+    assert cli_in_process(["train", "--resume", "--out", str(killed)], capsys).returncode == 0
+    assert without_timings(read_metrics(killed / "metrics.jsonl")) == without_timings(read_metrics(full / "metrics.jsonl"))
+    a, b = (amod.load(run / "model.safetensors").state_dict() for run in (killed, full))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    res = cli_in_process(["train", "--resume", "--grad-accum", "1", "--out", str(killed)], capsys)
+    assert res.returncode == 2 and "grad_accum" in res.stderr  # (the schedule was made for its steps)
+
+
+@pytest.mark.parametrize("value, message", [("0", "--grad-accum must be at least 1, got 0"),
+                                            ("9", "--grad-accum 9 needs 9 batches per epoch and process; this run "
+                                                  "has 8 (--batch-size 64)")])
+def test_a_grad_accum_below_one_or_above_the_batches_is_refused_in_one_line(tmp_path, capsys, value, message):
+    res = cli_in_process(["train", *TINY, "--train-limit", "512", "--grad-accum", value, "--out",
+                          str(tmp_path / "r")], capsys)
+    assert res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     """The one torchrun launch of the suite (tests/ddp_worker.py): `amod finetune` under DDP (a learned router, a
     capacity drawn per step, distilled from a teacher file), then a learned router trained under DDP on a converted
-    DETR and a converted CLIP vision encoder, and a calibrated fold on a timm ViT."""
+    DETR and a converted CLIP vision encoder, and a calibrated fold on a timm ViT. The finetune accumulates 2 batches
+    per step (--grad-accum 2: DDP's all-reduce with the second only)."""
     worker = Path(__file__).with_name("ddp_worker.py")
     start, teacher = tiny_start(tmp_path / "start.safetensors"), tiny_start(tmp_path / "teacher.safetensors", seed=1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
            "finetune", "--checkpoint", str(start), "--teacher", str(teacher), "--distill-features", "0.5",
-           "--any-cost", "0.6", "0.9", *TINY, "--train-limit", "512", "--epochs", "2", "--router", "standard",
+           "--any-cost", "0.6", "0.9", *TINY, "--train-limit", "512", "--epochs", "2", "--grad-accum", "2", "--router",
+           "standard",
            "--capacity", "0.5", "--val-limit", "127", "--out", str(tmp_path / "ddp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-3000:]

@@ -223,6 +223,8 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
                    help="skip unreadable image files (and count them) instead of stopping at the first")
     for name in ("epochs", "batch-size", "seed"):
         g.add_argument(f"--{name}", type=int, default=S)
+    g.add_argument("--grad-accum", type=int, default=S, metavar="K",
+                   help="batches per optimizer step (gradient accumulation; default 1): a step sees K x --batch-size")
     for name in ("lr", "warmup-epochs", "weight-decay", "label-smoothing", "clip-grad"):
         g.add_argument(f"--{name}", type=float, default=S)
     g.add_argument("--amp", choices=AMP_MODES, default=S)

@@ -169,11 +169,11 @@ def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[
         labels = [{"class_labels": t["class_labels"].to(device), "boxes": t["boxes"].to(device)} for t in targets]
         return engine.StepLoss(model(pixel_values=normalise(images_cpu.to(device)), labels=labels).loss, len(targets))
 
-    def on_step(done: int, step_loss: engine.StepLoss) -> None:
+    def on_report(done: int, report: engine.Report) -> None:
         """Every ``eval_every`` steps and at the last: a row, then checkpoint, metrics and weights together."""
         nonlocal losses, images, started
-        losses.append(step_loss.loss.item())
-        images += step_loss.images
+        losses += report.losses
+        images += sum(report.images)
         if done % cfg.eval_every and done != cfg.steps:
             return
         speed = images / (time.perf_counter() - started)
@@ -194,6 +194,6 @@ def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[
 
     canvases = (collate([train[i] for i in indices]) for indices in _batches(cfg, train, step))
     engine.train_steps(model, canvases, optimizer, scheduler, loss_fn, device=device, amp=cfg.amp,
-                       clip_grad=cfg.clip, step=step, steps=cfg.steps, on_step=on_step,
+                       clip_grad=cfg.clip, step=step, steps=cfg.steps, report_every=cfg.eval_every, on_report=on_report,
                        non_finite_message=lambda value, n: f"the loss is {value} at step {n}; lower lr (now {cfg.lr:g})")
     return rows[-1]

@@ -184,14 +184,18 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
     started, seen = time.perf_counter(), 0
     saved = started  # when the state was last saved (or the run started, or resumed)
 
-    def on_step(done: int, out: engine.StepLoss) -> None:
+    def due(done: int) -> bool:
+        """The steps whose losses come back to the host: the evaluations' and, between them, the state's."""
+        every = cfg.state_every_s
+        return done in eval_steps or (every is not None and time.perf_counter() - saved >= every)
+
+    def on_report(done: int, report: engine.Report) -> None:
         """At an evaluation step: a row per evaluated cost, then the run's state (kill-safe: rows first); between
         them, the state alone once ``cfg.state_every_s`` passed since it was last saved."""
         nonlocal started, seen, saved
-        seen += out.images
+        seen += sum(report.images)
         if done not in eval_steps:
-            if cfg.state_every_s is not None and time.perf_counter() - saved >= cfg.state_every_s:
-                save_state(done)
+            save_state(done)
             return
         train_s = time.perf_counter() - started
         for p in evaluated:
@@ -200,7 +204,7 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
             correct = correctness(model, test_loader, device, amp)
             rows.add({"seed": seed, "cost_target": p.cost_target, "method": name, "amp": amp, "step": done,
                       "images_seen": done * cfg.batch_size, "top1": correct.double().mean().item(),
-                      "correct": pack(correct), "train_loss": out.loss.item(),
+                      "correct": pack(correct), "train_loss": report.losses[-1],
                       "train_images_per_s": seen / max(train_s, 1e-9), **extra})
             log.info("    step %d/%d%s: top-1 %.4f (%.1f training images/s)", done, steps,
                      f" at cost {p.cost_target:g}" if also else "", correct.double().mean().item(),
@@ -225,7 +229,7 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
     engine.train_steps(model, engine.image_batches(_train_batches(train, order, step, cfg.batch_size)), optimizer,
                        scheduler, loss_fn, device=device, amp=amp, clip_grad=1.0, step=step, steps=steps,
                        before_step=dial.before_step(model, seed) if dial else None,
-                       on_step=on_step,
+                       report_every=due, on_report=on_report,
                        non_finite_message=lambda value, n: f"{name} at cost {cost:g}, seed {seed}: the training loss "
                                                            f"is {value} at step {n}; lower --lr")
     if keep is not None:

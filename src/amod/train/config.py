@@ -85,6 +85,7 @@ class RunConfig:
     # optimisation
     epochs: int = 10
     batch_size: int = 128  # per process
+    grad_accum: int = 1  # batches per optimizer step (gradient accumulation): batch_size * grad_accum per step
     eval_batch_size: int = 256
     lr: float = 1e-3  # peak AdamW learning rate
     min_lr_ratio: float = 0.01  # the cosine ends at lr * min_lr_ratio
@@ -110,7 +111,7 @@ class RunConfig:
         validate_protect(self.protect)
         if self.amp not in ("off", "bf16"):
             raise UserError(f"--amp must be off or bf16, got {self.amp!r}")
-        for name in ("epochs", "batch_size", "eval_batch_size"):
+        for name in ("epochs", "batch_size", "grad_accum", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("img_size", "patch_size", "depth", "embed_dim", "num_heads", "num_classes", "train_limit",

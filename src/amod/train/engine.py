@@ -1,6 +1,7 @@
 """Training engine: the one training loop (``train_steps``) and AdamW's parameter groups (``param_groups``) that
 ``amod train``/``finetune``, the finetune study and ``amod detect train`` share; warm-up + cosine schedule, label
-smoothing, clipping, bf16 autocast, DDP, per-epoch metrics and atomic, resumable checkpoints.
+smoothing, clipping, gradient accumulation, bf16 autocast, DDP, losses read back to the host every N steps (not each
+step), per-epoch metrics and atomic, resumable checkpoints.
 
 One process or many (``torchrun``): everything rank-dependent goes through ``Dist``.
 """
@@ -285,6 +286,15 @@ class StepLoss:
 LossFn = Callable[[nn.Module, Any, int], StepLoss]
 
 
+@dataclass
+class Report:
+    """The steps since the previous report, read back from the device together (``train_steps``' ``on_report``)."""
+
+    losses: list[float]  # each step's loss, in order (with gradient accumulation: the mean of its batches' losses)
+    images: list[int]  # each step's images
+    correct: Optional[list[int]] = None  # each step's right top-1 answers (a classifier's loss function), else None
+
+
 def classification_loss(device: torch.device, distillation: Optional[Distillation] = None,
                         teacher: Optional[Callable] = None, label_smoothing: float = 0.0) -> LossFn:
     """The loss function of (x, y) batches: the labels' cross-entropy, or with ``distillation`` its loss against
@@ -299,53 +309,148 @@ def classification_loss(device: torch.device, distillation: Optional[Distillatio
     return loss_fn
 
 
+class _Pending:
+    """The statistics of the steps not yet reported, kept on the device until ``read`` brings them back at once."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first  # the steps done before the first of them
+        self.losses: list[torch.Tensor] = []
+        self.correct: list[torch.Tensor] = []
+        self.images: list[int] = []
+
+    def add(self, loss: torch.Tensor, images: int, correct: Optional[torch.Tensor]) -> None:
+        self.losses.append(loss)
+        self.images.append(images)
+        if correct is not None:
+            self.correct.append(correct)
+
+    def read(self) -> Report:
+        """The steps' numbers on the host: one transfer (float64 holds a float32 loss and a count exactly)."""
+        values = torch.stack(self.losses).double()
+        counted = len(self.correct) == len(self.losses)
+        if counted:
+            values = torch.cat([values, torch.stack(self.correct).double()])
+        values = values.tolist()
+        n = len(self.losses)
+        return Report(values[:n], self.images, [int(c) for c in values[n:]] if counted else None)
+
+
 def train_steps(model: nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LRScheduler, loss_fn: LossFn, *, device: torch.device,
-                amp: str = "off", clip_grad: float = 0.0, step: int = 0, steps: Optional[int] = None,
+                amp: str = "off", clip_grad: float = 0.0, grad_accum: int = 1, step: int = 0,
+                steps: Optional[int] = None, report_every: int | Callable[[int], bool] = 1,
                 before_step: Optional[Callable[[int], None]] = None,
-                on_step: Optional[Callable[[int, StepLoss], None]] = None,
+                on_report: Optional[Callable[[int, Report], None]] = None,
                 non_finite_message: Optional[Callable[[float, int], str]] = None) -> int:
-    """The training loop of every run: one optimizer step per batch of ``batches``, until they end or the run has
-    done ``steps``; returns how many steps the run has done.
+    """The training loop of every run: one optimizer step per ``grad_accum`` batches of ``batches``, until they end
+    or the run has done ``steps``; returns how many steps the run has done.
 
-    A step: ``before_step(step)``; ``loss_fn(model, batch, step)`` under ``amp``'s autocast; a non-finite loss
-    raises ``NonFiniteError`` (``non_finite_message(loss, step number)`` says where); zero the gradients,
-    backward, clip their norm to ``clip_grad`` (0: no clipping), ``optimizer.step()``, ``scheduler.step()``; then
-    ``on_step(steps done, the StepLoss)``, where a run evaluates, logs and saves. The order is fixed: a resumed run
-    (the states restored, ``step`` = the steps done) consumes the random numbers and steps as an unbroken one.
+    A step: ``before_step(step)``; then for each of its ``grad_accum`` batches ``loss_fn(model, batch, step)`` under
+    ``amp``'s autocast and the backward of its loss / ``grad_accum`` (the first batch's after zeroing the gradients;
+    under DDP the gradients are averaged across processes with the last batch's backward only); clip the accumulated
+    gradients' norm to ``clip_grad`` (0: no clipping), ``optimizer.step()``, ``scheduler.step()`` (the schedule counts
+    optimizer steps). Batches that end the data short of a whole step are left out of it. The order is fixed: a
+    resumed run (the states restored, ``step`` = the steps done) consumes the random numbers and steps as an
+    unbroken one.
+
+    The steps' losses stay on the device, with no host sync between reports: after the steps ``report_every`` names
+    and after the last, they are read back at once, checked, and given to ``on_report(steps done, Report)``, where a
+    run logs, evaluates and saves. A non-finite loss raises ``NonFiniteError`` at the report that reads it
+    (``non_finite_message(loss, step number)`` names the first such step; the steps after it have run, so nothing of
+    them may be saved: save in ``on_report``), or at an error inside a later step, which it then explains.
 
     Args:
         model: the model in training (a ``DistributedDataParallel`` under torchrun; gradient checkpointing is the
             model's own, ``set_grad_checkpointing``). Set to train mode here.
-        batches: what ``loss_fn`` takes, one per step; drawn only while a step is left to run.
+        batches: what ``loss_fn`` takes, ``grad_accum`` per step; drawn only while a step is left to run.
         loss_fn: the batch's loss (``classification_loss``, the finetune study's, DETR's set loss).
+        grad_accum: batches per optimizer step (gradient accumulation), at least 1.
         step: the steps the run has done before this call (the learning-rate schedule's position).
         steps: the run's last step (None: as many as ``batches`` holds).
+        report_every: report every N steps (counted from ``step``), or after the steps done for which
+            ``report_every(steps done)`` is true.
         before_step: called with the steps done before each step (an any-cost run sets the step's capacity).
+        on_report: called at each report, after the non-finite check.
     """
+    if grad_accum < 1:
+        raise UserError(f"grad_accum must be at least 1, got {grad_accum}")
+    if not callable(report_every) and report_every < 1:
+        raise UserError(f"report_every must be at least 1 step, got {report_every}")
+    due = report_every if callable(report_every) else (lambda done, start=step: (done - start) % report_every == 0)
+    no_sync = getattr(model, "no_sync", None)  # DDP: no all-reduce in the backward of all but a step's last batch
     model.train()
     pending = iter(batches)
-    while steps is None or step < steps:
-        batch = next(pending, _END)
-        if batch is _END:
+    unread = _Pending(step)
+
+    def report() -> None:
+        nonlocal unread
+        if not unread.losses:
+            return
+        got, first = unread.read(), unread.first
+        unread = _Pending(first + len(got.losses))
+        _check_finite(got, first, non_finite_message)
+        if on_report is not None:
+            on_report(first + len(got.losses), got)
+
+    try:
+        while steps is None or step < steps:
+            batch = next(pending, _END)
+            if batch is _END:
+                break
+            if before_step is not None:
+                before_step(step)
+            loss = correct = None
+            images = 0
+            for i in range(grad_accum):
+                if i:
+                    batch = next(pending, _END)
+                    if batch is _END:
+                        break
+                with no_sync() if no_sync is not None and i < grad_accum - 1 else nullcontext():
+                    with autocast(amp, device):
+                        out = loss_fn(model, batch, step)
+                    part = out.loss if grad_accum == 1 else out.loss / grad_accum
+                    if i == 0:
+                        optimizer.zero_grad(set_to_none=True)
+                    part.backward()
+                loss = part.detach() if loss is None else loss + part.detach()
+                if out.correct is not None:
+                    correct = out.correct if correct is None else correct + out.correct
+                images += out.images
+            else:
+                if clip_grad:
+                    nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                unread.add(loss, images, correct)
+                if due(step):
+                    report()
+                continue
+            optimizer.zero_grad(set_to_none=True)  # the batches ended inside a step: it is not taken
             break
-        if before_step is not None:
-            before_step(step)
-        with autocast(amp, device):
-            out = loss_fn(model, batch, step)
-        if not torch.isfinite(out.loss):
-            message = non_finite_message or (lambda value, n: f"the training loss is {value} at step {n}")
-            raise NonFiniteError(message(out.loss.item(), step + 1))
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        if clip_grad:
-            nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        if on_step is not None:
-            on_step(step, out)
+        report()
+    except NonFiniteError:
+        raise
+    except Exception as error:  # a step after a non-finite loss can fail on it (a matching of NaN boxes)
+        try:
+            got = unread.read() if unread.losses else None
+        except Exception:
+            got = None
+        if got is not None:
+            _check_finite(got, unread.first, non_finite_message, cause=error)
+        raise
     return step
+
+
+def _check_finite(got: Report, first: int, message: Optional[Callable[[float, int], str]],
+                  cause: Optional[BaseException] = None) -> None:
+    """Raise ``NonFiniteError`` naming the first step of ``got`` (the steps after ``first``) whose loss is not
+    finite."""
+    for i, value in enumerate(got.losses):
+        if not math.isfinite(value):
+            message = message or (lambda value, n: f"the training loss is {value} at step {n}")
+            raise NonFiniteError(message(value, first + i + 1)) from cause
 
 
 _END = object()  # what next() returns at the end of the batches
@@ -355,34 +460,40 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
                     scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Any, dist_info: Dist,
                     epoch: int, bad_images: Optional[BadImages] = None, teacher: Optional[Teacher] = None,
                     dial: Optional[Callable[[int], None]] = None) -> dict[str, float]:
-    """One epoch of ``loader`` (a ``make_loader``) through ``train_steps``, with progress, and its metrics summed
-    over the processes. ``teacher``: distil from it with ``cfg.distillation()``; ``dial``: called with the run's
-    step before each step (an any-cost run sets the step's capacity)."""
+    """One epoch of ``loader`` (a ``make_loader``) through ``train_steps``: ``steps_per_epoch`` optimizer steps of
+    ``cfg.grad_accum`` batches, with progress, and its metrics summed over the processes. The loss comes back to
+    the host four times an epoch (the progress and log lines) and at its end. ``teacher``: distil from it with
+    ``cfg.distillation()``; ``dial``: called with the run's step before each step (an any-cost run sets the step's
+    capacity)."""
     distillation = cfg.distillation() if teacher is not None else None
     loss_fn = classification_loss(dist_info.device, distillation, teacher, cfg.label_smoothing)
     first = scheduler.last_epoch  # the steps of earlier epochs: one scheduler step per training step
+    steps = steps_per_epoch(len(loader), cfg.grad_accum)
     loss_sum = correct = n = 0.0
     start = time.perf_counter()
-    batches = _progress(image_batches(loader, bad_images), len(loader), f"epoch {epoch}/{cfg.epochs}", dist_info.main)
-    log_every = max(1, len(loader) // 4)
+    batches = _progress(image_batches(loader, bad_images), steps * cfg.grad_accum, f"epoch {epoch}/{cfg.epochs}",
+                        dist_info.main)
+    log_every = max(1, steps // 4)
 
-    def on_step(done: int, out: StepLoss) -> None:
+    def on_report(done: int, report: Report) -> None:
         nonlocal loss_sum, correct, n
-        loss_sum += out.loss.item() * out.images
-        correct += out.correct.item()
-        n += out.images
+        for loss, images, right in zip(report.losses, report.images, report.correct):
+            loss_sum += loss * images
+            correct += right
+            n += images
         k = done - first  # steps of this epoch
         if hasattr(batches, "set_postfix"):
             elapsed = time.perf_counter() - start
             batches.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{correct / n:.3f}", img_s=f"{n * dist_info.world / elapsed:.0f}")
-        elif dist_info.main and k % log_every == 0 and k < len(loader):
+        elif dist_info.main and k % log_every == 0 and k < steps:
             elapsed = time.perf_counter() - start
-            left = elapsed / k * (len(loader) - k)
+            left = elapsed / k * (steps - k)
             log.info("epoch %d step %d/%d loss %.4f acc %.4f %.0f img/s, %.0fs left in epoch", epoch, k,
-                     len(loader), loss_sum / n, correct / n, n * dist_info.world / elapsed, left)
+                     steps, loss_sum / n, correct / n, n * dist_info.world / elapsed, left)
 
     train_steps(model, batches, optimizer, scheduler, loss_fn, device=dist_info.device, amp=cfg.amp,
-                clip_grad=cfg.clip_grad, step=first, before_step=dial, on_step=on_step,
+                clip_grad=cfg.clip_grad, grad_accum=cfg.grad_accum, step=first, steps=first + steps,
+                report_every=log_every, before_step=dial, on_report=on_report,
                 non_finite_message=lambda value, done: f"the training loss is {value} at epoch {epoch}, step "
                                                        f"{done - first}; lower --lr, or check the data")
     elapsed = time.perf_counter() - start
@@ -393,6 +504,12 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
                         "replace or remove the unreadable files of the training set")
     return {"train_loss": loss_sum / n, "train_acc": correct / n, "train_images_per_s": n / elapsed,
             "epoch_time_s": elapsed, "lr": scheduler.get_last_lr()[0]}
+
+
+def steps_per_epoch(batches: int, grad_accum: int) -> int:
+    """The optimizer steps of an epoch of ``batches`` batches: the last ``batches % grad_accum`` are left out, as a
+    loader leaves out the last partial batch."""
+    return batches // grad_accum
 
 
 class ShardSampler(Sampler[int]):

@@ -65,6 +65,11 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
             raise UserError(f"{len(train_ds)} training image{'' if len(train_ds) == 1 else 's'} for "
                             f"{world} processes: each process needs at least one; give more images "
                             "(--train-limit) or start fewer processes")
+        batches = len(engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, 0, engine.Dist(0, world)))
+        if batches < cfg.grad_accum:
+            raise UserError(f"--grad-accum {cfg.grad_accum} needs {cfg.grad_accum} batches per epoch and process; "
+                            f"this run has {batches} (--batch-size {cfg.batch_size}): lower --grad-accum or "
+                            "--batch-size")
         engine.seed_everything(cfg.seed)
         img_size = cfg.img_size or info.img_size
         model = build_model(cfg, num_classes, info.in_chans, img_size)
@@ -113,7 +118,8 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
     cost = flops(model)
     ratio = _share_of_dense(model, cost)
     optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay), lr=cfg.lr)
-    steps_per_epoch = len(engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, 0, dist_info))
+    steps_per_epoch = engine.steps_per_epoch(len(engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, 0,
+                                                                    dist_info)), cfg.grad_accum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(
         cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio))
     if state is not None:
