@@ -180,7 +180,8 @@ def register_method(cls: type[Method]) -> type[Method]:
         raise UserError(f"{cls.__name__} (kind {kind!r}): a method must set metadata_key, the checkpoint metadata "
                         f"entry it writes and is found by (e.g. metadata_key: ClassVar[str] = 'amod.{kind}'), "
                         f"got {key!r}")
-    taken = [c.kind for c in METHOD_CLASSES.values() if c.kind != kind and getattr(c, "metadata_key", None) == key]
+    taken = [c.kind for c in METHOD_CLASSES.values() if c.kind != kind  # (an older file's key counts: it still reads)
+             and key in (getattr(c, "metadata_key", None), *getattr(c, "former_metadata_keys", ()))]
     if taken:
         raise UserError(f"{cls.__name__} (kind {kind!r}): metadata_key {key!r} is the {taken[0]} method's already; "
                         "give another")
@@ -258,7 +259,7 @@ def unregistered_method(meta: dict[str, str]) -> Optional[str]:
     return f"method entry {unknown[0]!r}" if unknown else None
 
 
-def unregistered_method_error(what: str, source: str) -> ValueError:
+def unregistered_method_error(what: str, source: str) -> UserError:
     """The refusal of a file (``source``) whose metadata names a method that is not registered (``what``)."""
     return UserError(f"{source} was saved by {what}, which is not registered in this amod: install (or import) the "
                      f"package that registers it (entry-point group {ENTRY_POINT_GROUP}); registered methods: "
