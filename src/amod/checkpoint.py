@@ -24,8 +24,8 @@ from torch import nn
 from . import files
 from .family import Family, family_for, family_of
 from .hf.loading import hf_source, load_hf_model, load_hf_source
-from .methods import (file_metadata, method_entries, method_from_metadata, method_of, unregistered_method,
-                      unregistered_method_error)
+from .methods import (METHOD_ENTRY, file_metadata, method_entries, method_from_metadata, method_of,
+                      unregistered_method, unregistered_method_error)
 from .errors import UserError
 
 PathLike = Union[str, os.PathLike]
@@ -111,7 +111,7 @@ def _written_by_amod(path: Path) -> bool:
 def check_dense_file(path: PathLike) -> None:
     """Refuse a file that is not a readable amod checkpoint of a dense model (the start of a comparison)."""
     meta = read_metadata(path)
-    if meta.get("amod.method", "dense") != "dense" or method_entries(meta):
+    if meta.get(METHOD_ENTRY, "dense") != "dense" or method_entries(meta):
         raise UserError(f"{path} is not a dense model (it runs {method_from_metadata(meta).label()}); give a dense "
                         "one")
 

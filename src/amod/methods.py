@@ -125,12 +125,20 @@ class Method:
         return None
 
     @classmethod
+    def stored_settings(cls, meta: dict[str, str]) -> Optional[Any]:
+        """The settings this method's entry in a file's metadata ``meta`` holds (JSON, under ``metadata_key`` or, in
+        an older file, one of ``former_metadata_keys``), or None where ``meta`` has no such entry."""
+        key = next((k for k in (getattr(cls, "metadata_key", None), *cls.former_metadata_keys)
+                    if k is not None and k in meta), None)
+        return None if key is None else json.loads(meta[key])
+
+    @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["Method"]:
         """This method, if the checkpoint metadata ``meta`` names it (by default: its fields, JSON, under
         ``metadata_key``)."""
-        if getattr(cls, "metadata_key", None) is None or cls.metadata_key not in meta:
+        data = cls.stored_settings(meta)
+        if data is None:
             return None
-        data = json.loads(meta[cls.metadata_key])
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
@@ -373,9 +381,9 @@ class MoD(Method):
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
-        if cls.metadata_key not in meta:
+        data = cls.stored_settings(meta)
+        if data is None:
             return None
-        data = json.loads(meta[cls.metadata_key])
         config = MoDConfig.from_dict(data)  # (refuses keys it does not know)
         if isinstance(config.layers, list) and isinstance(config.scale_output, bool):
             return cls._of_config(config)  # a model's: what every file holds
@@ -459,10 +467,9 @@ class TokenMerging(Method):
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
-        key = next((k for k in (cls.metadata_key, *cls.former_metadata_keys) if k in meta), None)
-        if key is None:
+        data = cls.stored_settings(meta)
+        if data is None:
             return None
-        data = json.loads(meta[key])
         return cls(r=_as_tuple(data.get("schedule")), cost=data.get("cost"))
 
     @classmethod
@@ -515,9 +522,9 @@ class PiToMe(Method):
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["PiToMe"]:
-        if cls.metadata_key not in meta:
+        data = cls.stored_settings(meta)
+        if data is None:
             return None
-        data = json.loads(meta[cls.metadata_key])
         keep, cost = data.get("keep"), data.get("cost")
         return cls(keep=None if keep is None else float(keep), cost=None if cost is None else float(cost))
 

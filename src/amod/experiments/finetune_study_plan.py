@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 from torch import nn
 
-from ..cost import COST_TOLERANCE, validate_cost
+from ..cost import misses_cost, validate_cost
 from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
 from .arms import Arm, select
@@ -192,14 +192,14 @@ def plan(cfg: FinetuneConfig, model: nn.Module, calibrated: Optional[Callable[[f
             else:
                 method = arm.method.at_cost(model, cost)
                 reached = method.cost_of(model)
-                if arm.every_block_below and abs(reached - cost) / cost > COST_TOLERANCE:
+                if arm.every_block_below and misses_cost(reached, cost):
                     wider = dataclasses.replace(arm.method, layers=tuple(range(1, depth))).at_cost(model, cost)
                     if abs(wider.cost_of(model) - cost) < abs(reached - cost):
                         method = wider
                         note = f"alternate blocks reach {reached:.3f} at best: MoD on blocks 1–{depth - 1}"
             resolved[arm.name] = method
             reached = method.cost_of(model)
-            if abs(reached - cost) / cost > COST_TOLERANCE and not note:
+            if misses_cost(reached, cost) and not note:
                 note = f"closest cost it reaches is {reached:.3f}"
             planned.append(Planned(arm, cost, method, reached, depth, note))
     return planned
