@@ -18,7 +18,7 @@ from amod.cost import COST_TOLERANCE
 from amod.experiments.calibration import CalibrateConfig
 from amod.mod.calibrate import tilt_shape
 from amod.mod.fold import fold_count
-from amod.train.config import RunConfig
+from amod.train.config import RunConfig, resolve_run_config
 from amod.train.models import build_model
 from conftest import cli_in_process, make_model
 
@@ -83,7 +83,8 @@ def test_the_dial_turns_along_the_shape_and_bad_shapes_are_refused_in_one_line()
             expected.append(t + 1)
         assert [b.amod_last_tokens for b in model.blocks] == expected
     # a training run selects the shaped fold by its fields (what `amod finetune --shape` sets)
-    cfg = RunConfig(router="attention", skipped="fold", capacity=0.7, protect=0.0, shape=shape).validate()
+    cfg = resolve_run_config({"router": "attention", "skipped": "fold", "capacity": 0.7, "protect": 0.0,
+                              "shape": shape})
     trained = cfg.method().apply(make_model("vit", depth=4, img_size=64))
     assert amod.get_config(trained).shape == shape
     for kwargs, message in [(dict(skipped="bypass", shape=[1.0] * 4), "shape bends the token schedule of "

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import DEVICES, cli_in_process
 
+from amod.methods import parse_method
 from amod.experiments.frontier import accuracy_at, pareto
 
 
@@ -53,7 +54,8 @@ def test_the_sweep_measures_times_and_reads_every_method_and_reuses_what_it_meas
             assert all(abs(c["cost"] - r["cost_target"]) <= 0.02 * r["cost_target"] for c in report["candidates"])
             best = report["candidates"][report["chosen"]]
             assert best["fidelity"] == max(c["fidelity"] for c in report["candidates"])
-            assert r["setting"]["shape"] is not None and r["setting"]["protect"] == best["protect"]
+            method = parse_method(r["setting"])  # (a row keeps its method's spec)
+            assert method.shape is not None and method.protect == best["protect"]
     report = (out / "frontier.md").read_text()
     assert "| 50x | – | – | – | – |" in report and "## Accuracy at measured speed-up, batch 1" in report
     assert "## Calibration" in report
@@ -242,7 +244,7 @@ def test_compare_and_the_demo_flag_a_speed_up_beyond_the_macs(tmp_path, recwarn,
     from amod.experiments.finetune_study_plan import ARMS, FinetuneConfig, Planned
     from amod.methods import MoD
 
-    row = {"method": "A-MoD fold", "cost_target": 0.4, "cost": 0.4, "setting": MoD(capacity=0.5).run_fields(),
+    row = {"method": "A-MoD fold", "cost_target": 0.4, "cost": 0.4, "setting": MoD(capacity=0.5).spec(),
            "zero_top1": 0.5, "top1": None, "cosine": 0.9, "run": None, "images_per_s": 100.0, "speedup": 10.13,
            "flop_bound_efficiency": 4.05}
     compare.write_report(tmp_path, compare.CompareConfig(out=str(tmp_path)), tmp_path / "dense.safetensors",
@@ -270,7 +272,7 @@ def test_the_reports_say_the_cost_tolerance_their_flags_use(tmp_path, monkeypatc
     from amod.methods import MoD
 
     monkeypatch.setattr(amod.cost, "COST_TOLERANCE", 0.1)
-    setting = MoD(skipped="fold", capacity=0.8).run_fields()
+    setting = MoD(skipped="fold", capacity=0.8).spec()
     near, far = 0.43, 0.45  # 7.5 % and 12.5 % off the target 0.4: inside 10 %, and outside
     rows = [{"method": "A-MoD fold", "cost_target": 0.4, "cost": cost, "setting": setting, "zero_top1": 0.5,
              "top1": None, "cosine": 0.9, "run": None, "images_per_s": 10.0, "speedup": 1.5,

@@ -1,5 +1,6 @@
-"""amod.methods: each method says which run-configuration fields select it and which checkpoint
-metadata entry names it; the run configuration and the checkpoint module ask the classes."""
+"""amod.methods: each method says which checkpoint metadata entry names it and how its spec reads; a run holds its
+method as its spec alone, and the shorthand options (--router, --tome-cost, ...) build one; the run configuration
+and the checkpoint module ask the classes."""
 from __future__ import annotations
 
 import copy
@@ -12,32 +13,49 @@ from conftest import images, make_model
 
 import amod
 from amod.methods import (METHOD_CLASSES, Calibrated, Dense, IsoFLOP, MoD, PiToMe, TokenMerging, metadata_keys,
-                          method_classes, method_from_metadata, method_from_run_fields, method_of, parse_method,
-                          setting_text_of)
+                          SHORTHAND_NAMES, method_classes, method_from_metadata, method_from_shorthand, method_of,
+                          parse_method, setting_text_of)
 from amod.train.config import RunConfig, resolve_run_config
 
 
-@pytest.mark.parametrize("method", [
-    Dense(), MoD(), MoD(router="standard", capacity=0.25, layers=(1, 3), scale_output=False, skipped="kv"),
-    MoD(skipped="fold", layers="all", protect=0.1), IsoFLOP(capacity=0.25), TokenMerging(cost=0.6),
-    TokenMerging(r=(2, 2)), PiToMe(cost=0.6), PiToMe(keep=0.8),
-], ids=lambda m: m.label())
-def test_the_run_fields_of_a_method_select_it_again(method):
-    assert RunConfig(**method.run_fields()).method() == method
-    assert method_from_run_fields(RunConfig(**method.run_fields())) == method
+@pytest.mark.parametrize("options, method", [
+    ({"router": "attention"}, MoD()),
+    ({"router": "standard", "capacity": 0.25, "layers": [1, 3], "scale_output": False, "skipped": "kv"},
+     MoD(router="standard", capacity=0.25, layers=(1, 3), scale_output=False, skipped="kv")),
+    ({"router": "random", "router_seed": 4, "skipped": "fold", "layers": "all", "protect": 0.1, "shape": [1.2, 0.8]},
+     MoD(router="random", seed=4, skipped="fold", layers="all", protect=0.1, shape=(1.2, 0.8))),
+    ({"router": "attention", "isoflop": True, "capacity": 0.25}, IsoFLOP(capacity=0.25)),
+    ({"tome_cost": 0.6}, TokenMerging(cost=0.6)), ({"tome_r": [2, 2]}, TokenMerging(r=(2, 2))),
+    ({"pitome_cost": 0.6}, PiToMe(cost=0.6)), ({"pitome_keep": 0.8}, PiToMe(keep=0.8)),
+], ids=lambda x: x.label() if hasattr(x, "label") else None)
+def test_the_shorthand_options_build_the_method_the_same_way_from_flags_yaml_and_the_library(options, method,
+                                                                                              tmp_path):
+    """The shorthand table is the one place --router, --capacity, ... are read: as library options, as a YAML
+    file's keys, and as the flags of amod train, each gives the same method, held by the run as its spec alone."""
+    from amod.cli import build_parser, run_config_from_args
+
+    assert method_from_shorthand(options) == method
+    assert resolve_run_config(options).method() == method
+    (tmp_path / "run.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in options.items()))
+    assert resolve_run_config({}, str(tmp_path / "run.yaml")).method_spec == method.spec()
+    flags = [x for k, v in options.items() for x in ([f"--{k.replace('_', '-')}"] if v is True else
+             [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v).lower()
+              if isinstance(v, bool) else str(v)])]
+    cfg = run_config_from_args(build_parser(only="train").parse_args(["train", *flags]))
+    assert (cfg.method(), cfg.method_spec) == (method, method.spec())
+    assert not set(SHORTHAND_NAMES) & set(cfg.to_dict())  # the run holds the method as its spec alone
 
 
 def test_settings_that_select_two_methods_are_refused():
-    both = RunConfig(router="attention", tome_cost=0.6)
-    with pytest.raises(ValueError, match="token merging .* replaces MoD"):
-        both.validate()  # what a run says first
-    with pytest.raises(ValueError, match=r"the settings select 2 methods \(attention@0.5, tome@0.6\)"):
-        both.method()
-    for fields, message in [(dict(router="attention", pitome_cost=0.6), r"PiToMe \(--pitome-cost\) replaces MoD"),
-                            (dict(tome_r=2, pitome_keep=0.8), "give one of token merging .* and PiToMe .*, not both"),
-                            (dict(pitome_cost=0.6, pitome_keep=0.8), "give either --pitome-cost or pitome_keep")]:
-        with pytest.raises(ValueError, match=message):
-            RunConfig(**fields).validate()
+    for options, message in [({"router": "attention", "tome_cost": 0.6}, "--router and --tome-cost select two methods"),
+                             ({"router": "attention", "pitome_cost": 0.6}, "--router and --pitome-cost select two"),
+                             ({"tome_r": 2, "pitome_keep": 0.8}, "--tome-r and --pitome-keep select two methods"),
+                             ({"pitome_cost": 0.6, "pitome_keep": 0.8}, "pitome: give keep .* or cost .*, not both"),
+                             ({"tome_cost": 0.6, "skipped": "fold"}, "--skipped does not apply to tome"),
+                             ({"isoflop": True}, "--isoflop needs the MoD setup to match")]:
+        with pytest.raises(ValueError, match=message) as refused:
+            resolve_run_config(options)
+        assert len(str(refused.value).splitlines()) == 1
 
 
 def test_each_method_names_its_checkpoint_metadata():
@@ -73,13 +91,13 @@ def test_every_registered_method_has_an_example():
 
 
 @pytest.mark.parametrize("method", ROUND_TRIPPED, ids=lambda m: m.spec())
-def test_every_method_reads_back_as_itself_from_its_metadata_its_run_fields_and_its_spec(method):
+def test_every_method_reads_back_as_itself_from_its_metadata_a_run_and_its_spec(method):
     meta = method.metadata()  # set by a cost or not yet resolved: its fields as given, never an error
     assert set(meta) == ({method.metadata_key} if method.metadata_key else set())
     assert method_from_metadata(meta) == method  # (never Dense for another method)
     assert method_from_metadata(json.loads(json.dumps(meta))) == method
-    assert RunConfig(**method.run_fields()).method() == method  # no field dropped on the way into a run
-    assert method_from_run_fields(dict(method.run_fields())) == method  # a report row's setting
+    assert RunConfig(method_spec=method.spec()).method() == method  # no field dropped on the way into a run
+    assert setting_text_of(method.spec()) == method.setting_text()  # a report row's setting
     assert parse_method(method.spec()) == method
 
 
@@ -165,28 +183,28 @@ def test_conflicting_fields_are_refused_in_one_line_when_the_method_is_made(spec
 
 def test_a_spec_s_seed_seeds_the_router_and_the_run_s_seed_the_training(tmp_path):
     cfg = RunConfig(method_spec="mod:router=random,seed=5", seed=3).validate()
-    assert (cfg.method().seed, cfg.router_seed, cfg.seed) == (5, 5, 3)
+    assert (cfg.method().seed, cfg.seed) == (5, 3)
     # without one (or with seed 0, the default), the router takes the run's --seed, as --router alone does
     assert RunConfig(method_spec="mod:router=random", seed=3).validate().method().seed == 3
-    assert RunConfig(router="random", seed=3).validate().method().seed == 3
-    assert RunConfig(router="random", router_seed=7, seed=3).validate().method().seed == 7
+    assert resolve_run_config({"router": "random", "seed": 3}).method().seed == 3
+    assert resolve_run_config({"router": "random", "router_seed": 7, "seed": 3}).method().seed == 7
     with pytest.raises(ValueError, match="--router-seed only applies to a run without --method"):
         resolve_run_config({"method_spec": "mod:seed=5", "router_seed": 5})
     # a saved router keeps its seed when a run of another --seed gives its method again
     from amod.train.models import build_model
 
     path = amod.save(amod.convert(make_model("vit"), router="random", capacity=0.5, seed=2), tmp_path / "m.safetensors")
-    again = RunConfig(checkpoint=str(path), router="random", capacity=0.5, layers=[1, 3], scale_output=False,
-                      seed=1).validate()
+    again = resolve_run_config({"checkpoint": str(path), "router": "random", "capacity": 0.5, "layers": [1, 3],
+                                "scale_output": False, "seed": 1})
     assert method_of(build_model(again, 10, 3, 32)).seed == 2
     with pytest.raises(ValueError, match="already runs random@0.5"):  # another router seed is another method
-        build_model(dataclasses.replace(again, router_seed=4), 10, 3, 32)
+        build_model(dataclasses.replace(again, method_spec=again.method_spec + ",seed=4"), 10, 3, 32)
 
 
 @pytest.mark.parametrize("method", EXAMPLES, ids=lambda m: m.spec())
 def test_the_spec_of_a_method_selects_it_again(method):
     assert parse_method(method.spec()) == method
-    assert method_from_run_fields({"method_spec": method.spec()}) == method
+    assert setting_text_of(method.spec()) == method.setting_text()
 
 
 @pytest.mark.parametrize("spec, method", [
@@ -212,15 +230,14 @@ def test_a_bad_spec_is_refused_naming_the_kind_or_field_and_what_is_allowed(spec
         parse_method(spec)
 
 
-def test_a_run_selects_a_method_by_its_spec_and_a_built_in_one_writes_its_own_fields():
+def test_a_run_holds_its_method_as_one_spelling_of_its_spec():
     cfg = RunConfig(method_spec="tome:cost=0.5").validate()
-    assert (cfg.tome_cost, cfg.method()) == (0.5, TokenMerging(cost=0.5))
-    cfg = RunConfig(method_spec="mod:capacity=0.25,skipped=fold").validate()
-    assert (cfg.router, cfg.capacity, cfg.skipped, cfg.layers) == ("attention", 0.25, "fold", "all")
-    assert cfg.method() == MoD(capacity=0.25, skipped="fold", layers="all")
-    assert RunConfig(method_spec="pitome:cost=0.5").validate().method() == PiToMe(cost=0.5)
-    with pytest.raises(ValueError, match="select two methods"):
-        RunConfig(method_spec="tome:cost=0.5", router="attention").validate()
+    assert cfg.method() == TokenMerging(cost=0.5)
+    cfg = RunConfig(method_spec="mod: skipped=fold, capacity=0.25").validate()
+    assert (cfg.method_spec, cfg.method()) == ("mod:capacity=0.25,skipped=fold", MoD(capacity=0.25, skipped="fold"))
+    assert RunConfig(method_spec="dense").validate().method_spec is None
+    with pytest.raises(ValueError, match="--router only applies to a run without --method"):
+        resolve_run_config({"method_spec": "tome:cost=0.5", "router": "attention"})
     with pytest.raises(ValueError, match="chooses its setting on unlabeled images"):
         RunConfig(method_spec="calibrated").validate()
 
@@ -259,9 +276,7 @@ def test_a_saved_report_row_renders_its_setting_as_before(setting):
 def test_method_and_the_options_of_a_method_are_refused_together_and_old_configs_load():
     with pytest.raises(ValueError, match="--router, --capacity only apply to a run without --method"):
         resolve_run_config({"method_spec": "mod:capacity=0.25", "router": "attention", "capacity": 0.5})
-    assert resolve_run_config({"method_spec": "tome:r=[1,1,1,1]"}).validate().tome_r == [1, 1, 1, 1]
-    before = {k: v for k, v in RunConfig(tome_cost=0.5).to_dict().items() if k != "method_spec"}  # a run of before
-    assert RunConfig.from_dict(before).validate().method() == TokenMerging(cost=0.5)
+    assert resolve_run_config({"method_spec": "tome:r=[1,1,1,1]"}).method() == TokenMerging(r=(1, 1, 1, 1))
 
 
 def test_every_mod_default_is_mod_configs():
@@ -282,8 +297,6 @@ def test_every_mod_default_is_mod_configs():
             continue
         assert inspect.signature(amod.convert).parameters[name].default == default, name
         assert {f.name: f.default for f in dataclasses.fields(MoD)}[name] == default, name
-        if name != "router":  # (a run's router is None: dense)
-            assert {f.name: f.default for f in dataclasses.fields(RunConfig)}[name] == default, name
     default_layers = skipped_mode(MoDConfig.skipped).default_layers
     assert IsoFLOP() == IsoFLOP(router=MoDConfig.router, capacity=MoDConfig.capacity, layers=default_layers)
     isoflop = inspect.signature(isoflop_baseline).parameters
@@ -300,15 +313,10 @@ def test_every_mod_default_is_mod_configs():
     assert (bench.router, bench.layers) == (MoDConfig.router, default_layers)
 
 
-def test_run_config_without_method_drops_the_fields_of_every_method():
-    """``METHOD_FIELDS`` (with MoD's own fields and ``method_spec``) are every field a method's ``run_fields`` writes,
-    so ``RunConfig.without_method`` (a distilled run's dense teacher) drops any method."""
-    from amod.train.config import METHOD_FIELDS, MOD_ONLY
-
+def test_run_config_without_method_drops_every_method():
+    """``RunConfig.without_method`` (a distilled run's dense teacher) drops any method, and its any-cost range."""
     for method in EXAMPLES:
         if method.needs_images:  # (not a run's method until set to a cost)
             continue
-        assert set(method.run_fields()) <= {*METHOD_FIELDS, *MOD_ONLY, "method_spec"}, method
-        cfg = RunConfig(**method.run_fields(), any_cost=[0.3, 0.9])
+        cfg = RunConfig(method_spec=method.spec(), any_cost=[0.3, 0.9])
         assert cfg.without_method().method() == Dense() and cfg.without_method().any_cost is None
-        assert dataclasses.replace(cfg.without_method(), **method.run_fields()).method() == method

@@ -15,6 +15,7 @@ import torch
 import amod
 from amod.cli import main as amod_main
 from amod.train.engine import read_metrics
+from amod.methods import MoD
 from amod.train.config import RunConfig
 from amod.train.run import train
 from conftest import cli_in_process, images, make_model
@@ -31,8 +32,8 @@ def without_timings(rows):
 
 
 def test_training_lowers_the_loss_and_eval_agrees(tmp_path, capsys):
-    cfg = RunConfig(**TINY_CFG, train_limit=1024, epochs=3, lr=2e-3, warmup_epochs=0.5, router="attention",
-                    capacity=0.5, eval_before_training=True, out=str(tmp_path / "run"))
+    cfg = RunConfig(**TINY_CFG, train_limit=1024, epochs=3, lr=2e-3, warmup_epochs=0.5,
+                    method_spec="mod:router=attention,capacity=0.5", eval_before_training=True, out=str(tmp_path / "run"))
     summary = train(cfg)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
@@ -291,7 +292,7 @@ def test_finetune_loads_a_checkpoint_saved_from_plain_timm(tmp_path, layout):
     path = tmp_path / "timm.pth"
     torch.save(sd if layout == "plain" else {"model": sd, "epoch": 3}, path)
     # capacity 1.0 with an unscaled router is the dense function: epoch 0 must match the dense model
-    cfg = RunConfig(**TINY_CFG, checkpoint=str(path), router="attention", capacity=1.0, epochs=1, train_limit=128,
+    cfg = RunConfig(**TINY_CFG, checkpoint=str(path), method_spec="mod:capacity=1.0", epochs=1, train_limit=128,
                     eval_before_training=True, out=str(tmp_path / "ft"))
     train(cfg)
     zero = read_metrics(tmp_path / "ft" / "metrics.jsonl")[0]
@@ -328,7 +329,7 @@ def test_yaml_config_is_overridden_by_flags(tmp_path):
     cfg_file.write_text("epochs: 3\nlr: 0.01\nrouter: attention\nlayers: [1, 3]\nwarmup-epochs: 0.5\n")
     args = build_parser().parse_args(["train", "--config", str(cfg_file), "--lr", "0.002"])
     cfg = run_config_from_args(args, finetune=False)
-    assert (cfg.epochs, cfg.lr, cfg.router, cfg.layers, cfg.warmup_epochs) == (3, 0.002, "attention", [1, 3], 0.5)
+    assert (cfg.epochs, cfg.lr, cfg.method(), cfg.warmup_epochs) == (3, 0.002, MoD(layers=(1, 3)), 0.5)
     cfg_file.write_text("epochs: 3\nlearning_rate: 0.01\n")
     with pytest.raises(ValueError, match=r"unknown keys \['learning_rate'\]"):
         run_config_from_args(build_parser().parse_args(["train", "--config", str(cfg_file)]), finetune=False)

@@ -23,7 +23,8 @@ from .checkpoint import load_weightless
 from .deploy import EXPORTERS
 from .family import family_of
 from .files import dumps
-from .methods import METHOD_CLASSES, method_kinds, parse_method
+from .methods import (METHOD_CLASSES, SHORTHANDS, Shorthand, method_from_shorthand, method_kinds, parse_method,
+                      parse_shorthand, vit_routers)
 from .mod.config import MoDConfig, validate_capacity
 from .mod.convert import DEFAULT_LAYERS
 from .mod.modes import skipped_mode, skipped_mode_names
@@ -61,12 +62,6 @@ def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")  # an argparse type
 nonnegative_int = _int_at_least(0, "an integer >= 0")
-
-
-def vit_routers() -> tuple[str, ...]:
-    """The ``--router`` choices of the ViT commands (train, finetune, flops, bench, calibrate): the routers that route
-    every family, so not DETR's ``feature-norm`` (``amod detect`` takes it)."""
-    return tuple(name for name in router_names() if router_class(name).families is None)
 
 
 def parse_layers(text: str):
@@ -110,6 +105,23 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def shorthand_flag(g: argparse._ActionsContainer, option: Shorthand, **kwargs: Any) -> None:
+    """The flag of a method's shorthand option (``amod.methods.SHORTHANDS``): ``--capacity 0.5`` sets MoD's
+    capacity; its type and help are the option's."""
+    def parse(text: str) -> Any:
+        try:
+            return parse_shorthand(option, text)
+        except UserError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    flag = "--" + option.name.replace("_", "-")
+    if option.field is None:
+        g.add_argument(flag, action="store_true", help=option.help, **kwargs)
+    else:
+        shown = {"choices": option.choices()} if option.choices else {"metavar": option.name.upper()}
+        g.add_argument(flag, type=parse, help=option.help, **shown, **kwargs)
+
+
 def _default(config: type, name: str) -> Any:
     """The default of a library configuration's field, so that the flags repeat none of them."""
     value = next(f for f in fields(config) if f.name == name).default
@@ -135,10 +147,11 @@ def _setup_logging() -> None:
 
 def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="+", help=f"timm model names, or {HF_MODEL}")
-    p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125])
-    p.add_argument("--router", default=MoDConfig.router, choices=vit_routers())
-    p.add_argument("--layers", type=parse_layers, default=None, help="default: all for --skipped fold, alternate otherwise")
-    p.add_argument("--skipped", choices=skipped_mode_names(), default=MoDConfig.skipped)
+    p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125],
+                   help="MoD capacities priced, each a row (with --router, --layers and --skipped)")
+    for option in SHORTHANDS:
+        if option.name in FLOPS_MOD_OPTIONS:
+            shorthand_flag(p, option, default=None)
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
     p.add_argument("--method", dest="method_specs", nargs="+", default=[], metavar="SPEC",
@@ -146,14 +159,24 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=positive_int, default=None)
 
 
+FLOPS_MOD_OPTIONS = ("router", "layers", "skipped")  # the MoD setup of amod flops' capacity rows
+
+
+def _as_text(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _flops(args: argparse.Namespace) -> int:
     from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table, saved_notes
 
-    methods = flops_methods(args.capacity, args.router, args.layers, args.skipped, args.tome_cost or ())
+    given = {k: getattr(args, k) for k in FLOPS_MOD_OPTIONS if getattr(args, k) is not None}
+    mod = method_from_shorthand({"router": MoDConfig.router, **given})
+    methods = flops_methods(args.capacity, mod, args.tome_cost or ())
     methods += [(spec, parse_method(spec)) for spec in args.method_specs]
-    layers = args.layers or skipped_mode(args.skipped).default_layers
     rows = flops_table(args.models, methods, args.img_size)  # (errors before any output)
-    print(f"router={args.router} layers={layers}" + ("" if args.skipped == "bypass" else f" skipped={args.skipped}"))
+    layers = mod.layers or skipped_mode(mod.skipped).default_layers
+    print(f"router={mod.router} layers={_as_text(layers)}" + ("" if mod.skipped == "bypass" else
+                                                              f" skipped={mod.skipped}"))
     print("\n".join(format_flops_table(rows)))
     for note in saved_notes(rows) + floor_notes(args.models, methods, args.img_size):
         print(note)
@@ -182,23 +205,9 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
                         f"{', '.join(k for k in method_kinds(strict=False) if k not in on_images)}"
                         + (f"; not {', '.join(on_images)}, which chooses its setting on images: amod calibrate makes "
                            "that model" if on_images else "") + ")")
-    g = p.add_argument_group("Mixture-of-Depths (no --router: dense)")
-    g.add_argument("--router", choices=vit_routers(), default=S)
-    g.add_argument("--capacity", type=float, default=S)
-    g.add_argument("--layers", type=parse_layers, default=S,
-                   help="alternate | later | all | 1,3,5 (default: all for --skipped fold, alternate otherwise)")
-    g.add_argument("--scale-output", type=parse_bool, default=S, help="true | false (default: per router)")
-    g.add_argument("--router-seed", type=int, default=S, help="seed of a router that draws (default: --seed)")
-    g.add_argument("--isoflop", action="store_true", default=S,
-                   help="train the dense isoFLOP baseline of --router/--capacity/--layers instead")
-    g.add_argument("--skipped", choices=skipped_mode_names(), default=S,
-                   help=f"what MoD blocks do with skipped tokens (default {RunConfig.skipped})")
-    g.add_argument("--protect", type=float, default=S,
-                   help=f"--skipped fold: share of a fold block's patch tokens the router protects "
-                        f"(default {RunConfig.protect})")
-    g.add_argument("--shape", type=parse_shape, default=S,
-                   help="--skipped fold: one capacity exponent per block, 1.6,1.4,...; block i keeps capacity ** w_i "
-                        "of its patch tokens (amod calibrate prints one; default: all 1)")
+    g = p.add_argument_group("the method by shorthand options (no --router, --tome-* or --pitome-*: dense)")
+    for option in SHORTHANDS:
+        shorthand_flag(g, option, default=S)
     g.add_argument("--any-cost", type=float, nargs=2, metavar=("LOW", "HIGH"), default=S,
                    help="train at a share of the dense MACs drawn per step from [LOW, HIGH] (12 evenly spaced), so "
                         "one model serves the whole capacity dial (amod.set_capacity); evaluated at --capacity")
@@ -208,11 +217,6 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
                        help="learn from a dense teacher's outputs too (default teacher: the starting weights, frozen)")
         _distill_flags(g, "the teacher: a dense model file with the data's classes (implies --distill)",
                        suppress=True)
-    g = p.add_argument_group("token merging (ToMe or PiToMe) instead of MoD")
-    g.add_argument("--tome-cost", type=float, default=S, help="share of the dense MACs to match, e.g. 0.56")
-    g.add_argument("--tome-r", type=parse_schedule, default=S, help="tokens merged per block: 8 or 8,8,6,...")
-    g.add_argument("--pitome-cost", type=float, default=S, help="PiToMe instead of ToMe: share of the dense MACs to "
-                                                               "match, e.g. 0.56")
     g = p.add_argument_group("data and optimisation")
     g.add_argument("--data", default=S, help="fashion-mnist | imagefolder:PATH | flowers102 | oxford-pets | "
                                              "stanford-cars | imagenet")

@@ -3,11 +3,13 @@
 
 One class per method, registered with ``@register_method`` under its ``kind``, knows how to turn a dense timm ViT
 into itself (``apply``), price itself (``cost_of``), name itself in reports (``label``, ``setting_text``), the
-run-configuration fields that select it (``run_fields``, ``from_run_fields``), its checkpoint metadata
-(``metadata_key``, ``metadata``, ``from_metadata``), how to find itself in a model (``of_model``) and how to set itself
+checkpoint metadata (``metadata_key``, ``metadata``, ``from_metadata``), how to find itself in a model (``of_model``) and how to set itself
 to a share of the dense model's MACs (``at_cost``; a method with ``needs_images`` chooses its setting on unlabeled
 images given there). Any registered method is also selected by a spec string, ``KIND:FIELD=VALUE,...``
-(``parse_method``, ``Method.spec``). Run configurations, model building, checkpoints, ``amod flops``,
+(``parse_method``, ``Method.spec``): the one way a run configuration, ``config.yaml``, a report row and the
+command line carry a method. The built-in methods' older options (``--router``, ``--capacity``, ``--tome-cost``,
+...) are shorthand for a spec, stated once in ``SHORTHANDS``; configurations, checkpoints and report rows written
+with them read back through the same table (``method_from_shorthand``). Run configurations, model building, checkpoints, ``amod flops``,
 ``amod compare``, ``amod frontier`` and ``amod study`` all read the registry when they run, so a method registered
 later (in any module imported before use) is found by all of them. An installed package makes its methods known to
 the shipped ``amod`` command through the entry-point group ``amod.methods`` (``ENTRY_POINT_GROUP``), loaded the first
@@ -29,9 +31,11 @@ import torch
 from torch import nn
 
 from .family import weightless_copy
-from .cost import flops
+from .cost import flops, validate_cost
 from .mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
-from .mod.config import MoDConfig
+from .mod.config import LAYER_PRESETS, MoDConfig, validate_capacity, validate_protect, validate_router, validate_skipped
+from .mod.modes import skipped_mode, skipped_mode_names
+from .mod.routers import router_class, router_names
 from .mod.convert import DEFAULT_LAYERS, capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
 from . import tome
@@ -103,10 +107,6 @@ class Method:
         """What it runs, in a report's setting column (``setting_text_of`` gives it for a report row's fields)."""
         return self.spec()
 
-    def run_fields(self) -> dict[str, Any]:
-        """The ``RunConfig`` fields that select this method (by default its spec: ``method_spec``)."""
-        return {"method_spec": self.spec()}
-
     def metadata(self) -> dict[str, str]:
         """Entries of a checkpoint's metadata that rebuild this method (by default its fields as JSON under
         ``metadata_key``; none without one, as for a dense model); ``from_metadata`` reads them back as this method.
@@ -117,12 +117,6 @@ class Method:
             return {}
         return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
                                                for f in dataclasses.fields(self)})}
-
-    @classmethod
-    def from_run_fields(cls, fields: Any) -> Optional["Method"]:
-        """This method, if the run configuration ``fields`` (an object with ``RunConfig``'s fields) selects it by
-        fields of its own (a spec in ``method_spec`` is read by ``method_from_run_fields``)."""
-        return None
 
     @classmethod
     def stored_settings(cls, meta: dict[str, str]) -> Optional[Any]:
@@ -153,6 +147,11 @@ class Method:
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "Method":
         """A copy set to the cost closest to ``cost`` x the dense model's MACs (priced on a weightless copy);
         ``images``: unlabeled images of the data, for a method that ``needs_images`` to choose its setting."""
+        return self
+
+    def seeded(self, seed: int) -> "Method":
+        """This method as a run seeded with ``seed`` runs it: a method that draws (a random router) and leaves its
+        own seed unset takes the run's; any other is returned as it is."""
         return self
 
 
@@ -290,8 +289,6 @@ class Dense(Method):
     def setting_text(self) -> str:
         return "–"
 
-    def run_fields(self) -> dict[str, Any]:
-        return {}
 
 
 METHOD_CLASSES[Dense.kind] = Dense  # the one method without settings or a metadata entry (register_method asks one)
@@ -314,6 +311,13 @@ class MoD(Method):
     shape: Optional[tuple[float, ...]] = None  # fold only: one capacity exponent per block (``amod.calibrate``)
 
     def check(self) -> None:
+        validate_router(self.router)
+        validate_capacity(self.capacity)
+        validate_skipped(self.skipped)
+        validate_protect(self.protect)
+        if isinstance(self.layers, str) and self.layers not in LAYER_PRESETS:
+            raise UserError(f"mod: layers must be one of {', '.join(LAYER_PRESETS)} or a list of block indices, got "
+                            f"{self.layers!r}")
         if self.skipped != "fold":  # fold's settings would be dropped without a word by another mode
             given = [f"{name}={_spec_value(getattr(self, name))}" for name, default in
                      (("protect", MoDConfig.protect), ("shape", None)) if getattr(self, name) != default]
@@ -326,6 +330,9 @@ class MoD(Method):
         # shape is named only when set: a plain MoD keeps the repr that finished measurements are keyed by
         shown = [f for f in dataclasses.fields(self) if f.name != "shape" or self.shape is not None]
         return f"MoD({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
+    def seeded(self, seed: int) -> "MoD":
+        return self if self.seed else dataclasses.replace(self, seed=seed)  # (0: the run's seed)
 
     def apply(self, model: nn.Module) -> nn.Module:
         layers = _as_list(self.layers)
@@ -349,35 +356,10 @@ class MoD(Method):
             text += f", shape {self.shape[0]:.2f}…{self.shape[-1]:.2f}"
         return text
 
-    def run_fields(self) -> dict[str, Any]:
-        layers = _as_list(self.layers)
-        fields = {"router": self.router, "capacity": self.capacity, "layers": layers, "skipped": self.skipped}
-        if self.scale_output is not None:
-            fields["scale_output"] = self.scale_output
-        if self.seed:  # (0: the run's --seed seeds the router, as --router alone does)
-            fields["router_seed"] = self.seed
-        if self.skipped == "fold":
-            fields["protect"] = self.protect
-        if self.shape is not None:
-            fields["shape"] = _as_list(self.shape)
-        return fields
-
     def metadata(self) -> dict[str, str]:
         # the MoDConfig's JSON for a model's (resolved) method; None, a preset name where they are given
         return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
                                                for f in dataclasses.fields(self)}, sort_keys=True)}
-
-    @classmethod
-    def from_run_fields(cls, fields: Any) -> Optional["MoD"]:
-        if fields.router is None or fields.isoflop:
-            return None
-        layers = _as_tuple(fields.layers)
-        # the router's own seed, else the run's (a report row holds neither where it is 0)
-        seed = fields.router_seed if getattr(fields, "router_seed", None) is not None else fields.seed or 0
-        # protect is fold's: another mode's run ignored it (configs of before may hold one)
-        protect = fields.protect if fields.skipped == "fold" else MoDConfig.protect
-        return cls(router=fields.router, capacity=fields.capacity, layers=layers, scale_output=fields.scale_output,
-                   seed=seed, skipped=fields.skipped, protect=protect, shape=_as_tuple(fields.shape))
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
@@ -434,6 +416,8 @@ class TokenMerging(Method):
 
     def check(self) -> None:
         _one_of(self.kind, self, ("r", "cost"), ("tokens merged per block", "a share of the dense MACs"))
+        if self.cost is not None:
+            validate_cost(self.cost, f"{self.kind}: cost")
 
     def apply(self, model: nn.Module) -> nn.Module:
         r = _as_list(self.r)
@@ -445,25 +429,13 @@ class TokenMerging(Method):
         return f"tome r={_as_list(self.r)}"
 
     def setting_text(self) -> str:
+        if self.r is None and self.cost is None:
+            return self.spec()  # not set yet
         return f"r = {_as_list(self.r)}" if self.r is not None else f"cost {self.cost:g}"
-
-    def run_fields(self) -> dict[str, Any]:
-        if self.cost is not None:
-            return {"tome_cost": self.cost}
-        if self.r is not None:
-            return {"tome_r": _as_list(self.r)}
-        return super().run_fields()  # not set yet: its spec
 
     def metadata(self) -> dict[str, str]:
         # a model's schedule under "schedule", the name files have always had; a cost where one is given
         return {self.metadata_key: _merging_metadata({"schedule": self.r, "cost": self.cost})}
-
-    @classmethod
-    def from_run_fields(cls, fields: Any) -> Optional["TokenMerging"]:
-        if fields.tome_cost is None and fields.tome_r is None:
-            return None
-        r = _as_tuple(fields.tome_r)
-        return cls(r=r, cost=fields.tome_cost)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
@@ -494,6 +466,8 @@ class PiToMe(Method):
     def check(self) -> None:
         _one_of(self.kind, self, ("keep", "cost"), ("the share of its patch tokens each block keeps",
                                                     "a share of the dense MACs"))
+        if self.cost is not None:
+            validate_cost(self.cost, f"{self.kind}: cost")
 
     def apply(self, model: nn.Module) -> nn.Module:
         return pitome.apply(model, keep=self.keep, cost=self.cost)
@@ -502,23 +476,12 @@ class PiToMe(Method):
         return f"pitome@{self.cost:g}" if self.cost is not None else f"pitome keep={self.keep:g}"
 
     def setting_text(self) -> str:
+        if self.keep is None and self.cost is None:
+            return self.spec()  # not set yet
         return f"keep {self.keep:g} a block" if self.keep is not None else f"cost {self.cost:g}"
-
-    def run_fields(self) -> dict[str, Any]:
-        if self.cost is not None:
-            return {"pitome_cost": self.cost}
-        if self.keep is not None:
-            return {"pitome_keep": self.keep}
-        return super().run_fields()  # not set yet: its spec
 
     def metadata(self) -> dict[str, str]:
         return {self.metadata_key: _merging_metadata({"keep": self.keep, "cost": self.cost})}
-
-    @classmethod
-    def from_run_fields(cls, fields: Any) -> Optional["PiToMe"]:
-        if fields.pitome_cost is None and fields.pitome_keep is None:
-            return None
-        return cls(keep=fields.pitome_keep, cost=fields.pitome_cost)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str]) -> Optional["PiToMe"]:
@@ -572,16 +535,7 @@ class IsoFLOP(Method):
     def setting_text(self) -> str:
         return f"isoFLOP of C = {self.capacity:.3f}, blocks {_as_list(self.layers)}"
 
-    def run_fields(self) -> dict[str, Any]:
-        layers = _as_list(self.layers)
-        return {"router": self.router, "capacity": self.capacity, "layers": layers, "isoflop": True}
 
-    @classmethod
-    def from_run_fields(cls, fields: Any) -> Optional["IsoFLOP"]:
-        if fields.router is None or not fields.isoflop:
-            return None
-        layers = _as_tuple(fields.layers)
-        return cls(router=fields.router, capacity=fields.capacity, layers=layers or DEFAULT_LAYERS)
 
 
 @register_method
@@ -655,37 +609,139 @@ def method_from_metadata(meta: dict[str, str]) -> Method:
     return Dense()
 
 
-class _Fields:
-    """A dict of run-configuration fields (a report row's ``setting``) read as attributes; absent ones are None."""
+# ---------------------------------------------------------------- shorthand: options that build a method
 
-    def __init__(self, fields: dict[str, Any]) -> None:
-        self._fields = fields
-
-    def __getattr__(self, name: str) -> Any:
-        return self._fields.get(name)
+def vit_routers() -> tuple[str, ...]:
+    """The routers that route every family (so not DETR's ``feature-norm``): the ``--router`` choices of the ViT
+    commands."""
+    return tuple(name for name in router_names() if router_class(name).families is None)
 
 
-def method_from_run_fields(fields: Any) -> Method:
-    """The method a run configuration selects (an object with ``RunConfig``'s fields, or a dict of some of them, as
-    a report row keeps): the one whose ``from_run_fields`` accepts the fields, else the spec in ``method_spec``
-    (``parse_method``), else ``Dense``. Settings that select two methods (``RunConfig.validate`` refuses them
-    first, with its own message) raise a ValueError."""
-    if isinstance(fields, dict):
-        fields = _Fields(fields)
-    chosen = [m for m in (cls.from_run_fields(fields) for cls in method_classes()) if m is not None]
-    if len(chosen) > 1:
-        raise UserError(f"the settings select {len(chosen)} methods ({', '.join(m.label() for m in chosen)}); "
-                        "give the settings of one")
-    spec = getattr(fields, "method_spec", None)
-    if not chosen and spec:
-        return parse_method(spec)
-    return chosen[0] if chosen else Dense()
+@dataclass(frozen=True)
+class Shorthand:
+    """An option that sets one field of a built-in method: ``--capacity 0.5`` is ``mod:capacity=0.5``. The command
+    line's method flags are these (``amod train --router attention --capacity 0.5``), and so are the fields that run
+    configurations, report rows and checkpoints held before a run's method was its spec alone."""
+
+    name: str  # the option: its flag is --name with dashes, and older files hold it under this name
+    kind: str  # the method it sets a field of
+    field: Optional[str]  # that field (None: the option is a switch that makes the MoD setup this method, --isoflop)
+    selects: bool  # giving it selects its method (--router, --tome-cost); the others adjust a selected one
+    help: str
+    choices: Optional[Any] = None  # a function giving the allowed values, where the registry limits them
 
 
-def setting_text_of(fields: dict[str, Any]) -> str:
-    """A report's setting column for a row's ``setting`` (the ``run_fields`` of the method it measured): the method
-    rebuilt from them, asked for its ``setting_text`` (so rows saved before render as they did)."""
-    return method_from_run_fields(fields).setting_text()
+SHORTHANDS: tuple[Shorthand, ...] = (
+    Shorthand("router", "mod", "router", True, "Mixture-of-Depths, its tokens ranked by this router",
+              vit_routers),
+    Shorthand("capacity", "mod", "capacity", False, f"share of patch tokens an MoD block processes (default "
+              f"{MoDConfig.capacity})"),
+    Shorthand("layers", "mod", "layers", False, "alternate | later | all | 1,3,5 (default: all for --skipped fold, "
+              "alternate otherwise)"),
+    Shorthand("scale_output", "mod", "scale_output", False, "true | false: scale a processed token's block output by "
+              "its router gate (default: per router)"),
+    Shorthand("router_seed", "mod", "seed", False, "seed of a router that draws (default: --seed)"),
+    Shorthand("skipped", "mod", "skipped", False, f"what MoD blocks do with skipped tokens (default "
+              f"{MoDConfig.skipped})", lambda: tuple(skipped_mode_names())),
+    Shorthand("protect", "mod", "protect", False, f"--skipped fold: share of a fold block's patch tokens the router "
+              f"protects (default {MoDConfig.protect})"),
+    Shorthand("shape", "mod", "shape", False, "--skipped fold: one capacity exponent per block, 1.6,1.4,...; block i "
+              "keeps capacity ** w_i of its patch tokens (amod calibrate prints one; default: all 1)"),
+    Shorthand("isoflop", "isoflop", None, False, "the dense isoFLOP baseline of --router/--capacity/--layers instead"),
+    Shorthand("tome_cost", "tome", "cost", True, "token merging (ToMe): the share of the dense MACs to match, e.g. "
+              "0.56"),
+    Shorthand("tome_r", "tome", "r", True, "token merging (ToMe): tokens merged per block, 8 or 8,8,6,..."),
+    Shorthand("pitome_cost", "pitome", "cost", True, "PiToMe: the share of the dense MACs to match, e.g. 0.56"),
+    Shorthand("pitome_keep", "pitome", "keep", True, "PiToMe: the share of its patch tokens every block keeps"),
+)
+SHORTHAND_NAMES = tuple(s.name for s in SHORTHANDS)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def shorthand_type(shorthand: Shorthand) -> Any:
+    """The type hint of the method field ``shorthand`` sets (bool for a switch)."""
+    if shorthand.field is None:
+        return bool
+    return typing.get_type_hints(registered_method(shorthand.kind))[shorthand.field]
+
+
+def parse_shorthand(shorthand: Shorthand, text: str) -> Any:
+    """A flag's text as the value of the field it sets: as in a spec (``parse_method``), and lists also without
+    brackets (``--layers 1,3,5``, ``--tome-r 8,8,6``; numbers are never a name: ``--layers 5`` is block 5). Raises a
+    UserError saying what is allowed."""
+    tp = shorthand_type(shorthand)
+    text = text.strip()
+    numbers = bool(text) and all(t.strip().lstrip("-").replace(".", "", 1).isdigit() for t in text.split(",")
+                                 if t.strip())
+    if text.startswith("[") or not numbers:
+        candidates = [text]
+    else:
+        candidates = [f"[{text}]"] if "," in text else [text, f"[{text}]"]
+    for candidate in candidates:
+        try:
+            value = _parse_value(candidate, tp)
+        except ValueError:
+            continue
+        if not (numbers and isinstance(value, str)):
+            return value
+    raise UserError(f"{_flag(shorthand.name)} must be {_type_name(tp)}, got {text!r}")
+
+
+def method_from_shorthand(values: dict[str, Any], lenient: bool = False) -> Optional[Method]:
+    """The method that shorthand options select (``SHORTHANDS``, by name; None values count as not given), or None
+    where none selects one. Refuses, in one line naming the options, two methods, an option of another method than
+    the one selected, and --isoflop without --router; the method's own ``check`` refuses bad values.
+
+    ``lenient``: read the fields an older run configuration or report row holds, where every option is present at
+    its default: options of a method not selected are dropped, as that code dropped them, and so are fold's options
+    of another skipped mode and the skipped mode's default layers (written out by that code)."""
+    given = {s.name: values[s.name] for s in SHORTHANDS  # (a switch given as false is not given)
+             if values.get(s.name) is not None and not (s.field is None and values[s.name] is False)}
+    kinds = list(dict.fromkeys(s.kind for s in SHORTHANDS if s.selects and s.name in given))
+    if "isoflop" in given:
+        if "mod" not in kinds:
+            raise UserError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
+        kinds[kinds.index("mod")] = "isoflop"
+    if len(kinds) > 1:
+        raise UserError(" and ".join(", ".join(_flag(s.name) for s in SHORTHANDS if s.name in given and s.selects
+                                               and (s.kind == k or (k == "isoflop" and s.kind == "mod")))
+                                     for k in kinds) + " select two methods; give the options of one")
+    if not kinds:
+        return None
+    cls = registered_method(kinds[0])
+    names = {f.name for f in dataclasses.fields(cls)}
+    fields, foreign = {}, []
+    for s in SHORTHANDS:
+        if s.name not in given or s.field is None:
+            continue
+        if s.field in names and (s.kind == cls.kind or cls.kind == "isoflop"):
+            fields[s.field] = _as_tuple(given[s.name])
+        else:
+            foreign.append(_flag(s.name))
+    if foreign and not lenient:
+        raise UserError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to "
+                        f"{cls.kind} ({', '.join(_flag(s.name) for s in SHORTHANDS if s.selects and s.name in given)})")
+    if lenient and cls is MoD:
+        skipped = fields.get("skipped", MoDConfig.skipped)
+        if skipped != "fold":
+            fields.pop("protect", None)
+            fields.pop("shape", None)
+        if fields.get("layers") == skipped_mode(skipped).default_layers:
+            fields.pop("layers")
+    return cls(**fields)
+
+
+def setting_text_of(setting: Union[str, dict[str, Any]]) -> str:
+    """A report's setting column for a row's ``setting``: the spec of the method it measured, or (a row written before
+    rows held specs) the shorthand options of it; the method is rebuilt and asked for its ``setting_text``."""
+    if isinstance(setting, str):
+        return parse_method(setting).setting_text()
+    if setting.get("method_spec"):
+        return parse_method(setting["method_spec"]).setting_text()
+    return (method_from_shorthand(setting, lenient=True) or Dense()).setting_text()
 
 
 # ---------------------------------------------------------------- spec strings: KIND:FIELD=VALUE,...

@@ -16,7 +16,7 @@ each averaged into a token that stays; the tokens left go on through every later
 - ``amod_price``: its MACs for ``amod.flops`` (``reduction_macs``).
 
 A specialisation says only how many patch tokens a block removes (``_removed``) and which
-(``_reduce``): fold (``amod.mod.fold``) folds the most redundant tokens its router does not protect,
+(``_reduce``): fold (``amod.mod.fold``) folds the most redundant of the tokens its router leaves unprotected,
 ToMe (``amod.tome``) merges the r most similar pairs of plain bipartite matching.
 """
 from __future__ import annotations

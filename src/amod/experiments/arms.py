@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..methods import Method, method_kinds, parse_method
+from ..methods import Method, MoD, method_kinds, parse_method
 from ..errors import UserError
 
 
@@ -53,6 +53,14 @@ class Arm:
             depth = len(dense.blocks)
             method = dataclasses.replace(method, layers=tuple(range(max(1, depth // 3), depth)))
         return method.at_cost(dense, cost, images)
+
+
+# What A-MoD's attention is worth to fold (amod compare and amod frontier run both): the same schedule and matching
+# with nothing protected, and with a random quarter protected.
+FOLD_CONTROLS = (
+    Arm("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
+    Arm("fold, random protected", MoD(router="random", skipped="fold")),
+)
 
 
 def select(arms: tuple[Arm, ...], names: Optional[Iterable[str]], keep: Iterable[str] = ()) -> tuple[Arm, ...]:

@@ -100,15 +100,10 @@ def _calibrate_and_save(cfg: CalibrateConfig) -> Path:
     if chans != info.in_chans:
         print(f"{info.name} is gray: each image was given to the {chans}-channel model in all {chans} channels (gray "
               f"RGB); the saved model keeps its {chans} input channels")
-    print("| tilt | protect | capacity | cost | fidelity | |\n|---|---|---|---|---|---|")
-    for i, c in enumerate(report.candidates):
-        print(f"| {c.tilt:+g} | {c.protect:g} | {c.capacity:.3f} | {c.cost:.3f} | {c.fidelity:.5f} | "
-              f"{'chosen' if i == report.chosen else ''} |")
+    print("\n".join(report.table()))
     path = save(model, cfg.out)
-    best = report.best
-    shape = ",".join(f"{w:g}" for w in model.amod_config.shape)
-    print(f"saved {path}: fold, tilt {best.tilt:+g}, protect {best.protect:g}, capacity {best.capacity:.3f} "
-          f"(--skipped fold --protect {best.protect:g} --capacity {best.capacity:.3f} --shape {shape})")
+    print(f"saved {path}: fold, tilt {report.best.tilt:+g}, capacity {report.best.capacity:.3f} (--method "
+          f"{MoD.of_model(model).spec()})")
     return path
 
 

@@ -42,7 +42,7 @@ from ..arch import set_input_size
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
 from ..train.rundir import check_output_dir, run_dir_name
-from .arms import Arm, select
+from .arms import FOLD_CONTROLS, Arm, select
 from .bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, demo_skeleton, run_in_directory, run_once, starting_checkpoint
@@ -62,10 +62,7 @@ COMPARED = (
     Arm("A-MoD merge", MoD(skipped="merge")),
     Arm("A-MoD merge, last 2/3", MoD(skipped="merge"), layers="last-two-thirds"),
     Arm("A-MoD fold", MoD(skipped="fold")),
-    # controls of the fold mode: the same schedule and matching with nothing protected, and with a
-    # random quarter protected; what is left of A-MoD fold's lead is the attention's doing
-    Arm("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
-    Arm("fold, random protected", MoD(router="random", skipped="fold")),
+    *FOLD_CONTROLS,  # what is left of A-MoD fold's lead over them is the attention's doing
 )
 
 
@@ -246,14 +243,14 @@ def _finetune_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretr
         ratio = cost_of(method, dense)
         out = root / f"cost{cost:g}" / run_dir_name(entry.name)
         log.info("[%d/%d] %s at cost %g (matched: %.3f of dense)", done, total, entry.name, cost, ratio)
-        run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, **method.run_fields(),
+        run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data, method_spec=method.spec(),
                             epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,
                             train_limit=cfg.train_limit, val_limit=cfg.val_limit, eval_before_training=True,
                             img_size=img_size, out=str(out))
         run_once(run_cfg)
         metrics = engine.read_metrics(out / "metrics.jsonl")
         rows.append({"method": entry.name, "cost_target": cost, "cost": ratio, "zero_top1": metrics[0]["val_top1"],
-                     "top1": metrics[-1]["val_top1"], "setting": method.run_fields(), "run": str(out)})
+                     "top1": metrics[-1]["val_top1"], "setting": method.spec(), "run": str(out)})
     return rows, dense_acc
 
 
@@ -294,7 +291,7 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
             how = " (measured before)"
         row = {"method": entry.name, "method_obj": method, "cost_target": cost, "cost": measured["cost"],
                "zero_top1": measured["zero_top1"], "top1": None, "cosine": measured["cosine"],
-               "setting": method.run_fields(), "run": None}
+               "setting": method.spec(), "run": None}
         log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f, cosine to dense %.4f%s", done, total,
                  entry.name, cost, row["cost"], row["zero_top1"], row["cosine"], how)
         rows.append(row)

@@ -15,7 +15,7 @@ from ..cost import CostReport, flops, img_size_of
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
 from ..methods import Dense, Method, MoD, TokenMerging, method_of
-from ..mod.config import MoDConfig, validate_capacity
+from ..mod.config import validate_capacity
 from ..mod.convert import lowest_capacity
 from ..mod.routers import router_class
 from ..tome import schedule_for_cost
@@ -24,16 +24,15 @@ from .bench import dense_twin
 from ..errors import UserError
 
 
-def flops_methods(capacities: Sequence[float], router: str = MoDConfig.router, layers=None,
-                  skipped: str = MoDConfig.skipped,
+def flops_methods(capacities: Sequence[float], mod: MoD = MoD(),
                   tome_costs: Sequence[float] = ()) -> list[tuple[str, Method]]:
-    """(label, method) of every row: MoD at each capacity (dense at 1.0, unless the router has weights that
+    """(label, method) of every row: ``mod`` at each capacity (dense at 1.0, unless its router has weights that
     the dense model lacks), then token merging matched to each cost."""
     rows: list[tuple[str, Method]] = []
     for c in capacities:
         c = validate_capacity(c)
-        dense = c >= 1.0 and not router_class(router).learnable
-        rows.append((f"{c:.3f}", Dense() if dense else MoD(router=router, capacity=c, layers=layers, skipped=skipped)))
+        dense = c >= 1.0 and not router_class(mod.router).learnable
+        rows.append((f"{c:.3f}", Dense() if dense else dataclasses.replace(mod, capacity=c)))
     rows += [(f"ToMe@{c:g}", TokenMerging(cost=c)) for c in tome_costs]
     return rows
 
@@ -101,7 +100,7 @@ def floor_notes(models: Sequence[str], methods: Sequence[tuple[str, Method]], im
         if below:
             h, w = img_size_of(model, img_size)
             notes.append(f"note: {name} at {h}x{w}: skipped=fold reaches no capacity below {lowest:.3f} (a fold block "
-                         f"removes at most about half of its patch tokens, less the {folds[0].protect:.0%} it "
+                         f"removes at most about half of its patch tokens, less the share its router "
                          f"protects); capacity {', '.join(f'{c:.3f}' for c in below)} "
                          f"cost{'s' if len(below) == 1 else ''} what {lowest:.3f} costs")
     return notes

@@ -33,13 +33,14 @@ from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..files import dumps, write_json, write_text
 from ..hf.loading import hf_source
 from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
+from ..mod.calibrate import CHOSEN_COLUMNS, chosen_cells
 from ..train import engine
 from ..train.data import build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES
-from .arms import Arm, select
+from .arms import FOLD_CONTROLS, Arm, select
 from .bench import IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models, warn_implausible
 from .calibration import CalibrationCache, calibration_grid
 from .compare import check_inputs
@@ -58,10 +59,7 @@ FRONTIER_METHODS = (
     Arm("PiToMe", PiToMe()),
     Arm("A-MoD (paper)", MoD()),
     Arm("A-MoD fold", MoD(skipped="fold")),
-    # what A-MoD's attention is worth to fold: the same schedule and matching with nothing protected, and with a
-    # random quarter protected
-    Arm("fold, nothing protected", MoD(skipped="fold", protect=0.0)),
-    Arm("fold, random protected", MoD(router="random", skipped="fold")),
+    *FOLD_CONTROLS,
     # amod's training-free mode: fold on a per-block schedule (and protection) chosen on unlabeled images, and what
     # A-MoD's attention is worth to it: the same calibration with random scores, and with nothing protected
     # (each chooses its setting at a cost on the first --calibration-images of the probe's training images, labels unread)
@@ -265,7 +263,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
         if measured is None:
             feats, labels = features(feature_model(model), engine.image_batches(loader), device)
             measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
-                        "cost": flops(model).ratio, "setting": method.run_fields(), **_scores(probe, feats, labels),
+                        "cost": flops(model).ratio, "setting": method.spec(), **_scores(probe, feats, labels),
                         "cosine": mean_cosine(feats, cached["test"])}
             with open(done_path, "a") as f:
                 f.write(dumps(measured) + "\n")
@@ -377,18 +375,15 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
     if calibrated:
         lines += ["## Calibration", "",
                   f"Each calibrated point chose its schedule on the first {cfg.calibration_images} probe-training "
-                  "images (labels unread): every tilt x protect candidate at the cost, the highest fidelity (mean "
-                  f"cosine to the dense features on those images) within {tolerance_text()} of the cost wins.", "",
-                  "| method | cost target | tilt | protect | capacity | fidelity | runner-up fidelity | seconds |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "images (labels unread): every candidate schedule (a tilt, and a share its router keeps whole) "
+                  "at the cost, the highest fidelity (mean cosine to the dense features on those images) within "
+                  f"{tolerance_text()} of the cost wins.", "",
+                  "| method | cost target | " + " | ".join(CHOSEN_COLUMNS) + " | seconds |",
+                  "|---|---|" + "---|" * len(CHOSEN_COLUMNS) + "---|"]
         for r in calibrated:
             report = r["calibration"]
-            ranked = sorted(report["candidates"], key=lambda c: -c["fidelity"])
-            best = report["candidates"][report["chosen"]]
-            runner = next((c for c in ranked if c is not best), None)
-            lines.append(f"| {r['method']} | {r['cost_target']:g} | {best['tilt']:+g} | {best['protect']:g} | "
-                         f"{best['capacity']:.3f} | {best['fidelity']:.4f} | "
-                         f"{'–' if runner is None else format(runner['fidelity'], '.4f')} | {report['seconds']:.0f} |")
+            lines.append(f"| {r['method']} | {r['cost_target']:g} | {' | '.join(chosen_cells(report))} | "
+                         f"{report['seconds']:.0f} |")
         lines.append("")
     panels = {}
     for b in batches:

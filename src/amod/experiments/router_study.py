@@ -112,7 +112,7 @@ def _run_study(cfg: StudyConfig, root: Path) -> Path:
                 log.info("[%d/%d] %s at capacity %g, seed %d", done, total, v.name, capacity, seed)
                 method = dataclasses.replace(v.method, capacity=capacity)
                 run_cfg = RunConfig(model=BASE["model"], checkpoint=str(pretrained), data=cfg.data,
-                                    **method.run_fields(), seed=seed, epochs=cfg.epochs, train_limit=cfg.train_limit, val_limit=cfg.val_limit,
+                                    method_spec=method.spec(), seed=seed, epochs=cfg.epochs, train_limit=cfg.train_limit, val_limit=cfg.val_limit,
                                     lr=cfg.lr, batch_size=cfg.batch_size, warmup_epochs=0.2,
                                     eval_before_training=True, out=str(out))
                 run_once(run_cfg)

@@ -58,7 +58,7 @@ def _run_demo(root: Path, quick: bool) -> Path:
     runs: dict[str, Path] = {}
     for name, method in _variants():
         ft = {**FINETUNE, **limits, **({"epochs": QUICK["epochs"]} if quick else {})}
-        cfg = RunConfig(**{**base, "model": BASE["model"]}, **ft, **method.run_fields(), checkpoint=str(pretrained),
+        cfg = RunConfig(**{**base, "model": BASE["model"]}, **ft, method_spec=method.spec(), checkpoint=str(pretrained),
                         eval_before_training=True, out=str(root / _slug(name)))
         run_once(cfg)
         runs[name] = Path(cfg.out)

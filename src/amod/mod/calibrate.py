@@ -81,10 +81,29 @@ class Calibration:
     def best(self) -> Candidate:
         return self.candidates[self.chosen]
 
+    def table(self) -> list[str]:
+        """Every candidate, as the lines of a Markdown table, the chosen one marked."""
+        return ["| tilt | protect | capacity | cost | fidelity | |", "|---|---|---|---|---|---|"] + [
+            f"| {c.tilt:+g} | {c.protect:g} | {c.capacity:.3f} | {c.cost:.3f} | {c.fidelity:.5f} | "
+            f"{'chosen' if i == self.chosen else ''} |" for i, c in enumerate(self.candidates)]
+
     def report(self) -> dict[str, Any]:
         """What a sweep keeps of it (JSON): seconds, images, the chosen candidate's index and every candidate."""
         return {"seconds": self.seconds, "images": self.images, "chosen": self.chosen,
                 "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+
+
+# the columns of ``chosen_cells``: a report's table of the candidate each calibration chose
+CHOSEN_COLUMNS = ("tilt", "protect", "capacity", "fidelity", "runner-up fidelity")
+
+
+def chosen_cells(report: dict[str, Any]) -> list[str]:
+    """A ``Calibration.report``'s chosen candidate (``CHOSEN_COLUMNS``: its tilt, protect, capacity and fidelity) and
+    the fidelity of the best of the others ("–" where there is none), as table cells."""
+    best = report["candidates"][report["chosen"]]
+    runner = max((c["fidelity"] for c in report["candidates"] if c is not best), default=None)
+    return [f"{best['tilt']:+g}", f"{best['protect']:g}", f"{best['capacity']:.3f}", f"{best['fidelity']:.4f}",
+            "–" if runner is None else f"{runner:.4f}"]
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ class AnyCost:
         running = method_of(model)
         if not isinstance(running, MoD):
             raise UserError(f"{NEEDS_MOD}; the starting model runs {running.label()}")
+        self.own_capacity = running.capacity  # what the run evaluates and saves at
         self.costs = [low + (high - low) * i / (GRID - 1) for i in range(GRID)]
         self.capacities = [capacity_for_cost(model, c) for c in self.costs]
         self.lowest_cost = flops(model, capacity=self.capacities[0]).ratio  # what a draw of LOW runs at
@@ -36,7 +37,7 @@ class AnyCost:
     def check_reachable(self) -> "AnyCost":
         """Refuse a range whose LOW lies below the lowest cost the model reaches (by more than ``COST_TOLERANCE``): every
         cost under that floor would run at the floor, so the dial would train on the floor's cost alone for those
-        draws (a fold model cannot go below about 0.5 + protect of its capacity: ``amod.lowest_capacity``).
+        draws (a fold model has a lowest capacity: ``amod.lowest_capacity``).
         Returns self."""
         low, high = self.costs[0], self.costs[-1]
         if self.lowest_cost > low * (1 + COST_TOLERANCE):
@@ -48,6 +49,10 @@ class AnyCost:
     def capacity(self, seed: int, step: int) -> float:
         g = torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
         return self.capacities[int(torch.randint(len(self.capacities), (1,), generator=g))]
+
+    def restore(self, model: nn.Module) -> None:
+        """Set ``model`` back to the run's own capacity (evaluated and saved at it)."""
+        set_capacity(model, self.own_capacity)
 
     def before_step(self, model: nn.Module, seed: int) -> Callable[[int], None]:
         """``engine.train_steps``' ``before_step`` of an any-cost run: set ``model`` to the capacity drawn for

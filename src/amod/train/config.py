@@ -16,20 +16,13 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from ..cost import validate_cost
-from ..methods import Dense, Method, MoD, method_from_run_fields, parse_method
-from ..mod.config import MoDConfig, validate_capacity, validate_protect, validate_skipped
-from ..mod.modes import skipped_mode
+from ..methods import SHORTHAND_NAMES, SHORTHANDS, Dense, Method, MoD, method_from_shorthand, parse_method
 from . import engine
 from .any_cost import NEEDS_MOD
 from .distill import Distillation
 from .models import checkpoint_architecture, saved_method
 from ..errors import UserError
 
-# Fields that only mean something for an MoD model (a router given).
-MOD_ONLY = ("capacity", "layers", "scale_output", "router_seed", "skipped", "protect", "shape")
-# Fields that select a method by themselves (``method_spec`` replaces them all, with MOD_ONLY).
-METHOD_FIELDS = ("router", "isoflop", "tome_cost", "tome_r", "pitome_cost", "pitome_keep")
 # Fields that only mean something for a distilled run (--distill or --teacher given).
 DISTILL_ONLY = ("distill_logits", "distill_temperature", "distill_features")
 
@@ -49,24 +42,9 @@ class RunConfig:
     num_heads: Optional[int] = None
     num_classes: Optional[int] = None  # default: the data's
     drop_path: float = 0.0  # stochastic depth rate
-    # Mixture-of-Depths (router None = dense); the defaults are MoDConfig's
-    router: Optional[str] = None
-    capacity: float = MoDConfig.capacity
-    layers: Optional[Union[str, list[int]]] = None  # None: the skipped mode's default_layers ("all" for fold)
-    scale_output: Optional[bool] = None
-    router_seed: Optional[int] = None  # seed of a router that draws (random, ...); None: --seed (mod:seed=S gives S)
-    isoflop: bool = False  # train the isoFLOP dense baseline of (router, capacity, layers) instead
-    skipped: str = MoDConfig.skipped  # what MoD blocks do with skipped tokens: bypass | merge | kv | fold
-    protect: float = MoDConfig.protect  # fold: share of a fold block's patch tokens the router protects
-    shape: Optional[list[float]] = None  # fold: one capacity exponent per block (from amod.calibrate)
-    # token merging (ToMe) instead of MoD: a share of dense MACs to match, or tokens merged per block
-    tome_cost: Optional[float] = None
-    tome_r: Optional[Union[int, list[int]]] = None
-    # PiToMe instead of MoD: a share of dense MACs to match, or the share of its patch tokens every block keeps
-    pitome_cost: Optional[float] = None
-    pitome_keep: Optional[float] = None  # (no flag: a PiToMe checkpoint's own, or a YAML file's)
-    # any registered method by its spec, KIND:FIELD=VALUE,... (``amod.methods.parse_method``), instead of the fields
-    # above: e.g. "tome:cost=0.5"; a built-in method's own fields are written from it (``validate``)
+    # the method, by its spec KIND:FIELD=VALUE,... (amod.methods.parse_method), e.g. "tome:cost=0.5" or
+    # "mod:router=attention,capacity=0.5,skipped=fold"; None: dense. The shorthand options (amod.methods.SHORTHANDS:
+    # --router, --capacity, --tome-cost, ...) build it
     method_spec: Optional[str] = None
     # distillation from a dense teacher (amod.train.distill): off unless --distill or --teacher
     distill: bool = False
@@ -102,13 +80,11 @@ class RunConfig:
         """Check every field; raises ValueError naming the option and what is allowed. Returns self."""
         check_types(self, "options")
         if self.method_spec is not None:
-            self._expand_method_spec()
-        if self.layers is None:  # the default the method itself would take, written out in config.yaml
-            self.layers = skipped_mode(self.skipped).default_layers
-        if self.router is not None:
-            self.capacity = validate_capacity(self.capacity)
-        validate_skipped(self.skipped)
-        validate_protect(self.protect)
+            method = parse_method(self.method_spec)
+            if method.needs_images:
+                raise UserError(f"--method {self.method_spec}: {method.kind} chooses its setting on unlabeled images; "
+                                "make the model with amod calibrate and start from it (--checkpoint)")
+            self.method_spec = None if isinstance(method, Dense) else method.spec()  # (one spelling per method)
         if self.amp not in ("off", "bf16"):
             raise UserError(f"--amp must be off or bf16, got {self.amp!r}")
         for name in ("epochs", "batch_size", "grad_accum", "eval_batch_size"):
@@ -136,22 +112,6 @@ class RunConfig:
         if not (0 <= self.warmup_epochs < math.inf and 0 <= self.weight_decay < math.inf) \
                 or not 0 <= self.label_smoothing < 1:
             raise UserError("--warmup-epochs and --weight-decay must be >= 0 and --label-smoothing in [0, 1)")
-        merging = [name for name, given in (("token merging (--tome-cost/--tome-r)", (self.tome_cost, self.tome_r)),
-                                            ("PiToMe (--pitome-cost)", (self.pitome_cost, self.pitome_keep)))
-                   if given != (None, None)]
-        if len(merging) > 1:
-            raise UserError(f"give one of {' and '.join(merging)}, not both")
-        if merging and (self.router is not None or self.isoflop):
-            raise UserError(f"{merging[0]} replaces MoD: drop --router/--isoflop")
-        if self.tome_cost is not None and self.tome_r is not None:
-            raise UserError("give either --tome-cost or --tome-r, not both")
-        if self.pitome_cost is not None and self.pitome_keep is not None:
-            raise UserError("give either --pitome-cost or pitome_keep, not both")
-        for name in ("tome_cost", "pitome_cost"):
-            if getattr(self, name) is not None:
-                validate_cost(getattr(self, name), f"--{_flag(name)}")
-        if self.isoflop and self.router is None:
-            raise UserError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
         if self.pretrained and self.checkpoint:
             raise UserError("give either --pretrained or --checkpoint, not both")
         if self.teacher is not None:
@@ -167,40 +127,26 @@ class RunConfig:
                 raise UserError(NEEDS_MOD)
         return self
 
-    def _expand_method_spec(self) -> None:
-        """Write the fields of the method ``method_spec`` selects where the method has fields of its own (the
-        built-in methods: router, capacity, tome_cost, ...), so that the rest of the run reads them as if they had
-        been given; refuses fields that select another method, and a method set to a cost on images."""
-        spec = parse_method(self.method_spec)
-        if spec.needs_images:
-            raise UserError(f"--method {self.method_spec}: {spec.kind} chooses its setting on unlabeled images; "
-                            "make the model with amod calibrate and start from it (--checkpoint)")
-        own = method_from_run_fields(dataclasses.replace(self, method_spec=None))
-        if not isinstance(own, Dense) and type(own) is not type(spec):  # (the same kind: a resumed run's own fields)
-            raise UserError(f"--method {self.method_spec} and the options of {own.label()} select two methods; give "
-                            "one of them")
-        for name, value in spec.run_fields().items():
-            if name != "method_spec":
-                setattr(self, name, value)
-        check_types(self, f"--method {self.method_spec}")
-
     def without_method(self) -> "RunConfig":
-        """These settings with no method: the fields that select one (``METHOD_FIELDS``, ``method_spec``) and
-        ``any_cost`` at their defaults (a distilled run's teacher from the starting weights, as a dense model)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return dataclasses.replace(self, **{name: defaults[name] for name in (*METHOD_FIELDS, "method_spec",
-                                                                               "any_cost")})
+        """These settings with no method (``method_spec`` and ``any_cost`` at their defaults): a distilled run's
+        teacher from the starting weights, as a dense model."""
+        return dataclasses.replace(self, method_spec=None, any_cost=None)
 
     def distillation(self) -> Distillation:
         """The distillation loss these settings select (used when ``distill``)."""
         return Distillation(self.distill_logits, self.distill_temperature, self.distill_features)
 
     def method(self) -> Method:
-        """The method these settings select (``amod.methods``)."""
-        return method_from_run_fields(self)
+        """The method ``method_spec`` selects (``Dense`` without one), a router that draws seeded by the run's
+        ``seed`` where the spec leaves its own seed unset (``Method.seeded``)."""
+        return (parse_method(self.method_spec) if self.method_spec else Dense()).seeded(self.seed)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "RunConfig":
+        """The settings a ``config.yaml`` or a training checkpoint holds (``to_dict``). One written before a run's
+        method was its spec alone holds the shorthand options instead (router, capacity, tome_cost, ...), every one
+        at its default where not given: they are read as the method they selected."""
+        data = with_method_spec(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -260,40 +206,44 @@ def _refuse_ignored(given: dict[str, Any], names: tuple[str, ...], needs: str) -
         raise UserError(f"{', '.join(ignored)} only {'applies' if len(ignored) == 1 else 'apply'} to {needs}")
 
 
-def mod_options_without_router(given: dict[str, Any], router: Optional[str], isoflop: bool) -> None:
-    """Refuse MoD options given for a dense run, where they would be ignored without a word."""
-    if router is None and not isoflop:
-        _refuse_ignored(given, MOD_ONLY, "an MoD model; add --router (attention, standard, ...) or leave it out")
+def with_method_spec(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a config.yaml's or a training checkpoint's settings) with the shorthand options that files written
+    before a run's method was its spec alone hold read as that method, into ``method_spec``."""
+    old = {k: data[k] for k in SHORTHAND_NAMES if k in data}
+    if not old:
+        return data
+    data = {k: v for k, v in data.items() if k not in old}
+    if data.get("method_spec") is None:  # (where it is set, those files wrote the options from it)
+        method = method_from_shorthand(old, lenient=True)
+        data["method_spec"] = None if method is None else method.spec()
+    return data
 
 
-def mod_options_of_a_saved_method(cfg: RunConfig, given: dict[str, Any]) -> RunConfig:
-    """``cfg`` with the method of its ``--checkpoint`` written in where MoD options are given without a method (no
-    --router) and the file runs MoD or fold: ``--capacity`` is then the capacity it runs at (as ``amod eval
-    --capacity`` turns the dial). The options that would rebuild its blocks (``--layers``, ``--skipped``, ...) are
-    refused, and so is any MoD option for a file that runs another method (ToMe, PiToMe); a dense file, or any other,
-    is left to ``mod_options_without_router``."""
-    asked = [k for k in MOD_ONLY if k in given]
-    if not asked or cfg.router is not None or cfg.isoflop or cfg.method_spec is not None or not cfg.checkpoint:
-        return cfg
-    saved = saved_method(cfg.checkpoint)
-    if saved is None or isinstance(saved, Dense):
-        return cfg
-    flags = ", ".join(f"--{_flag(k)}" for k in asked)
-    if not isinstance(saved, MoD):
-        raise UserError(f"{flags} only {'applies' if len(asked) == 1 else 'apply'} to an MoD model; {cfg.checkpoint} "
-                        f"runs {saved.label()}: drop {flags}")
-    fixed = [f"--{_flag(k)}" for k in asked if k != "capacity"]
+def _method_of_options(options: dict[str, Any], cfg: RunConfig, resume: bool) -> Method:
+    """The method shorthand options given for a run select: by themselves (``--router``, ``--tome-cost``, ...), or,
+    where they only adjust one (``--capacity``, ``--layers``, ...), the method of the run being resumed, or the
+    capacity at which ``--checkpoint``'s MoD model runs (its dial, as ``amod eval --capacity`` turns it); anything
+    else is refused in one line."""
+    method = method_from_shorthand(options)
+    if method is not None:
+        return method
+    flags = ", ".join(f"--{_flag(k)}" for k in options)
+    alone = "applies" if len(options) == 1 else "apply"
+    own = cfg.method() if resume else saved_method(cfg.checkpoint) if cfg.checkpoint else None
+    if own is None or isinstance(own, Dense):
+        raise UserError(f"{flags} only {alone} to an MoD model; add --router (attention, standard, ...) or leave "
+                        f"{'it' if len(options) == 1 else 'them'} out")
+    fields = {s.field: options[s.name] for s in SHORTHANDS if s.name in options and s.kind == own.kind}
+    if len(fields) < len(options):
+        raise UserError(f"{flags} only {alone} to an MoD model; {cfg.checkpoint if not resume else 'the run'} runs "
+                        f"{own.label()}: drop {flags}")
+    if resume:
+        return dataclasses.replace(parse_method(cfg.method_spec), **fields)
+    fixed = [f"--{_flag(k)}" for k in options if k != "capacity"]
     if fixed:
-        raise UserError(f"{cfg.checkpoint} already runs {saved.label()}, which {', '.join(fixed)} cannot change (only "
+        raise UserError(f"{cfg.checkpoint} already runs {own.label()}, which {', '.join(fixed)} cannot change (only "
                         f"--capacity turns its dial): drop {', '.join(fixed)}")
-    return dataclasses.replace(cfg, **{**saved.run_fields(), "capacity": cfg.capacity}).validate()
-
-
-def method_spec_alone(given: dict[str, Any]) -> None:
-    """Refuse ``--method`` given with the options of a method (``--router``, ``--tome-cost``, ...): one names it."""
-    if given.get("method_spec") is not None:
-        _refuse_ignored(given, METHOD_FIELDS + MOD_ONLY, "a run without --method: --method SPEC gives the whole "
-                        "method (e.g. mod:router=attention,capacity=0.5); give one or the other")
+    return dataclasses.replace(own, **fields)
 
 
 def distill_options_without_distill(given: dict[str, Any], distill: bool, teacher: Optional[str]) -> None:
@@ -307,31 +257,37 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
                        finetune: bool = False) -> RunConfig:
     """A run's configuration from: defaults (or, with ``resume``, the run's own) <- the YAML file <- flags.
 
-    ``flags``: the options given on the command line, by field name. When resuming, anything given
-    again must agree with the run (checked in ``train``).
+    ``flags``: the options given on the command line, by field name, and the shorthand options of a method
+    (``amod.methods.SHORTHANDS``: router, capacity, tome_cost, ...), which a YAML file may hold too; they become the
+    run's ``method_spec``. When resuming, anything given again must agree with the run (checked in ``train``).
     """
-    base = RunConfig(eval_before_training=finetune).to_dict()
     yaml_values = load_yaml_config(config) if config else {}
-    RunConfig.from_dict({**RunConfig().to_dict(), **yaml_values}, config or "options")  # its names and types
+    given = {**yaml_values, **flags}
+    options = {k: given.pop(k) for k in SHORTHAND_NAMES if k in given}
+    source = config or "options"
+    RunConfig.from_dict({**RunConfig().to_dict(), **given}, source)  # its names and types
+    base = RunConfig(eval_before_training=finetune).to_dict()
     if resume:
-        out = flags.get("out", yaml_values.get("out", base["out"]))
-        base = engine.load_training_checkpoint(Path(out) / "checkpoint.pt")["config"]
-    base = {**base, **yaml_values, **flags}
-    cfg = RunConfig.from_dict(base, config or "options")
+        out = given.get("out", base["out"])
+        base = RunConfig.from_dict(engine.load_training_checkpoint(Path(out) / "checkpoint.pt")["config"],
+                                   str(Path(out) / "checkpoint.pt")).to_dict()
+    cfg = RunConfig.from_dict({**base, **given}, source)
     if finetune and not resume and not (cfg.pretrained or cfg.checkpoint):
         raise UserError("finetune starts from a trained model: give --pretrained or --checkpoint FILE")
-    method_spec_alone({**yaml_values, **flags})
-    if not resume:
-        cfg = mod_options_of_a_saved_method(cfg, {**yaml_values, **flags})
-    mod_options_without_router({**yaml_values, **flags}, cfg.router, cfg.isoflop)
-    distill_options_without_distill({**yaml_values, **flags}, cfg.distill, cfg.teacher)
-    if not resume and "model" in {**yaml_values, **flags} and cfg.checkpoint:
+    if options:
+        if given.get("method_spec") is not None:
+            raise UserError(f"{', '.join(f'--{_flag(k)}' for k in options)} only "
+                            f"{'applies' if len(options) == 1 else 'apply'} to a run without --method: --method SPEC "
+                            "gives the whole method (e.g. mod:router=attention,capacity=0.5); give one or the other")
+        cfg = dataclasses.replace(cfg, method_spec=_method_of_options(options, cfg, resume).spec())
+    distill_options_without_distill(given, cfg.distill, cfg.teacher)
+    if not resume and "model" in given and cfg.checkpoint:
         # (RunConfig.model has a default, so only here can a given --model be told from it)
         arch = checkpoint_architecture(cfg.checkpoint)
         if arch is not None and arch[0] != cfg.model:
             raise UserError(f"--model {cfg.model} does not match {cfg.checkpoint}, which is a {arch[0]}: a model "
                             "saved by amod keeps its architecture; drop --model")
-    return cfg
+    return cfg.validate()
 
 
 def load_yaml_config(path: Union[str, Path]) -> dict[str, Any]:

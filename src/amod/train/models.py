@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import files
 from ..families import claimed, family_of
-from ..methods import Dense, Method, MoD, method_from_metadata, method_from_run_fields, method_of
+from ..methods import Dense, Method, MoD, method_from_metadata, method_of, parse_method
 from ..arch import set_input_size
 from ..mod.convert import set_capacity
 from ..checkpoint import load as load_amod, load_weightless, read_metadata
@@ -230,8 +230,9 @@ def checkpoint_settings(cfg: Any) -> dict[str, Any]:
         raise UserError(f"--drop-path does not apply to {cfg.checkpoint}: a model saved by amod is rebuilt as it was "
                         "saved, without stochastic depth; drop --drop-path")
     settings: dict[str, Any] = {"model": name, **{k: v for k, v in own.items() if v is not None}}
-    if isinstance(method_from_run_fields(cfg), Dense):
-        settings.update(method_from_metadata(read_metadata(cfg.checkpoint)).run_fields())
+    saved = method_from_metadata(read_metadata(cfg.checkpoint))
+    if isinstance(cfg.method(), Dense) and not isinstance(saved, Dense):
+        settings["method_spec"] = saved.spec()
     return {k: v for k, v in settings.items() if getattr(cfg, k) != v}
 
 
@@ -248,8 +249,8 @@ def check_trainable(model: nn.Module, source: str) -> nn.Module:
 def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
     """The model of a run, before any training.
 
-    ``cfg`` fields used: model, pretrained, checkpoint, the ARCH_OVERRIDES, drop_path, and the fields
-    that select the method (``amod.methods.method_from_run_fields``).
+    ``cfg`` fields used: model, pretrained, checkpoint, the ARCH_OVERRIDES, drop_path, and the method
+    (``method_spec``, ``seed``: ``RunConfig.method``).
     """
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
@@ -273,14 +274,14 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     if h % ph or w % pw:
         raise UserError(f"the input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; "
                         "change --img-size or --patch-size")
-    method = method_from_run_fields(cfg)
+    declared = parse_method(cfg.method_spec) if cfg.method_spec else Dense()
     running = method_of(model)
-    if isinstance(method, MoD) and isinstance(running, MoD) and getattr(cfg, "router_seed", None) is None:
-        method = dataclasses.replace(method, seed=running.seed)  # --seed alone does not reseed a saved router
-    if isinstance(method, Dense) or (type(method) is type(running) and method.run_fields() == running.run_fields()):
+    # --seed alone does not reseed a saved router: the file's seed, where the spec leaves the seed unset
+    method = declared.seeded(running.seed if type(running) is type(declared) and isinstance(running, MoD) else cfg.seed)
+    if isinstance(method, Dense) or method == running:
         return model  # a checkpoint keeps the method it was saved with (``checkpoint_settings`` records it)
     if isinstance(running, MoD) and type(method) is type(running) and \
-            {**method.run_fields(), "capacity": running.capacity} == running.run_fields():
+            dataclasses.replace(method, capacity=running.capacity) == running:
         set_capacity(model, method.capacity)  # its method at another capacity: the dial, as amod eval --capacity turns it
         log.info("capacity set from %g to %g", running.capacity, method.capacity)
         return model

@@ -24,9 +24,8 @@ from .. import files
 from ..checkpoint import to_bytes as model_bytes
 from ..cost import flops
 from . import engine
-from .config import RunConfig
+from .config import RunConfig, with_method_spec
 from .data import DataInfo, build_datasets
-from ..mod.convert import set_capacity
 from .any_cost import AnyCost
 from .distill import Teacher
 from .models import build_model, build_teacher, checkpoint_settings
@@ -154,8 +153,8 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
         try:
             row = engine.train_one_epoch(train_model, loader, optimizer, scheduler, cfg, dist_info, epoch,
                                          bad_images=bad_images, teacher=teacher, dial=dial)
-            if dial is not None:
-                set_capacity(model, cfg.capacity)  # evaluated, and saved, at the run's own capacity
+            if any_cost is not None:
+                any_cost.restore(model)
             metrics = engine.evaluate(model, val_loader, dist_info.device, cfg.amp, dist_info, bad_images=bad_images)
             _check_finite(model, metrics, epoch)
         except engine.NonFiniteError as e:
@@ -244,7 +243,8 @@ def _check_same_run(out: Path, saved: dict[str, Any]) -> None:
     if not isinstance(own, dict):
         raise UserError(f"cannot resume: {path} does not hold a run's settings")
     defaults = RunConfig().to_dict()  # (fields added since either file was written: their defaults)
-    own, saved = {**defaults, **own}, yaml.safe_load(yaml.safe_dump({**defaults, **saved}))  # (as config.yaml has it)
+    # (the method as one spec, whichever way either file holds it: with_method_spec)
+    own, saved = (with_method_spec({**defaults, **yaml.safe_load(yaml.safe_dump(d))}) for d in (own, saved))
     diffs = [k for k in sorted(set(own) | set(saved)) if k not in RESUMABLE_CHANGES and own.get(k) != saved.get(k)]
     if diffs:
         more = ", ..." if len(diffs) > 3 else ""
