@@ -29,7 +29,11 @@ from .methods import (METHOD_ENTRY, file_metadata, method_entries, method_from_m
 from .errors import UserError
 
 PathLike = Union[str, os.PathLike]
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # the newest file format this amod reads (and writes)
+# Format 2 is a file whose method an amod reading format 1 would not find (ToMe's "amod.tome", any method of an
+# installed package): such an amod would open it as a dense model, so it is told the format and refuses it. Files of
+# the methods format 1 names (these entries, or none: dense) stay format 1, which every amod reads.
+FORMAT_1_ENTRIES = ("amod.mod", "amod.pitome", "amod.isoflop")
 
 
 def save(
@@ -63,7 +67,9 @@ def to_bytes(
     """The content ``save`` writes (arguments as there), for writing it together with other files
     (``amod.files.write_together``)."""
     info = family_of(model).describe(model, arch=arch, model_args=model_args)  # (a family's own description)
-    meta = {"amod.format": FORMAT_VERSION, "amod.model": json.dumps(info), **file_metadata(method_of(model))}
+    method = file_metadata(method_of(model))
+    known = all(k in FORMAT_1_ENTRIES for k in method if k != METHOD_ENTRY)
+    meta = {"amod.format": "1" if known else FORMAT_VERSION, "amod.model": json.dumps(info), **method}
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return safetensors_bytes(tensors, metadata=meta)
@@ -85,7 +91,7 @@ def read_metadata(path: PathLike) -> dict[str, str]:
         raise UserError(f"{path} is not a readable safetensors checkpoint ({e})") from None
     if "amod.model" not in meta:
         raise UserError(f"{path} was not written by amod.save (no 'amod.model' metadata)")
-    version = meta.get("amod.format", FORMAT_VERSION)  # every amod.save wrote it; a file without it is format 1
+    version = meta.get("amod.format", "1")  # every amod.save wrote it; a file without it is format 1
     if not version.isdigit() or int(version) > int(FORMAT_VERSION):
         raise UserError(f"{path} is in amod file format {version!r}; this amod reads format {FORMAT_VERSION} and "
                         "older: upgrade amod to load it")
