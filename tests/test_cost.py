@@ -115,8 +115,8 @@ def test_cli_flops_and_train_say_where_fold_capacity_stops(tmp_path, capsys):
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if line.startswith("note:")]
     assert notes == ["note: vit_tiny_patch16_224 at 224x224: skipped=fold reaches no capacity below 0.727 (a fold block "
-                     "removes at most about half of its patch tokens, less the 25% it protects); capacity 0.200, 0.500 "
-                     "cost what 0.727 costs"]
+                     "removes at most about half of its patch tokens, less the share its router protects); capacity "
+                     "0.200, 0.500 cost what 0.727 costs"]
     fold = amod.convert(timm.create_model("vit_tiny_patch16_224", pretrained=False), capacity=0.727, skipped="fold")
     ratios = [line.split()[-2] for line in out.splitlines() if line.startswith("vit_tiny")]
     assert ratios[:2] == [f"{amod.flops(fold).ratio:.3f}"] * 2

@@ -241,7 +241,7 @@ def test_the_shipped_amod_command_runs_a_method_that_an_installed_package_regist
         assert res.returncode == 0, res.stderr[-2000:]
         rows = json.loads((sweeps / command / f"{command}.json").read_text())["rows"]
         assert [(r["method"], r["setting"]) for r in rows] == \
-            [("ToMe", rows[0]["setting"]), ("toy-skip", {"method_spec": "toy-skip:blocks=2"})]  # 2 of the 4 blocks
+            [("ToMe", rows[0]["setting"]), ("toy-skip", "toy-skip:blocks=2")]  # 2 of the 4 blocks
     assert "| 0.5 | toy-skip | toy-skip:blocks=2 |" in (sweeps / "compare" / "compare.md").read_text()
     assert "| toy-skip | 0.5 | toy-skip:blocks=2 |" in (sweeps / "frontier" / "frontier.md").read_text()
 
