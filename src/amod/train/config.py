@@ -2,8 +2,10 @@
 values, each error naming the option and what is allowed), and how it is put together for a command:
 defaults (or, when resuming, the run's own) <- a YAML file <- the flags.
 
-``RunConfig.method()`` is the ``amod.methods`` object its fields select; ``config.yaml`` and each
-training checkpoint hold ``RunConfig.to_dict()``. The loop that runs it is ``amod.train.run``.
+A run holds its method as its spec alone (``method_spec``; ``RunConfig.method()`` is the ``amod.methods`` object);
+the shorthand options that build one (``--router``, ``--tome-cost``, ...) are ``amod.methods.SHORTHANDS``, read here
+when a run is put together, and when a ``config.yaml`` or checkpoint written before reads back. ``config.yaml`` and
+each training checkpoint hold ``RunConfig.to_dict()``. The loop that runs it is ``amod.train.run``.
 """
 from __future__ import annotations
 
