@@ -9,6 +9,7 @@ import only, and ``main`` builds the flags of the one command it runs.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -211,141 +212,50 @@ def _train(args: argparse.Namespace, finetune: bool = False) -> int:
     return 0
 
 
-def _eval_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.evaluate import EvalConfig
-    from .train.engine import AMP_MODES
+def _config(where: str) -> type:
+    """The configuration dataclass ``where`` names, ``module:Class`` under ``amod`` (imported when its command runs)."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(f"amod.{module}"), name)
 
-    p.add_argument("--checkpoint", required=True,
-                   help=f"model.safetensors of a run (or any amod.save file), or {HF_MODEL}")
-    p.add_argument("--data", default=_default(EvalConfig, "data"))
-    p.add_argument("--img-size", type=positive_int, default=None, help="must be the model's own input size")
-    p.add_argument("--val-limit", type=positive_int, default=None)
-    p.add_argument("--batch-size", type=positive_int, default=_default(EvalConfig, "batch_size"))
-    p.add_argument("--skip-bad-images", action="store_true", help="skip unreadable image files (and count them)")
-    p.add_argument("--capacity", type=float, default=None, help="evaluate an MoD model at another capacity")
-    p.add_argument("--amp", choices=AMP_MODES, default=_default(EvalConfig, "amp"))
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+def _flags_of(where: str, json: bool = False, **kwargs: Any) -> Callable[[argparse.ArgumentParser], None]:
+    """A command's flags: the fields of the configuration ``where`` names (``_config``), and ``--json`` with ``json``."""
+    def add(p: argparse.ArgumentParser) -> None:
+        add_flags(p, _config(where), **kwargs)
+        if json:
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+    return add
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .experiments.evaluate import EvalConfig, evaluate_checkpoint
+    from .experiments.evaluate import EvalConfig, evaluate_checkpoint, format_eval
 
-    cfg = EvalConfig(args.checkpoint, args.data, args.img_size, args.val_limit, args.batch_size, args.capacity,
-                     args.amp, args.skip_bad_images)
-    m = evaluate_checkpoint(cfg, progress=not args.json)
-    if args.json:
-        print(dumps(m))
-    else:
-        skipped = f", {m['skipped_images']} unreadable images skipped" if m["skipped_images"] else ""
-        print(f"top1 {m['top1']:.4f}  top5 {m['top5']:.4f}  loss {m['loss']:.4f}  {m['macs'] / 1e6:.2f} MMACs/image  "
-              f"{m['images_per_s']:.0f} images/s  ({m['images']} images{skipped})")
+    m = evaluate_checkpoint(build(EvalConfig, args), progress=not args.json)
+    print(dumps(m) if args.json else format_eval(m))
     return 0
-
-
-def _bench_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.bench import DEVICES, RUNTIMES
-    from .train.engine import AMP_MODES
-
-    p.add_argument("--model", default="deit_small_patch16_224", help=f"a timm model name, or {HF_MODEL}")
-    p.add_argument("--router", default=MoDConfig.router, choices=vit_routers())
-    p.add_argument("--capacity", type=float, default=0.125)
-    p.add_argument("--layers", type=parse_layers, default=DEFAULT_LAYERS)
-    p.add_argument("--batch-size", type=positive_int, default=32)
-    p.add_argument("--img-size", type=positive_int, default=None)
-    p.add_argument("--repeats", type=positive_int, default=10)
-    p.add_argument("--warmup", type=nonnegative_int, default=3)
-    p.add_argument("--amp", choices=AMP_MODES, default="off")
-    p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    p.add_argument("--compile", action="store_true",
-                   help="time both models compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU), "
-                        "their eager forms in the same rounds")
-    p.add_argument("--runtime", choices=list(RUNTIMES), default="torch",
-                   help="onnxruntime: export both models (amod export) and time them in ONNX Runtime on the CPU")
-    p.add_argument("--json", action="store_true")
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .experiments.bench import run_bench
+    from .experiments.bench import BenchConfig, format_bench, run_bench
 
-    result = run_bench(args.model, args.router, validate_capacity(args.capacity), args.layers, args.batch_size,
-                       args.img_size, args.repeats, args.warmup, args.amp, args.device, memory=not args.no_memory,
-                       compile=args.compile, runtime=args.runtime)
-    if args.json:
-        print(dumps(result))
-        return 0
-    d, m = result["dense"], result["mod"]
-    mem = lambda v: "" if v is None else f"  peak {v:.0f} MiB"  # noqa: E731
-    how = {"torch": "amod.compile" + (" (CUDA graphs)" if result["device"].startswith("cuda") else "")
-                    if args.compile else "eager PyTorch",
-           "onnxruntime": f"ONNX Runtime {result.get('onnxruntime', '')} ({result.get('exporter', '')} exporter)"}
-    print(f"{args.model} {result['img_size'][0]}x{result['img_size'][1]} batch {args.batch_size} on {result['device']}"
-          f" ({result['threads']} threads), {how[args.runtime]}, median of {args.repeats} interleaved runs after "
-          f"{args.warmup} warm-ups")
-    print(f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}")
-    label = result["label"]
-    dense = "dense (HF)" if result["hf"] else "dense (timm)"
-    print(f"  {dense:20s} {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs{mem(d['peak_mem_mb'])}")
-    print(f"  {label:20s} {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs{mem(m['peak_mem_mb'])}")
-    if args.compile:
-        for name, text in (("dense", "dense eager"), ("mod", f"{label} eager")):
-            c = result["compile_speedup"][name]
-            print(f"  {text:20s} {result['eager'][name]['images_per_s']:9.1f} images/s  compiled/eager "
-                  f"{c['median']:.3f}x (rounds {c['q1']:.3f}-{c['q3']:.3f}), compiled in "
-                  f"{result['compile_seconds'][name]:.1f} s")
-    p = result["paired_speedup"]
-    print(f"  speed-up {result['speedup']:.3f}x (round by round {p['median']:.3f}x, quartiles {p['q1']:.3f}-{p['q3']:.3f})"
-          f"  FLOP bound {result['flop_speedup']:.3f}x  efficiency {result['efficiency']:.3f}")
+    cfg = build(BenchConfig, args)
+    result = run_bench(**vars(cfg))
+    print(dumps(result) if args.json else format_bench(result, cfg))
     return 0
-
-
-def _export_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="any amod.save file (model.safetensors of a run)")
-    p.add_argument("--out", required=True, help="the .onnx file to write")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    p.add_argument("--img-size", type=positive_int, default=None, help="input size (default the model's own)")
-    p.add_argument("--batch", type=parse_batch, default="dynamic", help="dynamic (default) or a fixed batch size")
-    p.add_argument("--opset", type=positive_int, default=None, help="ONNX opset (default the exporter's)")
-    p.add_argument("--exporter", choices=list(EXPORTERS), default=EXPORTERS[0],
-                   help="dynamo: torch.onnx.export(dynamo=True) (default; exports every amod model); "
-                        "torchscript: the legacy tracer")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .experiments.export import export_checkpoint
+    from .experiments.export import ExportConfig, export_checkpoint, format_export
 
-    r = export_checkpoint(args.checkpoint, args.out, args.img_size, args.batch, args.opset, args.exporter,
-                          force=args.force)
-    if args.json:
-        print(dumps(r))
-        return 0
-    c = r["check"]
-    print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB): {r['method']}, {r['img_size'][0]}x{r['img_size'][1]} "
-          f"input, batch {r['batch']}, opset {r['opset']}, {r['exporter']} exporter")
-    print("  routing ops in the graph: " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()))
-    print(f"  checked in ONNX Runtime on {' + '.join(map(str, c['batches']))} {c['inputs']} images: max abs logit "
-          f"difference {c['max_abs_diff']:.2g} (allowed {c['tolerance']:g}), same top-1 on every image")
+    r = export_checkpoint(**vars(build(ExportConfig, args)))
+    print(dumps(r) if args.json else format_export(r))
     return 0
-
-
-def _analyze_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.analyze import ANALYSES, AnalyzeConfig
-
-    p.add_argument("analysis", choices=ANALYSES)
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--data", default=_default(AnalyzeConfig, "data"))
-    p.add_argument("--images", type=positive_int, default=_default(AnalyzeConfig, "images"))
-    p.add_argument("--tokens", type=positive_int, default=None, help="patch tokens sampled per image (loo; default all)")
-    p.add_argument("--out", default=_default(AnalyzeConfig, "out"))
 
 
 def _analyze(args: argparse.Namespace) -> int:
     from .experiments.analyze import AnalyzeConfig, run_analysis
 
-    _, summary = run_analysis(AnalyzeConfig(args.analysis, args.checkpoint, args.data, args.images, args.tokens,
-                                            args.out))
-    print(summary)
+    print(run_analysis(build(AnalyzeConfig, args))[1])
     return 0
 
 
@@ -739,11 +649,14 @@ COMMANDS: tuple[Command, ...] = (
             lambda p: _run_flags(p, False), _train),
     Command("finetune", "reduce a pretrained timm ViT (MoD, ToMe, PiToMe, isoFLOP, or dense) and train it",
             lambda p: _run_flags(p, True), lambda args: _train(args, finetune=True)),
-    Command("eval", "accuracy, loss, cost and speed of a saved model", _eval_flags, _eval),
-    Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved", _bench_flags, _bench),
-    Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime", _export_flags,
-            _export),
-    Command("analyze", "leave-one-out importance, routing pictures or attention statistics", _analyze_flags, _analyze),
+    Command("eval", "accuracy, loss, cost and speed of a saved model", _flags_of("experiments.evaluate:EvalConfig", True),
+            _eval),
+    Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved",
+            _flags_of("experiments.bench:BenchConfig", True), _bench),
+    Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime",
+            _flags_of("experiments.export:ExportConfig", True), _export),
+    Command("analyze", "leave-one-out importance, routing pictures or attention statistics",
+            _flags_of("experiments.analyze:AnalyzeConfig"), _analyze),
     Command("study", "a backbone: every method finetuned at matched cost, with seeds and CIs; a model with a "
             "classifier: routers x capacities x seeds, with controls, leave-one-out and pictures", _study_flags,
             _study),
