@@ -16,7 +16,7 @@ class Toy:
     costs: tuple[float, ...] = flag((0.5, 0.25), flag="cost")  # shares of the dense MACs
     steps: int = flag(10, type=positive_int)  # training steps
     amp: Literal["off", "bf16"] = "off"
-    fp32_check: bool = flag(True, negate=True)  # skip the fp32 check
+    fp32_check: bool = flag(True, negate=True)  # the fp32 check
     quick: bool = False  # a tiny version
     scale: bool = True  # scale the output
     tokens: Optional[int] = None  # tokens per image
@@ -33,7 +33,7 @@ def parser(**kwargs) -> Parser:
 
 def test_help_comes_from_the_field_comment_with_the_default():
     assert field_comments(Toy) == {"checkpoint": "the model file", "costs": "shares of the dense MACs",
-                                   "steps": "training steps", "fp32_check": "skip the fp32 check",
+                                   "steps": "training steps", "fp32_check": "the fp32 check",
                                    "quick": "a tiny version", "scale": "scale the output",
                                    "tokens": "tokens per image"}
     text = " ".join(parser().format_help().split())
@@ -41,6 +41,7 @@ def test_help_comes_from_the_field_comment_with_the_default():
     assert "--steps STEPS training steps (default 10)" in text
     assert "--tokens TOKENS tokens per image --router" in text  # (None: no default shown)
     assert "--lr LR (default 0.1)" in text
+    assert "--no-fp32-check skip the fp32 check" in text
 
 
 def test_a_class_without_source_has_no_help_and_no_crash():

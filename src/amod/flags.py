@@ -2,9 +2,9 @@
 
 Each field is written once: its name, type hint and default become the flag, its trailing ``# comment`` the help
 line (``(default X)`` added). What a field's flag needs beyond that is in its ``metadata`` (``flag(...)``): another
-flag name (``--cost`` fills ``costs``), a parse function (``positive_int``), choices (a callable is read when the
-flags are built: a registry), a metavar, nargs, a positional argument, or a negated switch (``--no-fp32-check``
-clears ``fp32_check``).
+flag name (``--cost`` fills ``costs``; None: the field is no flag), a parse function (``positive_int``), choices
+(a callable is read when the flags are built: a registry), a metavar, nargs, a positional argument, a negated switch
+(``--no-fp32-check`` clears ``fp32_check``; its help is "skip" and the comment), or a flag required although the field has a default.
 
 A small builder on argparse rather than jsonargparse or tyro: the flags are a public promise whose names often differ
 from the fields', amod's errors are one line with status 2 (``Parser``), and neither library is a dependency. Nothing
@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterable, Literal, Optional, Union
 
 MISSING = dataclasses.MISSING
-META_KEYS = ("flag", "type", "choices", "metavar", "nargs", "positional", "negate")
+META_KEYS = ("flag", "type", "choices", "metavar", "nargs", "positional", "negate", "required")
 
 
 class Parser(argparse.ArgumentParser):
@@ -131,7 +131,7 @@ def _shown(value: Any) -> str:
 def _selected(config: type, only: Optional[Iterable[str]]) -> list[dataclasses.Field]:
     every = {f.name: f for f in dataclasses.fields(config)}
     if only is None:
-        return list(every.values())
+        return [f for f in every.values() if f.metadata.get("flag", f.name) is not None]
     missing = [n for n in only if n not in every]
     if missing:
         raise TypeError(f"{config.__name__} has no field {', '.join(missing)}")
@@ -197,6 +197,8 @@ def add_flags(parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup], c
         if kwargs.get("action") == "store_true":
             kwargs.pop("type", None)
         help_text = comments.get(f.name, "")
+        if meta.get("negate") and help_text:  # (the comment says what the field keeps; the flag leaves it out)
+            help_text = f"skip {help_text}"
         if default not in (MISSING, None, False) and not meta.get("negate"):
             help_text = f"{help_text} (default {_shown(default)})".strip()
         kwargs["help"] = help_text.replace("%", "%%") or None  # (argparse formats help with %)
@@ -204,7 +206,7 @@ def add_flags(parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup], c
             parser.add_argument(f.name, **kwargs) if default is MISSING else \
                 parser.add_argument(f.name, nargs="?", default=default, **kwargs)
             continue
-        if default is MISSING:
+        if default is MISSING or meta.get("required"):
             kwargs["required"] = True
         elif suppress:
             kwargs["default"] = argparse.SUPPRESS
