@@ -65,12 +65,6 @@ def parse_batch(text: str):
     return text if text == "dynamic" else positive_int(text)
 
 
-def _default(config: type, name: str) -> Any:
-    """The default of a library configuration's field, so that the flags repeat none of them."""
-    value = next(f for f in fields(config) if f.name == name).default
-    return list(value) if isinstance(value, tuple) else value
-
-
 # ---------------------------------------------------------------- logging
 
 def _setup_logging() -> None:
@@ -264,66 +258,26 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     from .experiments.router_study import StudyConfig
 
     S = argparse.SUPPRESS  # a flag of one study is left out unless given: _study refuses it for the other
-    p.add_argument("--out", default=None, help=f"default {_default(StudyConfig, 'out')} (with a backbone: "
-                                               f"{_default(FinetuneConfig, 'out')})")
-    p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if "
-                        "missing)")
-    p.add_argument("--data", default=_default(StudyConfig, "data"))
-    p.add_argument("--seeds", type=positive_int, default=_default(StudyConfig, "seeds"))
-    r = p.add_argument_group("a model with a classifier (--checkpoint, or the demo's): the routers study")
-    r.add_argument("--capacity", type=float, nargs="+", default=S,
-                   help=f"default {' '.join(map(str, _default(StudyConfig, 'capacities')))}")
-    r.add_argument("--epochs", type=positive_int, default=S, help=f"default {_default(StudyConfig, 'epochs')}")
-    r.add_argument("--train-limit", type=positive_int, default=S,
-                   help=f"default {_default(StudyConfig, 'train_limit')}")
-    r.add_argument("--quick", action="store_true", default=S, help="a tiny version (for tests)")
+    p.add_argument("--out", default=S, help=f"default {StudyConfig.out} (with a backbone: {FinetuneConfig.out})")
+    add_flags(p, StudyConfig, only=("checkpoint", "data", "seeds"))
+    add_flags(p.add_argument_group("a model with a classifier (--checkpoint, or the demo's): the routers study"),
+              StudyConfig, only=("capacities", "epochs", "train_limit", "quick"), suppress=True)
     g = p.add_argument_group("a backbone without classifier (--checkpoint, e.g. DINOv2): the matched-cost finetune study")
-    costs = " ".join(map(str, _default(FinetuneConfig, "costs")))
-    g.add_argument("--cost", type=float, nargs="+", default=S,
-                   help=f"cost points, shares of dense MACs (default {costs})")
-    g.add_argument("--img-size", type=positive_int, default=S, help=f"default {_default(FinetuneConfig, 'img_size')}")
-    g.add_argument("--steps", type=positive_int, default=S,
-                   help=f"finetuning steps of every run (default {_default(FinetuneConfig, 'steps')})")
-    g.add_argument("--batch-size", type=positive_int, default=S,
-                   help=f"default {_default(FinetuneConfig, 'batch_size')}")
-    g.add_argument("--lr", type=float, default=S, help=f"default {_default(FinetuneConfig, 'lr')}")
-    g.add_argument("--eval-images", type=positive_int, default=S,
-                   help=f"the fixed test subset every evaluation uses (default "
-                        f"{_default(FinetuneConfig, 'eval_images')})")
-    g.add_argument("--probe-train", type=positive_int, default=S,
-                   help=f"training images the linear probe (the starting head) is fitted on (default "
-                        f"{_default(FinetuneConfig, 'probe_train')})")
-    g.add_argument("--amp", choices=("bf16", "off"), default=S, help=f"default {_default(FinetuneConfig, 'amp')}")
-    g.add_argument("--no-fp32-check", action="store_true", default=S,
-                   help="skip the one fp32 dense run that checks bf16")
-    g.add_argument("--report-only", action="store_true", default=S,
-                   help="write the report from the evaluations in OUT/evals.jsonl; train nothing")
-    g.add_argument("--methods", nargs="+", default=S, metavar="NAME",
-                   help="only these methods (names as in the report), or any registered method by its kind or spec "
-                        "(tome:cost=0.5); dense and 'A-MoD (paper)' are always run")
+    add_flags(g, FinetuneConfig, only=("costs", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train",
+                                       "amp", "fp32_check", "report_only"), suppress=True)
+    _methods_flag(g, "only these methods", "; dense and 'A-MoD (paper)' are always run", default=S)
     _distill_flags(g, "the distilled methods' teacher: a dense model file with the probe's classes (default: the "
                       "study's dense run of seed 0, done again with its final weights kept)", suppress=True)
 
 
 def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool = False) -> None:
-    """Distillation's flags, shared by the finetune study and `amod finetune`. ``suppress``: leave flags that are
-    not given out of the namespace (`amod finetune` takes its defaults from RunConfig, which match these)."""
+    """Distillation's flags, shared by the finetune study and `amod finetune`: ``--teacher`` and the fields of
+    ``Distillation`` as ``--distill-*``. ``suppress``: leave flags that are not given out of the namespace (`amod
+    finetune` takes its defaults from RunConfig, which match these)."""
     from .train.distill import Distillation
 
-    d = Distillation()
-
-    def default(value):
-        return argparse.SUPPRESS if suppress else value
-
-    g.add_argument("--teacher", default=default(None), metavar="FILE", help=teacher_help)
-    g.add_argument("--distill-logits", type=float, default=default(d.logits), metavar="W",
-                   help=f"weight of the soft-logit term (KL to the teacher at the temperature); the labels' "
-                        f"cross-entropy gets 1 - W (default {d.logits:g})")
-    g.add_argument("--distill-temperature", type=float, default=default(d.temperature), metavar="T",
-                   help=f"softmax temperature of the soft-logit term (default {d.temperature:g})")
-    g.add_argument("--distill-features", type=float, default=default(d.features), metavar="W",
-                   help=f"weight of the feature term: 1 - cosine of the model's and the teacher's features "
-                        f"(default {d.features:g})")
+    g.add_argument("--teacher", default=argparse.SUPPRESS if suppress else None, metavar="FILE", help=teacher_help)
+    add_flags(g, Distillation, prefix="distill-", suppress=suppress)
 
 
 FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod study` runs (study_for)
@@ -344,13 +298,6 @@ def _refuse_other_mode(args: argparse.Namespace, mode: str, flags: dict[str, tup
         if given:
             raise UserError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to {names[other]}, "
                             f"not to {names[mode]}{'; ' + why if why else ''}")
-
-
-def _given(args: argparse.Namespace, name: str, config: type, field: Optional[str] = None) -> Any:
-    """Flag ``name``'s value where it was given (a flag whose default is SUPPRESS or None), else the default of
-    ``config``'s ``field`` (default ``name``): a given 0 or empty value is kept, not replaced by the default."""
-    value = getattr(args, name, None)
-    return _default(config, field or name) if value is None else value
 
 
 def study_for(checkpoint: Optional[str]) -> str:
@@ -380,28 +327,13 @@ def _study(args: argparse.Namespace) -> int:
         from .experiments.finetune_study import run_finetune_study
         from .train.distill import Distillation
 
-        ft = FinetuneConfig(checkpoint=args.checkpoint, out=_given(args, "out", FinetuneConfig), data=args.data,
-                            img_size=_given(args, "img_size", FinetuneConfig),
-                            costs=tuple(_given(args, "cost", FinetuneConfig, "costs")), seeds=args.seeds,
-                            steps=_given(args, "steps", FinetuneConfig),
-                            batch_size=_given(args, "batch_size", FinetuneConfig),
-                            lr=_given(args, "lr", FinetuneConfig),
-                            eval_images=_given(args, "eval_images", FinetuneConfig),
-                            probe_train=_given(args, "probe_train", FinetuneConfig),
-                            amp=_given(args, "amp", FinetuneConfig),
-                            fp32_check=not getattr(args, "no_fp32_check", False),
-                            report_only=getattr(args, "report_only", False), teacher=getattr(args, "teacher", None),
-                            distillation=Distillation(*(_given(args, f"distill_{k}", Distillation, k)
-                                                        for k in ("logits", "temperature", "features")))
-                            ).only(getattr(args, "methods", None))
-        print(run_finetune_study(ft))
+        ft = build(FinetuneConfig, args, distillation=build(Distillation, args, prefix="distill-"))
+        print(run_finetune_study(ft.only(getattr(args, "methods", None))))
         return 0
     from .experiments.router_study import run_study
 
-    cfg = StudyConfig(out=_given(args, "out", StudyConfig), checkpoint=args.checkpoint, data=args.data,
-                      capacities=tuple(_given(args, "capacity", StudyConfig, "capacities")), seeds=args.seeds,
-                      epochs=_given(args, "epochs", StudyConfig), train_limit=_given(args, "train_limit", StudyConfig))
-    print(run_study(cfg.as_quick() if getattr(args, "quick", False) else cfg))
+    cfg = build(StudyConfig, args)
+    print(run_study(cfg.as_quick() if cfg.quick else cfg))
     return 0
 
 
@@ -465,45 +397,22 @@ def _weights(args: argparse.Namespace) -> int:
 def _detect_flags(p: argparse.ArgumentParser) -> None:
     from .detect.config import DetectConfig, DetectStudyConfig
 
-    p.add_argument("action", choices=("train", "study"),
+    p.add_argument("action", choices=tuple(DETECT_FLAGS),
                    help="train: a DETR from scratch, or a finetune of --init (converted with --router); study: "
                         "--dense converted at matched encoder costs, zero-training and finetuned (docs/detr.md)")
-    p.add_argument("--out", default=None, help=f"run directory (default {_default(DetectConfig, 'out')}; study: "
-                                               f"{_default(DetectStudyConfig, 'out')})")
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help=f"training steps (default {_default(DetectConfig, 'steps')}; study: each finetune's, "
-                        f"{_default(DetectStudyConfig, 'steps')})")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"default {_default(DetectConfig, 'lr')}; study: {_default(DetectStudyConfig, 'lr')}")
-    p.add_argument("--batch-size", type=positive_int, default=_default(DetectConfig, "batch_size"))
-    p.add_argument("--train-canvases", type=positive_int, default=_default(DetectConfig, "train_canvases"))
-    p.add_argument("--val-canvases", type=positive_int, default=_default(DetectConfig, "val_canvases"))
     S = argparse.SUPPRESS  # a flag of one action is left out unless given: _detect refuses it for the other
-    t = p.add_argument_group("train")
-    t.add_argument("--init", default=S, help="an amod.save file of a DETR to finetune (default: a new small DETR)")
-    t.add_argument("--router", default=S, help=f"convert --init: {', '.join(router_names('detr'))}")
-    t.add_argument("--encoder-cost", type=float, default=S,
-                   help=f"share of the dense encoder's MACs the converted encoder costs (default "
-                        f"{_default(DetectConfig, 'encoder_cost')})")
-    t.add_argument("--layers", type=int, nargs="+", default=S, help="MoD encoder layers (default: alternate)")
-    t.add_argument("--eval-every", type=positive_int, default=S, help=f"default {_default(DetectConfig, 'eval_every')}")
-    t.add_argument("--seed", type=int, default=S, help=f"default {_default(DetectConfig, 'seed')}")
-    t.add_argument("--amp", choices=("off", "bf16"), default=S, help=f"default {_default(DetectConfig, 'amp')}")
-    st = p.add_argument_group("study")
-    st.add_argument("--dense", default=S, help="the dense detector (a train run's model.safetensors)")
-    st.add_argument("--cost", type=float, nargs="+", default=S,
-                    help=f"encoder costs, shares of the dense encoder's MACs (default "
-                         f"{' '.join(map(str, _default(DetectStudyConfig, 'costs')))})")
-    st.add_argument("--routers", nargs="+", default=S,
-                    help=f"default {' '.join(_default(DetectStudyConfig, 'routers'))}")
-    st.add_argument("--seeds", type=positive_int, default=S, help=f"default {_default(DetectStudyConfig, 'seeds')}")
-    st.add_argument("--report-only", action="store_true", default=S,
-                    help="write the report from the finished runs; train nothing")
+    for name, parse in (("out", str), ("steps", positive_int), ("lr", float)):  # (each action's own default)
+        p.add_argument(f"--{name}", type=parse, default=S,
+                       help=f"default {getattr(DetectConfig, name)}; study: {getattr(DetectStudyConfig, name)}")
+    add_flags(p, DetectConfig, only=("batch_size", "train_canvases", "val_canvases"))
+    add_flags(p.add_argument_group("train"), DetectConfig, only=DETECT_FIELDS["train"], suppress=True)
+    add_flags(p.add_argument_group("study"), DetectStudyConfig, only=DETECT_FIELDS["study"], suppress=True)
 
 
-# the flags (by dest) that only one action of `amod detect` uses: given to the other, they are refused
-DETECT_FLAGS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
-                "study": ("dense", "cost", "routers", "seeds", "report_only")}
+# the fields that only one action of `amod detect` takes (given to the other, their flags are refused)
+DETECT_FIELDS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
+                 "study": ("dense", "costs", "routers", "seeds", "report_only")}
+DETECT_FLAGS = {"train": DETECT_FIELDS["train"], "study": ("dense", "cost", "routers", "seeds", "report_only")}
 
 
 def _detect(args: argparse.Namespace) -> int:
@@ -514,26 +423,12 @@ def _detect(args: argparse.Namespace) -> int:
         from .detect.study import run_detect_study  # (imports transformers: the optional extra)
         if not hasattr(args, "dense"):
             raise UserError("amod detect study needs --dense (a dense detector's model.safetensors)")
-        cfg = DetectStudyConfig(dense=args.dense, out=_given(args, "out", DetectStudyConfig),
-                                costs=tuple(_given(args, "cost", DetectStudyConfig, "costs")),
-                                routers=tuple(_given(args, "routers", DetectStudyConfig)),
-                                seeds=_given(args, "seeds", DetectStudyConfig),
-                                steps=_given(args, "steps", DetectStudyConfig),
-                                lr=_given(args, "lr", DetectStudyConfig),
-                                batch_size=args.batch_size, train_canvases=args.train_canvases,
-                                val_canvases=args.val_canvases, report_only=getattr(args, "report_only", False))
-        print(run_detect_study(cfg))
+        print(run_detect_study(build(DetectStudyConfig, args)))
         return 0
     from .detect.train import train_detector  # (imports transformers: the optional extra)
-    out = _given(args, "out", DetectConfig)
-    cfg = DetectConfig(out=out, init=getattr(args, "init", None), router=getattr(args, "router", None),
-                       encoder_cost=_given(args, "encoder_cost", DetectConfig), layers=getattr(args, "layers", None),
-                       steps=_given(args, "steps", DetectConfig), batch_size=args.batch_size,
-                       lr=_given(args, "lr", DetectConfig), eval_every=_given(args, "eval_every", DetectConfig),
-                       train_canvases=args.train_canvases, val_canvases=args.val_canvases,
-                       seed=_given(args, "seed", DetectConfig), amp=_given(args, "amp", DetectConfig))
+    cfg = build(DetectConfig, args)
     row = train_detector(cfg)
-    print(f"{out}: step {row['step']}, COCO AP {row['AP']:.4f}, AP50 {row['AP50']:.4f}")
+    print(f"{cfg.out}: step {row['step']}, COCO AP {row['AP']:.4f}, AP50 {row['AP50']:.4f}")
     return 0
 
 

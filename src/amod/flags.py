@@ -4,7 +4,8 @@ Each field is written once: its name, type hint and default become the flag, its
 line (``(default X)`` added). What a field's flag needs beyond that is in its ``metadata`` (``flag(...)``): another
 flag name (``--cost`` fills ``costs``; None: the field is no flag), a parse function (``positive_int``), choices
 (a callable is read when the flags are built: a registry), a metavar, nargs, a positional argument, a negated switch
-(``--no-fp32-check`` clears ``fp32_check``; its help is "skip" and the comment), or a flag required although the field has a default.
+(``--no-fp32-check`` clears ``fp32_check``; its help: "skip" and the comment), or a flag required although the field
+has a default.
 
 A small builder on argparse rather than jsonargparse or tyro: the flags are a public promise whose names often differ
 from the fields', amod's errors are one line with status 2 (``Parser``), and neither library is a dependency. Nothing
@@ -159,7 +160,8 @@ def add_flags(parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup], c
     """Add ``config``'s fields (``only`` these, in this order; default all) to ``parser`` as flags.
 
     ``suppress``: a flag not given is left out of the namespace (``hasattr`` tells what was given; ``build`` fills the
-    field's default). ``prefix``: put before every flag's name (``distill-``). A field without default is required.
+    field's default). ``prefix``: put before every flag's name (``distill-``). A field without default is a required
+    flag, but with ``suppress`` (the command says what a mode needs).
     """
     hints = typing.get_type_hints(config)
     comments = field_comments(config)
@@ -199,14 +201,14 @@ def add_flags(parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup], c
         help_text = comments.get(f.name, "")
         if meta.get("negate") and help_text:  # (the comment says what the field keeps; the flag leaves it out)
             help_text = f"skip {help_text}"
-        if default not in (MISSING, None, False) and not meta.get("negate"):
+        if not any(default is v for v in (MISSING, None, False)) and not meta.get("negate"):  # (0 is shown)
             help_text = f"{help_text} (default {_shown(default)})".strip()
         kwargs["help"] = help_text.replace("%", "%%") or None  # (argparse formats help with %)
         if meta.get("positional"):
             parser.add_argument(f.name, **kwargs) if default is MISSING else \
                 parser.add_argument(f.name, nargs="?", default=default, **kwargs)
             continue
-        if default is MISSING or meta.get("required"):
+        if (default is MISSING and not suppress) or meta.get("required"):  # (suppress: the command checks)
             kwargs["required"] = True
         elif suppress:
             kwargs["default"] = argparse.SUPPRESS
