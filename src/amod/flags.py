@@ -9,7 +9,7 @@ has a default.
 
 A small builder on argparse rather than jsonargparse or tyro: the flags are a public promise whose names often differ
 from the fields', amod's errors are one line with status 2 (``Parser``), and neither library is a dependency. Nothing
-of amod is imported here.
+of amod but its error type is imported here.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ import types
 import typing
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Literal, Optional, Union
+
+from .errors import UserError
 
 MISSING = dataclasses.MISSING
 META_KEYS = ("flag", "type", "choices", "metavar", "nargs", "positional", "negate", "required")
@@ -84,12 +86,29 @@ def parse_layers(text: str):
             f"--layers must be 'alternate', 'later', 'all' or comma-separated block indices, got {text!r}") from None
 
 
+def parse_schedule(text: str):
+    """One int (every block) or a comma-separated list (one per block)."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, got {text!r}") from None
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
+def parse_shape(text: str) -> list[float]:
+    """Comma-separated numbers, one per block (a fold model's capacity exponents)."""
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, one per block, got {text!r}") from None
+
+
 # ---------------------------------------------------------------- reading a dataclass
 
 @lru_cache(maxsize=None)
 def field_comments(config: type) -> dict[str, str]:
     """Each field's trailing ``# comment`` in ``config``'s source (fields without one left out; {} where the source
-    cannot be read, e.g. a class made at run time)."""
+    cannot be read, e.g. a class made at run time). A comment alone on the next line, in the same column, goes on."""
     try:
         source = textwrap.dedent(inspect.getsource(config))
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
@@ -98,6 +117,7 @@ def field_comments(config: type) -> dict[str, str]:
     names = {f.name for f in dataclasses.fields(config)}
     comments: dict[str, str] = {}
     depth, line = 0, []  # the indentation depth, the tokens of the logical line so far
+    last = None  # (field, its comment's column, its last line): where a comment alone on the next line goes on
     for tok in tokens:
         if tok.type == tokenize.INDENT:
             depth += 1
@@ -109,9 +129,16 @@ def field_comments(config: type) -> dict[str, str]:
             if (depth == 1 and trailing and len(significant) > 1 and significant[0].string in names
                     and significant[1].string == ":" and trailing[-1].start[0] >= significant[0].start[0]):
                 comments[significant[0].string] = trailing[-1].string.lstrip("#").strip()
+                last = (significant[0].string, trailing[-1].start[1], trailing[-1].start[0])
+            else:
+                last = None
             line = []
         elif tok.type == tokenize.COMMENT and not [t for t in line if t.type != tokenize.NL]:
-            continue  # a comment on a line of its own: not a field's
+            if last and tok.start == (last[2] + 1, last[1]):  # the field's comment goes on
+                comments[last[0]] += " " + tok.string.lstrip("#").strip()
+                last = (last[0], last[1], tok.start[0])
+            else:
+                last = None  # a comment on a line of its own: not a field's
         else:
             line.append(tok)
     return comments
@@ -243,3 +270,15 @@ def build(config: type, args: argparse.Namespace, only: Optional[Iterable[str]] 
     """``config`` from the parsed flags of ``add_flags`` (a flag left out: the field's default), ``values`` over
     them."""
     return config(**{**given(args, config, only, prefix), **values})
+
+
+def refuse_other_mode(args: argparse.Namespace, mode: str, flags: dict[str, tuple[str, ...]], names: dict[str, str],
+                      why: str = "") -> None:
+    """Refuse, in one line naming them and the mode, the flags that only another mode of a command uses, which the
+    run would drop without a word. ``flags``: each mode's own flags by dest (SUPPRESS defaults: in ``args`` only when
+    given); ``names``: each mode in words; ``why``: which mode runs, and why, in words."""
+    for other, dests in flags.items():
+        given = [f"--{d.replace('_', '-')}" for d in dests if other != mode and hasattr(args, d)]
+        if given:
+            raise UserError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to {names[other]}, "
+                            f"not to {names[mode]}{'; ' + why if why else ''}")

@@ -375,8 +375,10 @@ class BenchConfig:
     amp: str = flag("off", choices=AMP_MODES)
     device: str = flag("auto", choices=DEVICES)
     memory: bool = flag(True, negate=True)  # the peak-memory measurement
-    compile: bool = False  # time both models compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU), their eager forms in the same rounds
-    runtime: str = flag("torch", choices=RUNTIMES)  # onnxruntime: export both models (amod export) and time them in ONNX Runtime on the CPU
+    compile: bool = False  # time both models compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU),
+                           # their eager forms in the same rounds
+    runtime: str = flag("torch", choices=RUNTIMES)  # onnxruntime: export both models (amod export) and time them in
+                                                    # ONNX Runtime on the CPU
 
 
 def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LAYERS, batch_size: int = 32,

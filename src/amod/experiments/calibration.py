@@ -42,7 +42,8 @@ class CalibrateConfig:
     img_size: Optional[int] = flag(None, type=positive_int)  # input size; default the model's own
     cost: float = 0.5  # share of the dense MACs
     images: int = flag(256, type=positive_int)  # calibration images (the schedules are compared on the same images)
-    router: str = flag(MoDConfig.router, choices=vit_routers)  # whose scores decide what is protected: attention (A-MoD) or a control
+    router: str = flag(MoDConfig.router, choices=vit_routers)  # whose scores decide what is protected: attention
+                                                               # (A-MoD) or a control
     force: bool = False  # replace --out if it exists
 
     def validate(self) -> "CalibrateConfig":

@@ -74,13 +74,16 @@ COMPARED = (
 class CompareConfig:
     # (each field's comment is its flag's help: amod.flags)
     out: str = "runs/compare"
-    checkpoint: Optional[str] = None  # dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if missing), or a Hugging Face model (directory or hf:ID; probe protocol)
+    checkpoint: Optional[str] = None  # dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if
+                                      # missing), or a Hugging Face model (directory or hf:ID; probe protocol)
     data: str = "fashion-mnist"
     costs: tuple[float, ...] = flag((0.56, 0.75), flag="cost")  # cost points, shares of dense MACs
-    img_size: Optional[int] = flag(None, type=positive_int)  # input size of a backbone without classifier (probe protocol); default the model's own
+    img_size: Optional[int] = flag(None, type=positive_int)  # input size of a backbone without classifier (probe
+                                                             # protocol); default the model's own
     epochs: int = flag(1, type=positive_int)  # the short finetune, equal for every method (classifier protocol)
     train_limit: Optional[int] = flag(10000, type=positive_int)  # finetuning images (classifier protocol)
-    probe_train: int = flag(3000, type=positive_int)  # training images the linear probe is fitted on (backbone without classifier)
+    probe_train: int = flag(3000, type=positive_int)  # training images the linear probe is fitted on (backbone without
+                                                      # classifier)
     val_limit: Optional[int] = flag(None, type=positive_int)
     lr: float = 5e-4
     batch_size: int = flag(128, flag=None)

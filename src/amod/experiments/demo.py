@@ -38,7 +38,8 @@ FINETUNE_STATE_EVERY_S = 30.0  # a kill loses at most this much of the finetune 
 class DemoConfig:
     # (each field's comment is its flag's help, amod.flags; the settings without a flag are the demo's own)
     out: str = "runs/demo"  # the output folder; with --toy runs/toy_demo
-    checkpoint: Optional[str] = None  # a backbone without classifier (default: DINOv2 ViT-S/14, fetched and converted once)
+    checkpoint: Optional[str] = None  # a backbone without classifier (default: DINOv2 ViT-S/14, fetched and converted
+                                      # once)
     costs: tuple[float, ...] = flag((0.56, 0.40), flag=None)
     img_size: int = flag(112, flag=None)
     probe_train: int = flag(2000, flag=None)

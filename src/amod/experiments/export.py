@@ -46,7 +46,8 @@ class ExportConfig:
     img_size: Optional[int] = flag(None, type=positive_int)  # input size (default the model's own)
     batch: Union[str, int] = flag("dynamic", type=parse_batch)  # dynamic or a fixed batch size
     opset: Optional[int] = flag(None, type=positive_int)  # ONNX opset (default the exporter's)
-    exporter: str = flag(DEFAULT_EXPORTER, choices=EXPORTERS)  # dynamo: torch.onnx.export(dynamo=True) (exports every amod model); torchscript: the legacy tracer
+    exporter: str = flag(DEFAULT_EXPORTER, choices=EXPORTERS)  # dynamo: torch.onnx.export(dynamo=True) (exports every
+                                                               # amod model); torchscript: the legacy tracer
 
 
 def fashion_mnist_images(model: nn.Module, n: int, img_size: Optional[int] = None) -> Optional[torch.Tensor]:

@@ -7,13 +7,16 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 from torch import nn
 
+from ..checkpoint import load_weightless
 from ..cost import misses_cost, validate_cost
+from ..family import family_of
 from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
 from .arms import Arm, select
@@ -77,7 +80,8 @@ class FinetuneConfig:
     warmup: float = 0.1  # share of the steps
     eval_at: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)  # shares of the steps (step 0 is always evaluated)
     eval_images: int = flag(2000, type=positive_int)  # the fixed test subset every evaluation uses
-    probe_train: int = flag(3000, type=positive_int)  # training images the linear probe (the starting head) is fitted on
+    probe_train: int = flag(3000, type=positive_int)  # training images the linear probe (the starting head) is fitted
+                                                      # on
     # (off: bf16 autocast is ~20x slower than fp32 on a CPU without bf16 instructions, AVX2)
     amp: str = flag("off", choices=("bf16", "off"))
     fp32_check: bool = flag(True, negate=True)  # the one fp32 dense run (seed 0) that checks bf16 (with --amp bf16)
@@ -235,3 +239,20 @@ def _best_of(cfg: FinetuneConfig, arm: Arm, cost: float, planned: list[Planned],
 
 def label(p: Planned) -> str:
     return p.arm.name if p.arm.name == DENSE else f"{p.arm.name} @ {p.cost_target:g}"
+
+
+FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod study` runs (study_for)
+
+
+def study_for(checkpoint: Optional[str]) -> str:
+    """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune_study``: the methods
+    at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (its family's
+    ``num_classes`` 0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.router_study``:
+    routers x capacities x seeds, with the model's own classifier) for a model with one, or none given (the
+    demo's model)."""
+    if checkpoint is None:
+        return ROUTER_STUDY
+    model = load_weightless(os.path.expanduser(checkpoint))
+    if family_of(model).num_classes(model) == 0:
+        return FINETUNE_STUDY
+    return ROUTER_STUDY

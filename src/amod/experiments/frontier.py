@@ -76,19 +76,28 @@ DEFAULT_COSTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 @dataclass
 class FrontierConfig:
     # (each field's comment is its flag's help: amod.flags)
-    checkpoint: Optional[str] = flag(None, required=True)  # the dense backbone: an amod .safetensors file or a Hugging Face model (directory or hf:ID)
+    checkpoint: Optional[str] = flag(None, required=True)  # the dense backbone: an amod .safetensors file or a Hugging
+                                                           # Face model (directory or hf:ID)
     out: str = "runs/frontier"
     data: str = "fashion-mnist"
-    img_size: Optional[int] = flag(None, type=positive_int)  # input size; default the model's own (the position grid is resampled otherwise)
-    costs: tuple[float, ...] = flag(DEFAULT_COSTS, flag="cost")  # the cost grid every method is set to, shares of dense MACs (closest cost it can reach)
+    img_size: Optional[int] = flag(None, type=positive_int)  # input size; default the model's own (the position grid is
+                                                             # resampled otherwise)
+    costs: tuple[float, ...] = flag(DEFAULT_COSTS, flag="cost")  # the cost grid every method is set to, shares of dense
+                                                                 # MACs (closest cost it can reach)
     probe_train: int = flag(3000, type=positive_int)  # training images the linear probe is fitted on (dense features)
-    val_limit: Optional[int] = flag(2000, type=positive_int)  # test images each point is measured on (two halves give the error bar)
-    speed_batches: tuple[int, ...] = flag((32, 1), flag="speed-batch", type=positive_int)  # batch sizes timed, every model interleaved; the first one is the report's main reading
+    val_limit: Optional[int] = flag(2000, type=positive_int)  # test images each point is measured on (two halves give
+                                                              # the error bar)
+    speed_batches: tuple[int, ...] = flag((32, 1), flag="speed-batch", type=positive_int)  # batch sizes timed,
+                                                                                           # every model interleaved;
+                                                                                           # the first: the main reading
     speed_repeats: int = flag(5, type=positive_int)  # timed rounds per batch size (after 2 discarded warm-up rounds)
-    forwards_per_call: int = flag(8, flag=None)  # forwards per timed call at a batch below 8 (one is too short to time alone)
+    forwards_per_call: int = flag(8, flag=None)  # forwards per timed call at a batch below 8 (one is too short to time
+                                                 # alone)
     speedups: tuple[float, ...] = (1.5, 2.0, 2.5)  # measured speed-ups at which each method's frontier is read
-    calibration_images: int = flag(256, type=positive_int)  # unlabeled training images each calibrated method chooses its schedule on
-    device: str = flag("auto", choices=DEVICES)  # where features are computed and models timed (auto: a GPU where there is one)
+    calibration_images: int = flag(256, type=positive_int)  # unlabeled training images each calibrated method chooses
+                                                            # its schedule on
+    device: str = flag("auto", choices=DEVICES)  # where features are computed and models timed (auto: a GPU where there
+                                                 # is one)
     compile: bool = False  # time every model compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU)
     amp: str = flag("off", choices=AMP_MODES)  # time under bf16 autocast (the accuracies are the model's own precision)
     methods: tuple[Arm, ...] = flag(FRONTIER_METHODS, flag=None)

