@@ -182,12 +182,15 @@ def _config(where: str) -> type:
     return getattr(importlib.import_module(f"amod.{module}"), name)
 
 
-def _flags_of(where: str, json: bool = False, **kwargs: Any) -> Callable[[argparse.ArgumentParser], None]:
-    """A command's flags: the fields of the configuration ``where`` names (``_config``), and ``--json`` with ``json``."""
+def _flags_of(where: str, json: bool = False, methods: str = "") -> Callable[[argparse.ArgumentParser], None]:
+    """A command's flags: the fields of the configuration ``where`` names (``_config``), ``--json`` with ``json``,
+    ``--methods`` with ``methods`` (its help's start)."""
     def add(p: argparse.ArgumentParser) -> None:
-        add_flags(p, _config(where), **kwargs)
+        add_flags(p, _config(where))
         if json:
             p.add_argument("--json", action="store_true", help="print one JSON object")
+        if methods:
+            _methods_flag(p, methods)
     return add
 
 
@@ -383,16 +386,6 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-def _compare_flags(p: argparse.ArgumentParser) -> None:
-    _flags_of("experiments.compare:CompareConfig")(p)
-    _methods_flag(p, "compare only these methods")
-
-
-def _frontier_flags(p: argparse.ArgumentParser) -> None:
-    _flags_of("experiments.frontier:FrontierConfig")(p)
-    _methods_flag(p, "sweep only these methods")
-
-
 COMMANDS: tuple[Command, ...] = (
     Command("flops", "analytic cost table of timm or Hugging Face ViTs: dense, MoD capacities, ToMe costs, any method",
             _flops_flags, _flops),
@@ -412,11 +405,12 @@ COMMANDS: tuple[Command, ...] = (
             "classifier: routers x capacities x seeds, with controls, leave-one-out and pictures", _study_flags,
             _study),
     Command("compare", "MoD modes vs token merging (ToMe) at matched cost: zero-training and finetuned accuracy (a "
-            "backbone: a linear probe, zero-training only), images/s", _compare_flags, _compare),
+            "backbone: a linear probe, zero-training only), images/s",
+            _flags_of("experiments.compare:CompareConfig", methods="compare only these methods"), _compare),
     Command("calibrate", "a dense model made A-MoD fold with the schedule chosen on unlabeled images, saved",
             _flags_of("experiments.calibration:CalibrateConfig"), _calibrate),
     Command("frontier", "every training-free method: accuracy against measured speed-up (by default at batch 32 and 1)",
-            _frontier_flags, _frontier),
+            _flags_of("experiments.frontier:FrontierConfig", methods="sweep only these methods"), _frontier),
     Command("demo", "the main job: DINOv2 ViT-S/14 made cheaper on Fashion-MNIST, dense vs ToMe vs A-MoD at two "
             "costs, and a short finetune (--toy: the paper's comparison on a small ViT pretrained here)", _demo_flags,
             _demo),
