@@ -20,7 +20,7 @@ LIBRARY = ("amod.mod", "amod.tome", "amod.ops", "amod.cost", "amod.tokens", "amo
            "amod.family", "amod.reduce", "amod.analysis", "amod.stats", "amod.static", "amod.fast", "amod.errors")
 APPLICATION = ("amod.train", "amod.experiments", "amod.detect", "amod.cli")
 # the bottom of the package: imports nothing of amod but amod.errors, so every module may use it
-BOTTOM = ("amod.errors", "amod.files", "amod.arch", "amod.kernels", "amod.hf.common", "amod.family")
+BOTTOM = ("amod.errors", "amod.flags", "amod.files", "amod.arch", "amod.kernels", "amod.hf.common", "amod.family")
 
 
 def module_name(path: Path) -> str:

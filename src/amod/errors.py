@@ -11,6 +11,11 @@ in amod: it shows the traceback and exits with status 1.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 from safetensors import SafetensorError
 from yaml import YAMLError
@@ -33,3 +38,33 @@ class UnsupportedModelError(UserError, TypeError):
 # what it reads with (the OS; safetensors, YAML and JSON files; text that is not UTF-8)
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError, OSError, SafetensorError, YAMLError,
                                                 json.JSONDecodeError, UnicodeDecodeError)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line for the user: the OS error's own words and file, or the message."""
+    if isinstance(e, OSError) and e.strerror:
+        named = e.filename is None or str(e.filename) in e.strerror
+        text = e.strerror if named else f"{e.strerror}: {e.filename}"
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
+
+
+@contextmanager
+def warnings_as_lines(command: str) -> Iterator[None]:
+    """amod's own warnings (e.g. a fold capacity below its floor) as one line, ``amod COMMAND: warning: ...``;
+    other packages' warnings as Python shows them."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if os.path.abspath(filename).startswith(package):
+            print(f"amod {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+        else:
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original

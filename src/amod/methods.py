@@ -35,7 +35,7 @@ from .cost import flops, validate_cost
 from .mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
 from .mod.config import LAYER_PRESETS, MoDConfig, validate_capacity, validate_protect, validate_router, validate_skipped
 from .mod.modes import skipped_mode, skipped_mode_names
-from .mod.routers import router_class, router_names
+from .mod.routers import vit_routers
 from .mod.convert import DEFAULT_LAYERS, capacity_for_cost, convert
 from .mod.isoflop import isoflop_baseline
 from . import tome
@@ -610,12 +610,6 @@ def method_from_metadata(meta: dict[str, str]) -> Method:
 
 
 # ---------------------------------------------------------------- shorthand: options that build a method
-
-def vit_routers() -> tuple[str, ...]:
-    """The routers that route every family (so not DETR's ``feature-norm``): the ``--router`` choices of the ViT
-    commands."""
-    return tuple(name for name in router_names() if router_class(name).families is None)
-
 
 @dataclass(frozen=True)
 class Shorthand:

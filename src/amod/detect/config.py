@@ -12,6 +12,7 @@ from ..families.detr import DetrFamily
 from ..mod.routers import router_names
 from ..train.rundir import check_output_dir
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 
 def check_detector_file(path: str | Path, option: str) -> None:
@@ -32,24 +33,25 @@ def check_detector_file(path: str | Path, option: str) -> None:
 class DetectConfig:
     """One detection run. ``init`` None: a new ``small_detr`` trained from scratch."""
 
+    # (the comments of the fields `amod detect` takes are their flags' help: amod.flags)
     out: str = "runs/detect/dense"
     seed: int = 0
-    init: Optional[str] = None  # an amod.save file to finetune
-    router: Optional[str] = None  # convert ``init`` with this router (A-MoD: "attention")
-    encoder_cost: float = 0.5  # ... at the capacity whose encoder MACs are closest to this share of dense
+    init: Optional[str] = None  # an amod.save file of a DETR to finetune (default: a new small DETR)
+    router: Optional[str] = None  # convert --init with this router (A-MoD: attention)
+    encoder_cost: float = 0.5  # share of the dense encoder's MACs the converted encoder costs (the closest capacity)
     layers: Optional[list[int]] = None  # MoD encoder layers (default: alternate)
     canvas_size: int = 128
-    train_canvases: int = 20000
-    val_canvases: int = 1000
+    train_canvases: int = flag(20000, type=positive_int)
+    val_canvases: int = flag(1000, type=positive_int)
     data_seed: int = 0  # which canvases (the same for every run that compares)
     steps: int = 6000
-    batch_size: int = 16
+    batch_size: int = flag(16, type=positive_int)
     lr: float = 2e-4
     weight_decay: float = 1e-4
     warmup: int = 200
     clip: float = 0.1  # DETR's gradient clipping
-    eval_every: int = 500
-    amp: str = "off"
+    eval_every: int = flag(500, type=positive_int)
+    amp: str = flag("off", choices=("off", "bf16"))
     d_model: int = 128  # the new model's width (init None only)
 
     def validate(self) -> "DetectConfig":
@@ -82,12 +84,12 @@ class DetectStudyConfig:
     """The detection study (``amod detect study``): ``dense`` converted at each encoder cost with each router,
     every (cost, router) finetuned ``seeds`` times, and the dense detector finetuned the same way."""
 
-    dense: str  # the dense detector: an amod.save file (a ``amod detect train`` run's model.safetensors)
+    dense: str  # the dense detector (a train run's model.safetensors)
     out: str = "runs/detect/study"
-    costs: tuple[float, ...] = (0.5, 0.25)
+    costs: tuple[float, ...] = flag((0.5, 0.25), flag="cost")  # encoder costs, shares of the dense encoder's MACs
     routers: tuple[str, ...] = ("attention", "standard", "random", "feature-norm")
     layers: tuple[int, ...] = (1, 2, 3, 4, 5)
-    seeds: int = 3
+    seeds: int = flag(3, type=positive_int)
     steps: int = 300
     lr: float = 5e-5
     batch_size: int = 16
@@ -96,7 +98,7 @@ class DetectStudyConfig:
     canvas_size: int = 128
     speed_batch: int = 32
     speed_repeats: int = 10
-    report_only: bool = False
+    report_only: bool = False  # write the report from the finished runs; train nothing
 
     def validate(self) -> "DetectStudyConfig":
         """Refuse, before the first run trains, any setting that one of the study's runs would refuse."""

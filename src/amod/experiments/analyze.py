@@ -18,17 +18,19 @@ from ..train.rundir import check_output_dir
 from ..analysis import attention_stats, check_loo_model, kept_positions, leave_one_out
 from .plots import keep_frequency_figure, routing_figure
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 ANALYSES = ("loo", "routing", "attention")
 
 
 @dataclass
 class AnalyzeConfig:
-    analysis: str  # one of ANALYSES
+    # (each field's comment is its flag's help: amod.flags)
+    analysis: str = flag(positional=True, choices=ANALYSES)
     checkpoint: str
     data: str = "fashion-mnist"
-    images: int = 16  # the first N validation images
-    tokens: Optional[int] = None  # loo: patch tokens sampled per image (default all)
+    images: int = flag(16, type=positive_int)  # the first N validation images
+    tokens: Optional[int] = flag(None, type=positive_int)  # patch tokens sampled per image (loo; default all)
     out: str = "runs/analysis"
 
 

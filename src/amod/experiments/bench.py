@@ -12,7 +12,8 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -24,10 +25,13 @@ from ..files import dumps, read_json_lines
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
 from ..methods import Dense, method_of
+from ..flags import flag, nonnegative_int, parse_layers, positive_int
+from ..mod.config import MoDConfig, validate_capacity
 from ..mod.convert import DEFAULT_LAYERS, convert
+from ..mod.routers import vit_routers
 from ..fast import compile as fast_compile
 from ..ops import attention_scores_explicit, attention_with_scores
-from ..train.engine import autocast
+from ..train.engine import AMP_MODES, autocast
 from ..train.models import check_vit_name
 from ..errors import UserError
 
@@ -356,6 +360,27 @@ def session_callable(session: Any, x: torch.Tensor) -> Callable[[], Any]:
 RUNTIMES = ("torch", "onnxruntime")
 
 
+@dataclass
+class BenchConfig:
+    """``amod bench``: ``run_bench``'s arguments (each field's comment is its flag's help: amod.flags)."""
+
+    model: str = "deit_small_patch16_224"  # a timm model name, or a Hugging Face model (directory or hf:ID)
+    router: str = flag(MoDConfig.router, choices=vit_routers)
+    capacity: float = 0.125
+    layers: Union[str, list[int]] = flag(DEFAULT_LAYERS, type=parse_layers)
+    batch_size: int = flag(32, type=positive_int)
+    img_size: Optional[int] = flag(None, type=positive_int)
+    repeats: int = flag(10, type=positive_int)
+    warmup: int = flag(3, type=nonnegative_int)
+    amp: str = flag("off", choices=AMP_MODES)
+    device: str = flag("auto", choices=DEVICES)
+    memory: bool = flag(True, negate=True)  # the peak-memory measurement
+    compile: bool = False  # time both models compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU),
+                           # their eager forms in the same rounds
+    runtime: str = flag("torch", choices=RUNTIMES)  # onnxruntime: export both models (amod export) and time them in
+                                                    # ONNX Runtime on the CPU
+
+
 def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LAYERS, batch_size: int = 32,
               img_size: Optional[int] = None, repeats: int = 10, warmup: int = 3, amp: str = "off",
               device: str = "auto", memory: bool = True, compile: bool = False, runtime: str = "torch"
@@ -375,6 +400,7 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LA
     """
     if runtime not in RUNTIMES:
         raise UserError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    capacity = validate_capacity(capacity)
     if hf_source(model) is None:
         check_vit_name(model)  # amod's supported-models line, not timm's error about an argument of another family
     if runtime == "onnxruntime":
@@ -453,3 +479,29 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LA
     result["efficiency"] = result["speedup"] / result["flop_speedup"]
     result["paired_efficiency"] = result["paired_speedup"]["median"] / result["flop_speedup"]
     return result
+
+
+def format_bench(result: dict[str, Any], cfg: BenchConfig) -> str:
+    """``amod bench``'s lines: a ``run_bench`` result in words."""
+    d, m = result["dense"], result["mod"]
+    mem = lambda v: "" if v is None else f"  peak {v:.0f} MiB"  # noqa: E731
+    how = {"torch": "amod.compile" + (" (CUDA graphs)" if result["device"].startswith("cuda") else "")
+                    if cfg.compile else "eager PyTorch",
+           "onnxruntime": f"ONNX Runtime {result.get('onnxruntime', '')} ({result.get('exporter', '')} exporter)"}
+    label, dense = result["label"], "dense (HF)" if result["hf"] else "dense (timm)"
+    lines = [f"{cfg.model} {result['img_size'][0]}x{result['img_size'][1]} batch {cfg.batch_size} on {result['device']}"
+             f" ({result['threads']} threads), {how[cfg.runtime]}, median of {cfg.repeats} interleaved runs after "
+             f"{cfg.warmup} warm-ups",
+             f"GLIBC_TUNABLES={result['glibc_tunables'] or '(unset)'}",
+             f"  {dense:20s} {d['images_per_s']:9.1f} images/s  {d['macs'] / 1e9:7.3f} GMACs{mem(d['peak_mem_mb'])}",
+             f"  {label:20s} {m['images_per_s']:9.1f} images/s  {m['macs'] / 1e9:7.3f} GMACs{mem(m['peak_mem_mb'])}"]
+    if cfg.compile:
+        for name, text in (("dense", "dense eager"), ("mod", f"{label} eager")):
+            c = result["compile_speedup"][name]
+            lines.append(f"  {text:20s} {result['eager'][name]['images_per_s']:9.1f} images/s  compiled/eager "
+                         f"{c['median']:.3f}x (rounds {c['q1']:.3f}-{c['q3']:.3f}), compiled in "
+                         f"{result['compile_seconds'][name]:.1f} s")
+    p = result["paired_speedup"]
+    lines.append(f"  speed-up {result['speedup']:.3f}x (round by round {p['median']:.3f}x, quartiles {p['q1']:.3f}-"
+                 f"{p['q3']:.3f})  FLOP bound {result['flop_speedup']:.3f}x  efficiency {result['efficiency']:.3f}")
+    return "\n".join(lines)

@@ -22,26 +22,29 @@ from ..files import check_output_file, dumps, read_json_lines
 from ..methods import Calibrated, MoD
 from ..mod.calibrate import calibrate
 from ..mod.config import MoDConfig
-from ..mod.routers import router_class
+from ..mod.routers import router_class, vit_routers
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.rundir import output_file_lock
 from .presets import check_not_hugging_face
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 log = logging.getLogger("amod")
 
 
 @dataclass
 class CalibrateConfig:
+    # (each field's comment is its flag's help: amod.flags)
     checkpoint: str  # the dense model: an amod .safetensors file
-    out: str  # where the calibrated model is written (.safetensors)
+    out: str  # the calibrated model's file (.safetensors)
     data: str = "fashion-mnist"  # where the unlabeled images come from (its training split; labels unread)
-    img_size: Optional[int] = None  # input size; default the model's own
+    img_size: Optional[int] = flag(None, type=positive_int)  # input size; default the model's own
     cost: float = 0.5  # share of the dense MACs
-    images: int = 256  # calibration images
-    router: str = MoDConfig.router  # A-MoD ("attention"); "random" for the control
-    force: bool = False  # replace an existing ``out``
+    images: int = flag(256, type=positive_int)  # calibration images (the schedules are compared on the same images)
+    router: str = flag(MoDConfig.router, choices=vit_routers)  # whose scores decide what is protected: attention
+                                                               # (A-MoD) or a control
+    force: bool = False  # replace --out if it exists
 
     def validate(self) -> "CalibrateConfig":
         """Check every setting, the checkpoint, the output file and the data's channels before any work; raises

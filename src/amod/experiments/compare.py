@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -49,6 +49,7 @@ from .presets import BASE, QUICK, check_settings, demo_skeleton, run_in_director
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
 from .probe import features, mean_cosine, probe_images
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 log = logging.getLogger("amod")
 
@@ -68,21 +69,25 @@ COMPARED = (
 
 @dataclass
 class CompareConfig:
+    # (each field's comment is its flag's help: amod.flags)
     out: str = "runs/compare"
-    checkpoint: Optional[str] = None  # dense amod .safetensors to compare on; default: the demo's (trained if missing)
+    checkpoint: Optional[str] = None  # dense model (default: amod demo --toy's small ViT, pretrained in OUT/pretrain if
+                                      # missing), or a Hugging Face model (directory or hf:ID; probe protocol)
     data: str = "fashion-mnist"
-    costs: tuple[float, ...] = (0.56, 0.75)
-    img_size: Optional[int] = None  # input size; default the model's own (the grid is resampled otherwise)
-    epochs: int = 1  # the short finetune, equal for every method (classifier protocol)
-    train_limit: Optional[int] = 10000  # finetuning images (classifier protocol)
-    probe_train: int = 3000  # training images the linear probe is fitted on (probe protocol)
-    val_limit: Optional[int] = None
+    costs: tuple[float, ...] = flag((0.56, 0.75), flag="cost")  # cost points, shares of dense MACs
+    img_size: Optional[int] = flag(None, type=positive_int)  # input size of a backbone without classifier (probe
+                                                             # protocol); default the model's own
+    epochs: int = flag(1, type=positive_int)  # the short finetune, equal for every method (classifier protocol)
+    train_limit: Optional[int] = flag(10000, type=positive_int)  # finetuning images (classifier protocol)
+    probe_train: int = flag(3000, type=positive_int)  # training images the linear probe is fitted on (backbone without
+                                                      # classifier)
+    val_limit: Optional[int] = flag(None, type=positive_int)
     lr: float = 5e-4
-    batch_size: int = 128
-    speed_batch: int = 256
-    speed_repeats: int = 10
-    methods: tuple[Arm, ...] = field(default=COMPARED)
-    quick: bool = False
+    batch_size: int = flag(128, flag=None)
+    speed_batch: int = flag(256, type=positive_int)
+    speed_repeats: int = flag(10, type=positive_int)
+    methods: tuple[Arm, ...] = flag(COMPARED, flag=None)
+    quick: bool = False  # a tiny version (for tests)
 
     def only(self, names: Optional[list[str]]) -> "CompareConfig":
         """The same comparison restricted to the named methods (``Arm.name``), in their usual order, and any

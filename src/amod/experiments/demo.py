@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..files import write_json, write_text
+from ..flags import flag
 from .bench import IMPLAUSIBLE_NOTE, speedup_text, warn_implausible
 from .finetune_study import check_study_inputs, finetune_run, prepare, speeds_of, zero_training
 from .finetune_study_plan import ARMS, DENSE, REFERENCE, FinetuneConfig, Planned, label, plan
@@ -35,15 +36,17 @@ FINETUNE_STATE_EVERY_S = 30.0  # a kill loses at most this much of the finetune 
 
 @dataclass
 class DemoConfig:
-    out: str = "runs/demo"
-    checkpoint: Optional[str] = None  # a backbone without classifier; default: DINOv2 ViT-S/14 (fetched once)
-    costs: tuple[float, ...] = (0.56, 0.40)
-    img_size: int = 112
-    probe_train: int = 2000
-    eval_images: int = 1000
-    steps: int = 96  # the short finetune of the best reduced model
-    batch_size: int = 32
-    quick: bool = False  # a tiny version for tests
+    # (each field's comment is its flag's help, amod.flags; the settings without a flag are the demo's own)
+    out: str = "runs/demo"  # the output folder; with --toy runs/toy_demo
+    checkpoint: Optional[str] = None  # a backbone without classifier (default: DINOv2 ViT-S/14, fetched and converted
+                                      # once)
+    costs: tuple[float, ...] = flag((0.56, 0.40), flag=None)
+    img_size: int = flag(112, flag=None)
+    probe_train: int = flag(2000, flag=None)
+    eval_images: int = flag(1000, flag=None)
+    steps: int = flag(96, flag=None)  # the short finetune of the best reduced model
+    batch_size: int = flag(32, flag=None)
+    quick: bool = False  # a tiny version (for tests)
 
     def study_config(self, checkpoint: str) -> FinetuneConfig:
         """The demo as a (small) finetune study: same probe, head, training and evaluation code."""

@@ -15,17 +15,20 @@ from ..hf.loading import hf_source
 from ..train.data import build_datasets
 from ..train.engine import BadImages, Dist, evaluate, make_loader
 from ..errors import UserError
+from ..flags import flag, positive_int
+from ..train.engine import AMP_MODES
 
 
 @dataclass
 class EvalConfig:
-    checkpoint: str  # model.safetensors of a run, any amod.save file, or a Hugging Face model (directory or hf:ID)
+    # (each field's comment is its flag's help: amod.flags)
+    checkpoint: str  # a run's model.safetensors (or any amod.save file), or a Hugging Face model (directory or hf:ID)
     data: str = "fashion-mnist"
-    img_size: Optional[int] = None  # must be the model's own input size
-    val_limit: Optional[int] = None
-    batch_size: int = 256
+    img_size: Optional[int] = flag(None, type=positive_int)  # must be the model's own input size
+    val_limit: Optional[int] = flag(None, type=positive_int)
+    batch_size: int = flag(256, type=positive_int)
     capacity: Optional[float] = None  # evaluate an MoD model at another capacity
-    amp: str = "off"
+    amp: str = flag("off", choices=AMP_MODES)
     skip_bad_images: bool = False  # skip unreadable image files (and count them)
 
 
@@ -61,3 +64,10 @@ def evaluate_checkpoint(cfg: EvalConfig, progress: bool = True) -> dict[str, Any
     metrics = evaluate(model, make_loader(val, cfg.batch_size, False, 0, 0, dist_info), device, cfg.amp, dist_info,
                        progress=progress, bad_images=bad_images)
     return {**metrics, "macs": flops(counted).macs, "skipped_images": len(bad_images.paths)}
+
+
+def format_eval(m: dict[str, Any]) -> str:
+    """``amod eval``'s line: an ``evaluate_checkpoint`` result in words."""
+    skipped = f", {m['skipped_images']} unreadable images skipped" if m["skipped_images"] else ""
+    return (f"top1 {m['top1']:.4f}  top5 {m['top5']:.4f}  loss {m['loss']:.4f}  {m['macs'] / 1e6:.2f} MMACs/image  "
+            f"{m['images_per_s']:.0f} images/s  ({m['images']} images{skipped})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -18,15 +19,35 @@ from torch import nn
 
 from ..arch import pair
 from ..checkpoint import load
-from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, _sigterm_cleans_up, export
+from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, EXPORTERS, _sigterm_cleans_up, export
 from ..files import check_output_file
 from ..train.data import TensorImages, load_fashion_mnist
 from ..train.rundir import output_file_lock
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 log = logging.getLogger("amod")
 
 PathLike = Union[str, os.PathLike]
+
+
+def parse_batch(text: str) -> Union[str, int]:
+    """``dynamic`` or a positive batch size."""
+    return text if text == "dynamic" else positive_int(text)
+
+
+@dataclass
+class ExportConfig:
+    """``amod export``: ``export_checkpoint``'s arguments (each field's comment is its flag's help: amod.flags)."""
+
+    checkpoint: str  # any amod.save file (model.safetensors of a run)
+    out: str  # the .onnx file to write
+    force: bool = False  # replace --out if it exists
+    img_size: Optional[int] = flag(None, type=positive_int)  # input size (default the model's own)
+    batch: Union[str, int] = flag("dynamic", type=parse_batch)  # dynamic or a fixed batch size
+    opset: Optional[int] = flag(None, type=positive_int)  # ONNX opset (default the exporter's)
+    exporter: str = flag(DEFAULT_EXPORTER, choices=EXPORTERS)  # dynamo: torch.onnx.export(dynamo=True) (exports every
+                                                               # amod model); torchscript: the legacy tracer
 
 
 def fashion_mnist_images(model: nn.Module, n: int, img_size: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -75,3 +96,14 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike, img_size: Optional[in
     if images is not None:
         result["check"]["inputs"] = "fashion-mnist"
     return result
+
+
+def format_export(r: dict[str, Any]) -> str:
+    """``amod export``'s lines: an ``export_checkpoint`` report in words."""
+    c = r["check"]
+    return "\n".join([
+        f"wrote {r['path']} ({r['bytes'] / 2**20:.1f} MiB): {r['method']}, {r['img_size'][0]}x{r['img_size'][1]} "
+        f"input, batch {r['batch']}, opset {r['opset']}, {r['exporter']} exporter",
+        "  routing ops in the graph: " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()),
+        f"  checked in ONNX Runtime on {' + '.join(map(str, c['batches']))} {c['inputs']} images: max abs logit "
+        f"difference {c['max_abs_diff']:.2g} (allowed {c['tolerance']:g}), same top-1 on every image"])

@@ -7,17 +7,21 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 from torch import nn
 
+from ..checkpoint import load_weightless
 from ..cost import misses_cost, validate_cost
+from ..family import family_of
 from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
 from .arms import Arm, select
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 if TYPE_CHECKING:
     from .finetune_study_rows import EvalRows
@@ -62,29 +66,32 @@ TEACHER = "dense (teacher)"  # the dense run of seed 0 again, its final weights 
 
 @dataclass
 class FinetuneConfig:
+    # (the comments of the fields `amod study` takes are their flags' help: amod.flags)
     checkpoint: str
     out: str = "runs/finetune"
     data: str = "fashion-mnist"
-    img_size: int = 112
-    costs: tuple[float, ...] = (0.56, 0.40)
-    seeds: int = 3
-    steps: int = 256
-    batch_size: int = 32
+    img_size: int = flag(112, type=positive_int)
+    costs: tuple[float, ...] = flag((0.56, 0.40), flag="cost")  # cost points, shares of dense MACs
+    seeds: int = flag(3, type=positive_int)
+    steps: int = flag(256, type=positive_int)  # finetuning steps of every run
+    batch_size: int = flag(32, type=positive_int)
     lr: float = 3e-5
     weight_decay: float = 0.05
     warmup: float = 0.1  # share of the steps
     eval_at: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)  # shares of the steps (step 0 is always evaluated)
-    eval_images: int = 2000
-    probe_train: int = 3000
-    amp: str = "off"  # fp32: bf16 autocast is ~20x slower than fp32 on a CPU without bf16 instructions (AVX2)
-    fp32_check: bool = True  # with amp bf16: also finetune dense in fp32 once (seed 0) to check that bf16 is close
+    eval_images: int = flag(2000, type=positive_int)  # the fixed test subset every evaluation uses
+    probe_train: int = flag(3000, type=positive_int)  # training images the linear probe (the starting head) is fitted
+                                                      # on
+    # (off: bf16 autocast is ~20x slower than fp32 on a CPU without bf16 instructions, AVX2)
+    amp: str = flag("off", choices=("bf16", "off"))
+    fp32_check: bool = flag(True, negate=True)  # the one fp32 dense run (seed 0) that checks bf16 (with --amp bf16)
     arms: tuple[Arm, ...] = field(default=ARMS)
     speed_batch: int = 32
     speed_repeats: int = 5
     # also save a run's state between its evaluations once this many seconds of training passed since the last save
     # (None: at its evaluations only), so that a kill loses at most that much of it; results do not depend on it
     state_every_s: Optional[float] = None
-    report_only: bool = False  # write the report from the finished evaluations; train nothing
+    report_only: bool = False  # write the report from the evaluations in OUT/evals.jsonl; train nothing
     # the distilled arms: the loss's weights, and the teacher (None: the study's dense run of seed 0, kept)
     distillation: Distillation = field(default_factory=Distillation)
     teacher: Optional[str] = None
@@ -232,3 +239,20 @@ def _best_of(cfg: FinetuneConfig, arm: Arm, cost: float, planned: list[Planned],
 
 def label(p: Planned) -> str:
     return p.arm.name if p.arm.name == DENSE else f"{p.arm.name} @ {p.cost_target:g}"
+
+
+FINETUNE_STUDY, ROUTER_STUDY = "finetune", "routers"  # the two studies `amod study` runs (study_for)
+
+
+def study_for(checkpoint: Optional[str]) -> str:
+    """Which study `amod study` runs on ``checkpoint``: ``FINETUNE_STUDY`` (``experiments.finetune_study``: the methods
+    at matched costs, each finetuned, scored by a linear probe) for a backbone without classifier (its family's
+    ``num_classes`` 0, e.g. DINOv2), which has no head for the routers' study to measure; ``ROUTER_STUDY`` (``experiments.router_study``:
+    routers x capacities x seeds, with the model's own classifier) for a model with one, or none given (the
+    demo's model)."""
+    if checkpoint is None:
+        return ROUTER_STUDY
+    model = load_weightless(os.path.expanduser(checkpoint))
+    if family_of(model).num_classes(model) == 0:
+        return FINETUNE_STUDY
+    return ROUTER_STUDY

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -41,7 +41,7 @@ from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES
 from .arms import FOLD_CONTROLS, Arm, select
-from .bench import IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models, warn_implausible
+from .bench import DEVICES, IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models, warn_implausible
 from .calibration import CalibrationCache, calibration_grid
 from .compare import check_inputs
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
@@ -49,6 +49,7 @@ from .plots import accuracy_vs_cost_panels
 from .presets import run_in_directory
 from .probe import LinearProbe, features, mean_cosine, probe_images
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 log = logging.getLogger("amod")
 
@@ -72,22 +73,32 @@ DEFAULT_COSTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 @dataclass
 class FrontierConfig:
-    checkpoint: Optional[str] = None  # the dense backbone: an amod .safetensors file, a save_pretrained folder, hf:ID
+    # (each field's comment is its flag's help: amod.flags)
+    checkpoint: Optional[str] = flag(None, required=True)  # the dense backbone: an amod .safetensors file or a Hugging
+                                                           # Face model (directory or hf:ID)
     out: str = "runs/frontier"
     data: str = "fashion-mnist"
-    img_size: Optional[int] = None  # input size; default the model's own (the position grid is resampled otherwise)
-    costs: tuple[float, ...] = DEFAULT_COSTS  # the grid every method is set to (closest cost it can reach)
-    probe_train: int = 3000  # training images the linear probe is fitted on (dense features)
-    val_limit: Optional[int] = 2000  # test images every point is measured on (two halves: the error bar)
-    speed_batches: tuple[int, ...] = (32, 1)  # batch sizes timed; the first one is the report's main reading
-    speed_repeats: int = 5  # timed rounds per batch size (after 2 discarded warm-up rounds)
-    forwards_per_call: int = 8  # forwards per timed call at a batch below 8 (one is too short to time alone)
-    speedups: tuple[float, ...] = (1.5, 2.0, 2.5)  # where each method's frontier is read
-    calibration_images: int = 256  # unlabeled training images a calibrated method chooses its schedule on
-    device: str = "auto"  # where features are computed and models timed: auto (a GPU where there is one), cpu, cuda
-    compile: bool = False  # time every model compiled by amod.compile (one graph; CUDA graphs on a GPU)
-    amp: str = "off"  # timing under bf16 autocast ("bf16"); the accuracies are the model's own precision
-    methods: tuple[Arm, ...] = field(default=FRONTIER_METHODS)
+    img_size: Optional[int] = flag(None, type=positive_int)  # input size; default the model's own (the position grid is
+                                                             # resampled otherwise)
+    costs: tuple[float, ...] = flag(DEFAULT_COSTS, flag="cost")  # the cost grid every method is set to, shares of dense
+                                                                 # MACs (closest cost it can reach)
+    probe_train: int = flag(3000, type=positive_int)  # training images the linear probe is fitted on (dense features)
+    val_limit: Optional[int] = flag(2000, type=positive_int)  # test images each point is measured on (two halves give
+                                                              # the error bar)
+    speed_batches: tuple[int, ...] = flag((32, 1), flag="speed-batch", type=positive_int)  # batch sizes timed,
+                                                                                           # every model interleaved;
+                                                                                           # the first: the main reading
+    speed_repeats: int = flag(5, type=positive_int)  # timed rounds per batch size (after 2 discarded warm-up rounds)
+    forwards_per_call: int = flag(8, flag=None)  # forwards per timed call at a batch below 8 (one is too short to time
+                                                 # alone)
+    speedups: tuple[float, ...] = (1.5, 2.0, 2.5)  # measured speed-ups at which each method's frontier is read
+    calibration_images: int = flag(256, type=positive_int)  # unlabeled training images each calibrated method chooses
+                                                            # its schedule on
+    device: str = flag("auto", choices=DEVICES)  # where features are computed and models timed (auto: a GPU where there
+                                                 # is one)
+    compile: bool = False  # time every model compiled by amod.compile (one graph, static shapes, CUDA graphs on a GPU)
+    amp: str = flag("off", choices=AMP_MODES)  # time under bf16 autocast (the accuracies are the model's own precision)
+    methods: tuple[Arm, ...] = flag(FRONTIER_METHODS, flag=None)
 
     def only(self, names: Optional[list[str]]) -> "FrontierConfig":
         """The same sweep restricted to the named methods (``Arm.name``), in their usual order, and any registered

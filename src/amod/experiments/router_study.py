@@ -36,6 +36,7 @@ from .plots import accuracy_vs_epoch, routing_figure
 from .presets import BASE, check_settings, check_trainable, run_in_directory, run_once, starting_checkpoint
 from ..stats import mean_std, paired_bootstrap_ci
 from ..errors import UserError
+from ..flags import flag, positive_int
 
 log = logging.getLogger("amod")
 
@@ -56,19 +57,21 @@ REFERENCE = "A-MoD"
 
 @dataclass
 class StudyConfig:
+    # (each field's comment is its flag's help: amod.flags)
     out: str = "runs/study"
-    checkpoint: Optional[str] = None  # pretrained dense model; default: train (or reuse) the demo's
+    checkpoint: Optional[str] = None  # pretrained dense model (default: amod demo --toy's small ViT, pretrained in
+                                      # OUT/pretrain if missing)
     data: str = "fashion-mnist"
-    capacities: tuple[float, ...] = (0.5, 0.125)
-    seeds: int = 3
-    epochs: int = 3
-    train_limit: Optional[int] = 10000
+    capacities: tuple[float, ...] = flag((0.5, 0.125), flag="capacity")
+    seeds: int = flag(3, type=positive_int)
+    epochs: int = flag(3, type=positive_int)
+    train_limit: Optional[int] = flag(10000, type=positive_int)
     val_limit: Optional[int] = None
     lr: float = 5e-4
     batch_size: int = 128
     loo_images: int = 8
     loo_tokens: int = 16
-    quick: bool = False
+    quick: bool = False  # a tiny version (for tests)
 
     def as_quick(self) -> "StudyConfig":
         """The same study in a few seconds (for tests): the first capacity, two seeds, tiny data.

@@ -265,6 +265,12 @@ def router_names(family: Optional[str] = None) -> tuple[str, ...]:
                  if family is None or cls.families is None or family in cls.families)
 
 
+def vit_routers() -> tuple[str, ...]:
+    """The ``--router`` choices of the ViT commands (train, finetune, flops, bench, calibrate): the routers that route
+    every family, so not DETR's ``feature-norm`` (``amod detect`` takes it)."""
+    return tuple(name for name, cls in ROUTER_CLASSES.items() if cls.families is None)
+
+
 def router_class(name: str) -> type[Router]:
     """The router class registered under ``name``; a ValueError naming the supported ones otherwise."""
     if not isinstance(name, str) or name not in ROUTER_CLASSES:

@@ -20,6 +20,7 @@ import yaml
 
 from ..methods import SHORTHAND_NAMES, SHORTHANDS, Dense, Method, MoD, method_from_shorthand, parse_method
 from . import engine
+from ..flags import flag
 from .any_cost import NEEDS_MOD
 from .distill import Distillation
 from .models import checkpoint_architecture, saved_method
@@ -34,49 +35,61 @@ class RunConfig:
     """Everything that defines a run; written to ``config.yaml`` and into each checkpoint."""
 
     # model
-    model: str = "vit_tiny_patch16_224"  # timm architecture name
+    model: str = "vit_tiny_patch16_224"  # timm model name
     pretrained: bool = False  # start from timm's pretrained weights (model hub)
-    checkpoint: Optional[str] = None  # start from this file (amod safetensors, timm/DeiT .pth)
-    img_size: Optional[int] = None  # input side; default: the data's
-    patch_size: Optional[int] = None  # architecture overrides (None: the timm model's own)
-    depth: Optional[int] = None
-    embed_dim: Optional[int] = None
-    num_heads: Optional[int] = None
-    num_classes: Optional[int] = None  # default: the data's
+    checkpoint: Optional[str] = None  # start from a file: an amod .safetensors, or a timm/DeiT .pth
+    img_size: Optional[int] = None  # input side (default: the data's)
+    patch_size: Optional[int] = None  # the architecture's patch size (default: the timm model's own)
+    depth: Optional[int] = None  # its number of blocks (default: the timm model's own)
+    embed_dim: Optional[int] = None  # its width (default: the timm model's own)
+    num_heads: Optional[int] = None  # its attention heads (default: the timm model's own)
+    num_classes: Optional[int] = None  # classifier outputs (default: the data's)
     drop_path: float = 0.0  # stochastic depth rate
-    # the method, by its spec KIND:FIELD=VALUE,... (amod.methods.parse_method), e.g. "tome:cost=0.5" or
-    # "mod:router=attention,capacity=0.5,skipped=fold"; None: dense. The shorthand options (amod.methods.SHORTHANDS:
-    # --router, --capacity, --tome-cost, ...) build it
-    method_spec: Optional[str] = None
+    method_spec: Optional[str] = flag(None, flag="method", metavar="SPEC")  # a registered method by its spec,
+                                                                            # KIND[:FIELD=VALUE,...], e.g.
+                                                                            # tome:cost=0.5 or
+                                                                            # mod:capacity=0.5,skipped=fold
+                                                                            # (default: dense)
     # distillation from a dense teacher (amod.train.distill): off unless --distill or --teacher
-    distill: bool = False
-    teacher: Optional[str] = None  # a dense model file with the data's classes (default: the starting weights)
-    distill_logits: float = Distillation.logits  # soft-logit weight; the labels get 1 - it
-    distill_temperature: float = Distillation.temperature
-    distill_features: float = Distillation.features  # weight of 1 - cosine to the teacher's features
-    # one finetune for every cost: an MoD model trained at a share of dense MACs drawn per step from [low, high]
-    any_cost: Optional[list[float]] = None
+    distill: bool = False  # learn from a dense teacher's outputs too (default teacher: the starting weights, frozen)
+    teacher: Optional[str] = flag(None, metavar="FILE")  # the teacher: a dense model file with the data's classes
+                                                         # (implies --distill)
+    distill_logits: float = flag(Distillation.logits, metavar="W")  # weight of the soft-logit term (KL to the teacher
+                                                                    # at the temperature); the labels' cross-entropy
+                                                                    # gets 1 - W
+    distill_temperature: float = flag(Distillation.temperature, metavar="T")  # softmax temperature of the soft-logit
+                                                                              # term
+    distill_features: float = flag(Distillation.features, metavar="W")  # weight of the feature term: 1 - cosine of
+                                                                        # the model's and the teacher's features
+    # one model for every cost: trained at a share of the dense MACs drawn per step from [LOW, HIGH] (12 evenly
+    # spaced), so it serves the whole capacity dial (amod.set_capacity); evaluated and saved at its method's capacity
+    any_cost: Optional[list[float]] = flag(None, nargs=2, metavar=("LOW", "HIGH"))  # an MoD model trained at a
+                                                                                    # cost drawn per step from [LOW,
+                                                                                    # HIGH], so one model serves
+                                                                                    # every cost
     # data
-    data: str = "fashion-mnist"
-    train_limit: Optional[int] = None  # a fixed random subset of the training set
-    val_limit: Optional[int] = None
+    data: str = "fashion-mnist"  # fashion-mnist | imagefolder:PATH | flowers102 | oxford-pets | stanford-cars |
+                                 # imagenet
+    train_limit: Optional[int] = None  # train on a fixed random subset of N images
+    val_limit: Optional[int] = None  # evaluate on a fixed random subset of N images
     workers: int = 0  # DataLoader worker processes
-    skip_bad_images: bool = False  # skip (and count) unreadable image files instead of stopping
+    skip_bad_images: bool = False  # skip unreadable image files (and count them) instead of stopping at the first
     # optimisation
-    epochs: int = 10
-    batch_size: int = 128  # per process
-    grad_accum: int = 1  # batches per optimizer step (gradient accumulation): batch_size * grad_accum per step
+    epochs: int = 10  # training epochs
+    batch_size: int = 128  # images per process and batch
+    grad_accum: int = flag(1, metavar="K")  # batches per optimizer step (gradient accumulation): a step sees K x
+                                            # --batch-size
     eval_batch_size: int = 256
     lr: float = 1e-3  # peak AdamW learning rate
     min_lr_ratio: float = 0.01  # the cosine ends at lr * min_lr_ratio
-    warmup_epochs: float = 1.0
-    weight_decay: float = 0.05
-    label_smoothing: float = 0.1
-    clip_grad: float = 1.0  # max gradient norm; 0 = off
-    seed: int = 0
-    amp: str = "off"  # off | bf16
+    warmup_epochs: float = 1.0  # linear warm-up of the learning rate, in epochs
+    weight_decay: float = 0.05  # AdamW's
+    label_smoothing: float = 0.1  # of the cross-entropy
+    clip_grad: float = 1.0  # max gradient norm (0: off)
+    seed: int = 0  # seeds the data order, the weights a run draws, and a router that draws
+    amp: str = flag("off", choices=engine.AMP_MODES)  # mixed precision
     eval_before_training: bool = False  # log epoch 0 (zero-training accuracy)
-    out: str = "runs/run"
+    out: str = "runs/run"  # run directory
 
     def validate(self) -> "RunConfig":
         """Check every field; raises ValueError naming the option and what is allowed. Returns self."""

