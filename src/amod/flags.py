@@ -103,6 +103,25 @@ def parse_shape(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, one per block, got {text!r}") from None
 
 
+def add_parsed_flag(parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup], name: str,
+                    parse: Optional[Callable[[str], Any]], help: str, choices: Optional[Callable[[], Any]] = None,
+                    **kwargs: Any) -> None:
+    """A flag ``--name`` (underscores as dashes) whose text ``parse`` reads, a ``UserError`` (or ValueError) it raises
+    becoming argparse's one-line error; ``parse`` None: a switch. ``choices``: a function giving the allowed values."""
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    flag_name = "--" + name.replace("_", "-")
+    if parse is None:
+        parser.add_argument(flag_name, action="store_true", help=help, **kwargs)
+    else:
+        shown = {"choices": tuple(choices())} if choices else {"metavar": name.upper()}
+        parser.add_argument(flag_name, type=read, help=help, **shown, **kwargs)
+
+
 # ---------------------------------------------------------------- reading a dataclass
 
 @lru_cache(maxsize=None)

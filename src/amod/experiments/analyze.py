@@ -75,3 +75,8 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[Any, str]:
             summary = dumps(result)
         write_text(Path(out) / f"{cfg.analysis}.json", dumps(result, indent=1))
     return result, summary
+
+
+def analyze_command(cfg: AnalyzeConfig) -> str:
+    """``amod analyze``: the analysis run and written, its summary in words."""
+    return run_analysis(cfg)[1]

@@ -505,3 +505,9 @@ def format_bench(result: dict[str, Any], cfg: BenchConfig) -> str:
     lines.append(f"  speed-up {result['speedup']:.3f}x (round by round {p['median']:.3f}x, quartiles {p['q1']:.3f}-"
                  f"{p['q3']:.3f})  FLOP bound {result['flop_speedup']:.3f}x  efficiency {result['efficiency']:.3f}")
     return "\n".join(lines)
+
+
+def bench_command(cfg: BenchConfig, json: bool = False) -> str:
+    """``amod bench``: the two models timed, in words (``json``: one JSON object)."""
+    result = run_bench(**vars(cfg))
+    return dumps(result) if json else format_bench(result, cfg)

@@ -88,6 +88,11 @@ def run_calibrate(cfg: CalibrateConfig) -> Path:
         return _calibrate_and_save(cfg)
 
 
+def calibrate_command(cfg: CalibrateConfig) -> None:
+    """``amod calibrate``: ``run_calibrate``, which prints what it tried, chose and saved."""
+    run_calibrate(cfg)
+
+
 def _calibrate_and_save(cfg: CalibrateConfig) -> Path:
     dense = load(cfg.checkpoint).eval()
     img_size = cfg.img_size or dense.patch_embed.img_size[0]

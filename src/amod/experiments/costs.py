@@ -17,6 +17,7 @@ from ..hf.loading import hf_source
 from ..methods import Dense, Method, MoD, TokenMerging, method_of
 from ..mod.config import validate_capacity
 from ..mod.convert import lowest_capacity
+from ..mod.modes import skipped_mode
 from ..mod.routers import router_class
 from ..tome import schedule_for_cost
 from ..train.models import check_vit_name
@@ -120,3 +121,16 @@ def format_flops_table(rows: Sequence[tuple[str, str, CostReport]]) -> list[str]
         lines.append(f"{name:34s} {r.img_size[0]:>4d}x{r.img_size[1]:<4d} {label:>10s} {r.gmacs:>8.3f} "
                      f"{r.flops / 1e9:>8.3f} {r.ratio:>8.3f} {1 / r.ratio:>7.2f}")
     return lines
+
+
+def flops_report(models: Sequence[str], capacities: Sequence[float], mod: MoD, tome_costs: Sequence[float] = (),
+                 methods: Sequence[tuple[str, Method]] = (), img_size: Optional[int] = None) -> str:
+    """``amod flops``: the table of ``models`` at ``mod``'s capacities, token merging at ``tome_costs`` and
+    ``methods`` (label, method), its MoD setup first and its notes after (checked before any line is written)."""
+    methods = flops_methods(capacities, mod, tome_costs) + list(methods)
+    rows = flops_table(models, methods, img_size)
+    layers = mod.layers or skipped_mode(mod.skipped).default_layers
+    layers = list(layers) if isinstance(layers, tuple) else layers
+    return "\n".join([f"router={mod.router} layers={layers}" + ("" if mod.skipped == "bypass" else
+                                                                f" skipped={mod.skipped}"),
+                      *format_flops_table(rows), *saved_notes(rows), *floor_notes(models, methods, img_size)])

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..files import dumps
 from ..cost import flops
 from ..methods import MoD, method_of
 from ..mod.convert import set_capacity
@@ -71,3 +72,9 @@ def format_eval(m: dict[str, Any]) -> str:
     skipped = f", {m['skipped_images']} unreadable images skipped" if m["skipped_images"] else ""
     return (f"top1 {m['top1']:.4f}  top5 {m['top5']:.4f}  loss {m['loss']:.4f}  {m['macs'] / 1e6:.2f} MMACs/image  "
             f"{m['images_per_s']:.0f} images/s  ({m['images']} images{skipped})")
+
+
+def eval_command(cfg: EvalConfig, json: bool = False) -> str:
+    """``amod eval``: the model evaluated, in words (``json``: one JSON object)."""
+    m = evaluate_checkpoint(cfg, progress=not json)
+    return dumps(m) if json else format_eval(m)

@@ -20,7 +20,7 @@ from torch import nn
 from ..arch import pair
 from ..checkpoint import load
 from ..deploy import CHECK_IMAGES, DEFAULT_EXPORTER, EXPORTERS, _sigterm_cleans_up, export
-from ..files import check_output_file
+from ..files import check_output_file, dumps
 from ..train.data import TensorImages, load_fashion_mnist
 from ..train.rundir import output_file_lock
 from ..errors import UserError
@@ -107,3 +107,9 @@ def format_export(r: dict[str, Any]) -> str:
         "  routing ops in the graph: " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()),
         f"  checked in ONNX Runtime on {' + '.join(map(str, c['batches']))} {c['inputs']} images: max abs logit "
         f"difference {c['max_abs_diff']:.2g} (allowed {c['tolerance']:g}), same top-1 on every image"])
+
+
+def export_command(cfg: ExportConfig, json: bool = False) -> str:
+    """``amod export``: the file written and checked, in words (``json``: one JSON object)."""
+    r = export_checkpoint(**vars(cfg))
+    return dumps(r) if json else format_export(r)

