@@ -1,7 +1,7 @@
 """Training engine: the one training loop (``train_steps``) and AdamW's parameter groups (``param_groups``) that
 ``amod train``/``finetune``, the finetune study and ``amod detect train`` share; warm-up + cosine schedule, label
 smoothing, clipping, gradient accumulation, bf16 autocast, DDP, losses read back to the host every N steps (not each
-step), per-epoch metrics and atomic, resumable checkpoints.
+step), per-epoch metrics (the training state a run resumes from is ``train.resume``'s).
 
 One process or many (``torchrun``): everything rank-dependent goes through ``Dist``.
 """
@@ -28,9 +28,10 @@ from tqdm import tqdm
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler
 
 from .. import files
-from ..mod.routers import SeededDraws
 from .data import BadSample, DataError, collate_checked
 from .distill import Distillation, Teacher, training_loss
+from .resume import (TRAINING_CHECKPOINT_KEYS, load_training_checkpoint, rng_state, router_state,  # noqa: F401
+                     set_rng_state, set_router_state)  # (the one format of training state; named here too)
 from ..errors import USER_ERRORS, UserError
 
 log = logging.getLogger("amod")
@@ -134,52 +135,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-
-
-def router_state(model: nn.Module) -> dict[str, int]:
-    """Call counters of routers that draw random numbers: part of the run state, not of the weights."""
-    return {name: m.calls for name, m in model.named_modules() if isinstance(m, SeededDraws)}
-
-
-def set_router_state(model: nn.Module, state: dict[str, int]) -> None:
-    modules = dict(model.named_modules())
-    for name, calls in state.items():
-        modules[name].calls = calls
-
-
-# ---------------------------------------------------------------- checkpoints
-
-TRAINING_CHECKPOINT_KEYS = frozenset({"model", "optimizer", "scheduler", "epoch", "rng", "config", "format"})
-
-
-def load_training_checkpoint(path: Path, needed: frozenset[str] = TRAINING_CHECKPOINT_KEYS) -> dict[str, Any]:
-    """Read a run's ``checkpoint.pt`` (``files.load_torch``: never unpickled beyond tensors and plain containers);
-    refuse a missing, corrupt, crafted or foreign file with one clear message naming it. ``needed``: the entries
-    the run's checkpoints hold (``amod train``'s by default)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint to resume from at {path}")
-    try:
-        ckpt = files.load_torch(path)
-    except files.UnreadableFileError as e:
-        raise UserError(f"{e}; start a new run in another --out directory, the files there were left as they "
-                        "are") from None
-    if not isinstance(ckpt, dict) or not needed <= set(ckpt):
-        raise UserError(f"checkpoint {path} is not an amod training checkpoint")
-    return ckpt
 
 
 # ---------------------------------------------------------------- loops
