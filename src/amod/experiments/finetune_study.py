@@ -99,8 +99,8 @@ def correctness(model: nn.Module, loader: Iterable, device: torch.device, amp: s
     for x, y in engine.image_batches(loader):
         with engine.autocast(amp, device):
             logits = model(x.to(device))
-        out.append((logits.float().argmax(1).cpu() == y))
-    return torch.cat(out)
+        out.append(logits.float().argmax(1) == y.to(device))
+    return torch.cat(out).cpu()  # (one read back, after the last batch)
 
 
 # ---------------------------------------------------------------- one run

@@ -190,12 +190,15 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
     """Top-1/top-5 accuracy, mean cross-entropy and model images/s over ``loader`` (a ``make_loader``)."""
     dist_info = dist_info or Dist()
     model.eval()
-    loss_sum = top1 = top5 = n = 0.0
+    # summed on the device and read back once, after the last batch (a read per batch waits for each forward):
+    # in float64, as the per-batch Python floats it replaces summed them, so the metrics are the same bits
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # the loss, top-1 hits, top-5 hits
+    n = 0
     model_time = 0.0
     batches = _progress(image_batches(loader, bad_images), len(loader), "eval", progress and dist_info.main)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if device.type == "cuda":
+        if device.type == "cuda":  # (the timing of the forward alone waits for it)
             torch.cuda.synchronize()
         start = time.perf_counter()
         with autocast(amp, device):
@@ -204,15 +207,15 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
             torch.cuda.synchronize()
         model_time += time.perf_counter() - start
         logits = logits.float()
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        top1 += (topk[:, 0] == y).sum().item()
-        top5 += (topk == y[:, None]).any(dim=1).sum().item()
+        sums += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
+                             (topk[:, 0] == y).sum().double(), (topk == y[:, None]).any(dim=1).sum().double()])
         n += len(y)
-    loss_sum, top1, top5, n, model_time = dist_info.sum([loss_sum, top1, top5, n, model_time])
+    loss, top1, top5 = sums.tolist()  # the evaluation's one read back to the host
+    loss, top1, top5, n, model_time = dist_info.sum([loss, top1, top5, float(n), model_time])
     if n == 0:
         raise UserError("the evaluation set is empty")
-    return {"loss": loss_sum / n, "top1": top1 / n, "top5": top5 / n, "images": int(n),
+    return {"loss": loss / n, "top1": top1 / n, "top5": top5 / n, "images": int(n),
             "images_per_s": n / max(model_time, 1e-9)}
 
 
