@@ -184,3 +184,42 @@ def test_under_ddp_only_the_last_batch_of_a_step_all_reduces_its_gradients():
 def test_grad_accum_below_one_is_refused():
     with pytest.raises(ValueError, match="grad_accum must be at least 1, got 0"):
         linear_run(grad_accum=0)
+
+
+def per_batch_sums(model, loader) -> dict[str, float]:
+    """``engine.evaluate``'s metrics as it summed them before: three reads back to the host per batch."""
+    loss_sum = top1 = top5 = n = 0.0
+    with torch.no_grad():
+        for x, y in engine.image_batches(loader):
+            logits = model(x).float()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            top1 += (topk[:, 0] == y).sum().item()
+            top5 += (topk == y[:, None]).any(dim=1).sum().item()
+            n += len(y)
+    return {"loss": loss_sum / n, "top1": top1 / n, "top5": top5 / n, "images": int(n)}
+
+
+def test_evaluate_reads_back_once_and_gives_the_per_batch_sums_bit_for_bit(monkeypatch):
+    """The loss and hits are summed on the device and read back after the last batch: the metrics are the same
+    bits as the three reads per batch gave."""
+    import timm
+    from torch.utils.data import DataLoader
+    from amod.train.data import TensorImages, collate_checked
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=28, patch_size=7, depth=2,
+                              embed_dim=16, num_heads=2, in_chans=1, num_classes=10).eval()
+    g = torch.Generator().manual_seed(1)
+    images, labels = torch.randint(0, 256, (37, 28, 28), generator=g, dtype=torch.uint8), torch.arange(37) % 10
+    loader = list(DataLoader(TensorImages(images, labels, False, 28), batch_size=5, collate_fn=collate_checked))
+    expected = per_batch_sums(model, loader)
+    reads = []
+    for name in ("item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, real=real, name=name: reads.append(name) or real(t))
+    got = engine.evaluate(model, loader, torch.device("cpu"), progress=False)
+    monkeypatch.undo()
+    assert len(loader) == 8 and reads == ["tolist"]  # one read back for 8 batches
+    assert {k: got[k] for k in expected} == expected  # exact: the same float64 sums
+    assert 0 < expected["top1"] < expected["top5"] <= 1  # (not a degenerate case)

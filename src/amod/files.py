@@ -15,7 +15,8 @@ become ``null``.
 ``.pth``): with ``weights_only=True``, so a crafted pickle cannot run code, and with errors that name the file.
 
 ``check_output_file`` refuses, before any work, a single output file that cannot be written or, without ``force``,
-would replace one; ``read_json_lines`` reads the JSON-lines files amod appends to, naming the lines it skips;
+would replace one; ``read_json_lines`` reads the JSON-lines files amod appends to, naming the lines it skips (the
+line reader of ``amod.train.resume.Journal``, the record of finished work every resumable command keeps);
 ``made_directory`` creates a command's output directory and removes it again, still empty, when the command fails.
 """
 from __future__ import annotations

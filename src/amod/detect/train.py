@@ -24,7 +24,7 @@ from torch import nn
 from .. import files
 from ..checkpoint import load, to_bytes
 from ..mod.convert import convert, set_capacity
-from ..train import engine
+from ..train import engine, resume
 from ..train.rundir import RunDirectory
 from .config import DetectConfig, check_detector_file
 from .canvases import CanvasSpec, DetectionCanvases, coco_ground_truth, collate
@@ -128,12 +128,12 @@ def train_detector(cfg: DetectConfig) -> dict[str, Any]:
 
 
 def _resumable_state(cfg: DetectConfig, out: Path) -> Optional[dict[str, Any]]:
-    """The run's ``checkpoint.pt`` (``engine.load_training_checkpoint``: never unpickled beyond tensors and plain
+    """The run's ``checkpoint.pt`` (``resume.load_training_checkpoint``: never unpickled beyond tensors and plain
     containers), or None for a new run; a run of other settings is refused."""
     ckpt_path = out / "checkpoint.pt"
     if not ckpt_path.exists():
         return None
-    state = engine.load_training_checkpoint(ckpt_path, CHECKPOINT_KEYS)
+    state = resume.load_training_checkpoint(ckpt_path, CHECKPOINT_KEYS)
     if state["format"] != FORMAT or state["config"] != {**cfg.to_dict(), "out": state["config"]["out"]}:
         raise UserError(f"{out} holds a run of other settings; choose another out directory")
     return state
@@ -147,11 +147,7 @@ def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[
     ckpt_path, metrics_path = out / "checkpoint.pt", out / "metrics.jsonl"
     step, rows = 0, []
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        engine.set_rng_state(state["rng"])
-        engine.set_router_state(model, state["routers"])
+        resume.restore_training_state(state, model, optimizer, scheduler)
         step, rows = state["step"], state["rows"]
         log.info("resumed %s at step %d", out, step)
     else:
@@ -182,12 +178,11 @@ def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[
         rows.append(row)
         log.info("step %d/%d: loss %.3f, AP %.4f AP50 %.4f (%.1f training images/s)", done, cfg.steps,
                  row["train_loss"], row["AP"], row["AP50"], speed)
-        state = {"format": FORMAT, "config": cfg.to_dict(), "model": model.state_dict(),
-                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": done,
-                 "rng": engine.rng_state(), "routers": engine.router_state(model), "rows": rows}
+        state = resume.training_state(model, optimizer, scheduler, format=FORMAT, config=cfg.to_dict(), step=done,
+                                      rows=rows)
         weights = to_bytes(model, metadata={"amod.detect.step": str(done)})
         files.write_together([
-            (ckpt_path, lambda f: torch.save(state, f)),
+            resume.state_write(ckpt_path, state),
             (metrics_path, lambda f: f.write("".join(files.dumps(r) + "\n" for r in rows).encode())),
             (out / "model.safetensors", lambda f: f.write(weights))])
         losses, images, started = [], 0, time.perf_counter()

@@ -21,7 +21,6 @@ from torch import nn
 from ..cost import flops
 from ..deploy import export, onnx_session
 from ..families import family_of
-from ..files import dumps, read_json_lines
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
 from ..methods import Dense, method_of
@@ -33,6 +32,7 @@ from ..fast import compile as fast_compile
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import AMP_MODES, autocast
 from ..train.models import check_vit_name
+from ..train.resume import Journal
 from ..errors import UserError
 
 
@@ -139,23 +139,23 @@ def _round(fns: dict[str, Callable[[], Any]], r: int, device: torch.device, refe
 class TimingRounds:
     """The kept rounds of one interleaved timing (``time_callables``'s ``rounds``), each appended to a JSON-lines
     file as it finishes, so that a killed timing goes on with the rounds it is missing. ``key`` names what the rounds
-    measure (``timing_key``); rows of another key in the file are not read; a torn last line is skipped with a
-    warning and timed again."""
+    measure (``timing_key``, the rows' fingerprint); rows of another key in the file are not read; a torn last line is
+    skipped with a warning and timed again."""
 
     def __init__(self, path: Path, key: str) -> None:
         self.path, self.key = Path(path), key
-        self.rounds: list[dict[str, dict[str, float]]] = read_json_lines(
-            self.path, lambda r: {k: r[k] for k in ("times", "ratios") if k in r} if r["key"] == key else None,
-            "a timing round")
+        # a train.resume.Journal of rounds in order, bound to ``key`` (rows written before that format name it "key")
+        self.journal = Journal(self.path, fingerprint=key, what="a timing round",
+                               older=lambda r: {"fingerprint": r["key"], **{k: v for k, v in r.items() if k != "key"}})
+        self.rounds: list[dict[str, dict[str, float]]] = [{k: r[k] for k in ("times", "ratios") if k in r}
+                                                          for r in self.journal.values()]
 
     def done(self, repeats: int) -> bool:
         """Whether ``repeats`` rounds are saved: the timing is finished and times nothing again."""
         return len(self.rounds) >= repeats
 
     def add(self, timed: dict[str, dict[str, float]]) -> None:
-        with open(self.path, "a") as f:
-            f.write(dumps({"key": self.key, **timed}) + "\n")
-            f.flush()
+        self.journal.add(timed)
         self.rounds.append(timed)
 
 

@@ -18,13 +18,14 @@ import torch
 
 from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..cost import validate_cost
-from ..files import check_output_file, dumps, read_json_lines
+from ..files import check_output_file
 from ..methods import Calibrated, MoD
 from ..mod.calibrate import calibrate
 from ..mod.config import MoDConfig
 from ..mod.routers import router_class, vit_routers
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
+from ..train.resume import Journal
 from ..train.rundir import output_file_lock
 from .presets import check_not_hugging_face
 from ..errors import UserError
@@ -124,9 +125,9 @@ def calibration_grid(method: Calibrated) -> str:
 
 class CalibrationCache:
     """``amod.calibrate``'s choice at each (name, cost, grid), appended to a JSON-lines file as it is made, so that a
-    resumed sweep reuses it (a calibration is deterministic, and takes up to a few minutes). `amod frontier` and the
-    finetune study keep theirs in one of these, each file named by what its calibrations depend on (the model, the
-    images).
+    resumed sweep reuses it (a calibration is deterministic, and takes up to a few minutes): a ``train.resume.Journal``
+    without a fingerprint, the file named by what its calibrations depend on (the model, the images). `amod frontier`
+    and the finetune study keep theirs in one of these.
 
     A row: ``method`` (the name), ``cost_target``, ``grid`` (``calibration_grid``), ``setting`` (the chosen ``MoD``'s
     fields) and ``report`` (``Calibration.report``, or what ``older`` rows kept). A torn line (a killed run) is
@@ -142,8 +143,9 @@ class CalibrationCache:
                  older: Optional[dict[tuple[str, float, str], dict[str, Any]]] = None) -> None:
         self.path, self._images, self.older = path, images, older or {}
         self.images: Optional[torch.Tensor] = None
-        self.done: dict[tuple, dict[str, Any]] = dict(read_json_lines(
-            path, lambda row: ((row["method"], row["cost_target"], row["grid"]), row), "a calibration"))
+        self.journal = Journal(path, lambda row: (row["method"], row["cost_target"], row["grid"]),
+                               what="a calibration")
+        self.done: dict[tuple, dict[str, Any]] = self.journal.rows
 
     def get(self, name: str, cost: float, grid: str,
             make: Callable[[torch.Tensor], tuple[MoD, dict[str, Any]]]) -> tuple[MoD, dict[str, Any]]:
@@ -159,9 +161,7 @@ class CalibrationCache:
                 method, report = make(self.images)
                 row = {"method": name, "cost_target": cost, "grid": grid, "setting": dataclasses.asdict(method),
                        "report": report}
-            with open(self.path, "a") as f:
-                f.write(dumps(row) + "\n")
-            self.done[key] = row
+            row = self.journal.add(row)
         setting = row["setting"]
         method = MoD(**{**setting, "layers": tuple(setting["layers"]),
                         "shape": None if setting["shape"] is None else tuple(setting["shape"])})

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
-from ..files import dumps, write_json, write_text
+from ..files import write_json, write_text
 from ..hf.loading import hf_source
 from ..methods import Method, MoD, TokenMerging, cost_of, setting_text_of
 from ..train import engine
@@ -291,8 +291,7 @@ def _probe_rows(cfg: CompareConfig, root: Path, dense: torch.nn.Module, pretrain
             measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
                         "cost": flops(model).ratio, "zero_top1": probe.accuracy(feats, labels),
                         "cosine": mean_cosine(feats, cached["test"])}
-            with open(done_path, "a") as f:
-                f.write(dumps(measured) + "\n")
+            finished.add(measured)
             how = ""
         else:
             how = " (measured before)"

@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from ..families import family_of
-from ..files import UnreadableFileError, load_torch, read_json_lines, torch_save
+from ..files import UnreadableFileError, load_torch, torch_save
 from ..train import engine
+from ..train.resume import Journal
 from .probe import LinearProbe, features, fit_probe_cached
 
 log = logging.getLogger("amod")
@@ -94,8 +95,8 @@ def read_features(path: Path, n_train: int, n_test: int) -> tuple[Optional[dict[
     return cached, ""
 
 
-def finished_probe_rows(path: Path) -> dict[tuple[str, float, str], dict[str, Any]]:
-    """The measurements a previous, killed sweep appended to ``path`` (one JSON object a line), by (method, cost
-    target, the method's repr); a torn last line is skipped with a warning, and measured again."""
-    return dict(read_json_lines(path, lambda r: ((r["method"], float(r["cost_target"]), r["method_repr"]), r),
-                                "a measurement"))
+def finished_probe_rows(path: Path) -> Journal:
+    """The journal of a sweep's probe measurements (`amod compare`'s and `amod frontier`'s), one row each as it
+    finishes: a ``train.resume.Journal`` keyed by (method, cost target, the method's repr), without a fingerprint
+    (``path`` is named by the settings); a torn last line is skipped with a warning, and measured again."""
+    return Journal(path, lambda r: (r["method"], float(r["cost_target"]), r["method_repr"]), what="a measurement")

@@ -9,7 +9,8 @@ and the report names it. Then every (seed, cost, method) is finetuned for the sa
 training images in the same order, and evaluated on a fixed test subset at the evaluation points.
 
 Kill-safe: every evaluation appends one row (with the per-image correctness) to ``evals.jsonl`` and
-then saves the run's state; a killed study resumes each run at its last evaluation. Rows carry a
+then saves the run's state (``train.resume``: the journal and the training state every resumable command keeps); a
+killed study resumes each run at its last evaluation. Rows carry a
 fingerprint of the settings that decide them, so rows of other settings are never mixed in; the
 file can be carried to another machine or sitting and the study goes on from it.
 
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..family import family_of
-from ..files import UnreadableFileError, load_torch, torch_save
+from ..files import UnreadableFileError, load_torch
 from ..methods import Calibrated, Dense, Method, MoD
 from ..mod.convert import set_capacity
 from ..train import engine
@@ -47,6 +48,7 @@ from ..train.any_cost import AnyCost
 from ..train.data import DataInfo, TensorImages, build_datasets, collate_checked
 from ..train.distill import Distillation, Teacher, TeacherOutputs, classifiers_of, training_loss
 from ..train.models import fit_to_data
+from ..train.resume import restore_training_state, save_training_state, training_state
 from ..train.rundir import run_dir_name
 from .bench import TimingRounds, same_setting_as, time_models, timing_key
 from .calibration import CalibrationCache, calibration_grid
@@ -97,8 +99,8 @@ def correctness(model: nn.Module, loader: Iterable, device: torch.device, amp: s
     for x, y in engine.image_batches(loader):
         with engine.autocast(amp, device):
             logits = model(x.to(device))
-        out.append((logits.float().argmax(1).cpu() == y))
-    return torch.cat(out)
+        out.append(logits.float().argmax(1) == y.to(device))
+    return torch.cat(out).cpu()  # (one read back, after the last batch)
 
 
 # ---------------------------------------------------------------- one run
@@ -153,11 +155,7 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         if state.get("fingerprint") == rows.fingerprint and all(rows.get(seed, p.cost_target, name, amp, s)
                                                                 for p in evaluated for s in eval_steps
                                                                 if s <= state["step"]):
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            engine.set_router_state(model, state["router"])
-            engine.set_rng_state(state["rng"])
+            restore_training_state(state, model, optimizer, scheduler)
             step = state["step"]
             log.info("    resumed at step %d", step)
     if step == 0:
@@ -221,9 +219,8 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         nonlocal saved
         if distilled is not None and distilled.outputs is not None:
             distilled.outputs.flush()
-        torch_save({"fingerprint": rows.fingerprint, "step": done, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "router": engine.router_state(model), "rng": engine.rng_state()}, state_path)
+        save_training_state(state_path, training_state(model, optimizer, scheduler, fingerprint=rows.fingerprint,
+                                                       step=done))
         saved = time.perf_counter()
 
     engine.train_steps(model, engine.image_batches(_train_batches(train, order, step, cfg.batch_size)), optimizer,

@@ -30,7 +30,7 @@ import torch
 
 from ..checkpoint import check_dense_file, open_model
 from ..cost import flops, misses_cost, tolerance_text, validate_cost
-from ..files import dumps, write_json, write_text
+from ..files import write_json, write_text
 from ..hf.loading import hf_source
 from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
 from ..mod.calibrate import CHOSEN_COLUMNS, chosen_cells
@@ -276,8 +276,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
             measured = {"method": entry.name, "cost_target": cost, "method_repr": repr(method),
                         "cost": flops(model).ratio, "setting": method.spec(), **_scores(probe, feats, labels),
                         "cosine": mean_cosine(feats, cached["test"])}
-            with open(done_path, "a") as f:
-                f.write(dumps(measured) + "\n")
+            finished.add(measured)
         log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f (halves %.4f, %.4f)", number, len(pairs),
                  entry.name, cost, measured["cost"], measured["top1"], *measured["halves"])
         rows.append({**measured, "model": model, **({"calibration": calibration} if calibration else {})})

@@ -1,7 +1,7 @@
 """Training engine: the one training loop (``train_steps``) and AdamW's parameter groups (``param_groups``) that
 ``amod train``/``finetune``, the finetune study and ``amod detect train`` share; warm-up + cosine schedule, label
 smoothing, clipping, gradient accumulation, bf16 autocast, DDP, losses read back to the host every N steps (not each
-step), per-epoch metrics and atomic, resumable checkpoints.
+step), per-epoch metrics (the training state a run resumes from is ``train.resume``'s).
 
 One process or many (``torchrun``): everything rank-dependent goes through ``Dist``.
 """
@@ -28,9 +28,10 @@ from tqdm import tqdm
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler
 
 from .. import files
-from ..mod.routers import SeededDraws
 from .data import BadSample, DataError, collate_checked
 from .distill import Distillation, Teacher, training_loss
+from .resume import (TRAINING_CHECKPOINT_KEYS, load_training_checkpoint, rng_state, router_state,  # noqa: F401
+                     set_rng_state, set_router_state)  # (the one format of training state; named here too)
 from ..errors import USER_ERRORS, UserError
 
 log = logging.getLogger("amod")
@@ -136,52 +137,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]]}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    torch.set_rng_state(state["torch"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-
-
-def router_state(model: nn.Module) -> dict[str, int]:
-    """Call counters of routers that draw random numbers: part of the run state, not of the weights."""
-    return {name: m.calls for name, m in model.named_modules() if isinstance(m, SeededDraws)}
-
-
-def set_router_state(model: nn.Module, state: dict[str, int]) -> None:
-    modules = dict(model.named_modules())
-    for name, calls in state.items():
-        modules[name].calls = calls
-
-
-# ---------------------------------------------------------------- checkpoints
-
-TRAINING_CHECKPOINT_KEYS = frozenset({"model", "optimizer", "scheduler", "epoch", "rng", "config", "format"})
-
-
-def load_training_checkpoint(path: Path, needed: frozenset[str] = TRAINING_CHECKPOINT_KEYS) -> dict[str, Any]:
-    """Read a run's ``checkpoint.pt`` (``files.load_torch``: never unpickled beyond tensors and plain containers);
-    refuse a missing, corrupt, crafted or foreign file with one clear message naming it. ``needed``: the entries
-    the run's checkpoints hold (``amod train``'s by default)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint to resume from at {path}")
-    try:
-        ckpt = files.load_torch(path)
-    except files.UnreadableFileError as e:
-        raise UserError(f"{e}; start a new run in another --out directory, the files there were left as they "
-                        "are") from None
-    if not isinstance(ckpt, dict) or not needed <= set(ckpt):
-        raise UserError(f"checkpoint {path} is not an amod training checkpoint")
-    return ckpt
-
-
 # ---------------------------------------------------------------- loops
 
 AMP_MODES = ("off", "bf16")  # what --amp takes
@@ -235,12 +190,15 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
     """Top-1/top-5 accuracy, mean cross-entropy and model images/s over ``loader`` (a ``make_loader``)."""
     dist_info = dist_info or Dist()
     model.eval()
-    loss_sum = top1 = top5 = n = 0.0
+    # summed on the device and read back once, after the last batch (a read per batch waits for each forward):
+    # in float64, as the per-batch Python floats it replaces summed them, so the metrics are the same bits
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # the loss, top-1 hits, top-5 hits
+    n = 0
     model_time = 0.0
     batches = _progress(image_batches(loader, bad_images), len(loader), "eval", progress and dist_info.main)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if device.type == "cuda":
+        if device.type == "cuda":  # (the timing of the forward alone waits for it)
             torch.cuda.synchronize()
         start = time.perf_counter()
         with autocast(amp, device):
@@ -249,15 +207,15 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
             torch.cuda.synchronize()
         model_time += time.perf_counter() - start
         logits = logits.float()
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
         topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        top1 += (topk[:, 0] == y).sum().item()
-        top5 += (topk == y[:, None]).any(dim=1).sum().item()
+        sums += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
+                             (topk[:, 0] == y).sum().double(), (topk == y[:, None]).any(dim=1).sum().double()])
         n += len(y)
-    loss_sum, top1, top5, n, model_time = dist_info.sum([loss_sum, top1, top5, n, model_time])
+    loss, top1, top5 = sums.tolist()  # the evaluation's one read back to the host
+    loss, top1, top5, n, model_time = dist_info.sum([loss, top1, top5, float(n), model_time])
     if n == 0:
         raise UserError("the evaluation set is empty")
-    return {"loss": loss_sum / n, "top1": top1 / n, "top5": top5 / n, "images": int(n),
+    return {"loss": loss / n, "top1": top1 / n, "top5": top5 / n, "images": int(n),
             "images_per_s": n / max(model_time, 1e-9)}
 
 

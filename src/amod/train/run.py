@@ -4,7 +4,7 @@
 Run directory layout:
     config.yaml        the full resolved configuration
     metrics.jsonl/.csv one row per epoch (epoch 0 = before training, for finetuning)
-    checkpoint.pt      resumable state: model, optimiser, scheduler, epoch, RNG states, config
+    checkpoint.pt      resumable state (``train.resume``'s one format): model, optimiser, scheduler, RNG states, epoch, config
     model.safetensors  weights + architecture + MoD config: all `amod eval` needs
     summary.json       final metrics, cost, and what was run
 """
@@ -29,6 +29,7 @@ from .data import DataInfo, build_datasets
 from .any_cost import AnyCost
 from .distill import Teacher
 from .models import build_model, build_teacher, checkpoint_settings
+from .resume import load_training_checkpoint, restore_training_state, state_write, training_state
 from .rundir import RunDirectory, check_output_dir
 from ..errors import UserError
 
@@ -52,7 +53,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         ckpt_path = out / "checkpoint.pt"
         state = None
         if resume:
-            state = engine.load_training_checkpoint(ckpt_path)
+            state = load_training_checkpoint(ckpt_path)
             _check_same_run(out, state["config"])
             _check_resumable(_from_checkpoint_file(RunConfig.from_dict(state["config"], str(ckpt_path))), cfg)
         elif ckpt_path.exists():
@@ -122,11 +123,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(
         cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio))
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        engine.set_rng_state(state["rng"])
-        engine.set_router_state(model, state.get("routers", {}))
+        restore_training_state(state, model, optimizer, scheduler)
         log.info("resumed %s after epoch %d", out, state["epoch"])
     train_model = DistributedDataParallel(model) if dist_info.world > 1 else model
     dial = any_cost.before_step(model, cfg.seed) if any_cost is not None else None
@@ -170,13 +167,11 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
             # epoch. The renames go row, weights, then checkpoint, so a process killed among them leaves
             # the row (and weights) ahead of the checkpoint, never behind: a resume drops the row and
             # trains the epoch again.
-            resumable = {"format": CHECKPOINT_FORMAT, "epoch": epoch, "config": cfg.to_dict(),
-                         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "rng": engine.rng_state(),
-                         "routers": engine.router_state(model)}
+            resumable = training_state(model, optimizer, scheduler, format=CHECKPOINT_FORMAT, epoch=epoch,
+                                       config=cfg.to_dict())
             weights = model_bytes(model)
             files.write_together([*writer.updates(row), (out / "model.safetensors", lambda f: f.write(weights)),
-                                  (ckpt_path, lambda f: torch.save(resumable, f))])
+                                  state_write(ckpt_path, resumable)])
             writer.log_scalars(row)
         last_saved = epoch
     if bad_images.paths:
