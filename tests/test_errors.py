@@ -83,7 +83,6 @@ def test_file_errors_are_the_users(tmp_path, capsys):
 def test_user_errors_hold_amods_type_and_file_errors_only():
     assert set(USER_ERRORS) == {UserError, OSError, SafetensorError, YAMLError, json.JSONDecodeError,
                                 UnicodeDecodeError}
-    assert cli.USER_ERRORS is USER_ERRORS
     for builtin in (ValueError, TypeError, RuntimeError, NotImplementedError, ImportError):
         assert not issubclass(builtin, USER_ERRORS)
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
 from .files import dumps
-from .flags import (Parser, add_flags, add_parsed_flag, build, nonnegative_int, parse_bool, parse_layers,  # noqa: F401
-                    parse_schedule, parse_shape, positive_int, refuse_other_mode)
-from .methods import SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand
+from .flags import (Parser, add_flags, add_parsed_flag, build, given, nonnegative_int,  # noqa: F401
+                    parse_bool, parse_layers, parse_schedule, parse_shape, positive_int, refuse_other_mode)
+from .methods import SHORTHAND_NAMES, SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand
 from .mod.config import MoDConfig
 from .errors import UserError, run_reporting_errors, setup_logging
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from .train.config import RunConfig
 
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
-RUN_META = {"command", "config", "resume", "debug"}  # train/finetune flags that are not RunConfig fields
 
 
 def shorthand_flags(g: argparse._ActionsContainer, names: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
@@ -97,10 +96,10 @@ def _run_flags(p: argparse.ArgumentParser, finetune: bool) -> None:
 
 def run_config_from_args(args: argparse.Namespace, finetune: bool = False) -> RunConfig:
     """The RunConfig of a train/finetune command line (its flags over its --config file)."""
-    from .train.config import resolve_run_config
+    from .train.config import RunConfig, resolve_run_config
 
-    flags = {k: v for k, v in vars(args).items() if k not in RUN_META}
-    return resolve_run_config(flags, args.config, args.resume, finetune)
+    shorthand = {k: getattr(args, k) for k in SHORTHAND_NAMES if hasattr(args, k)}
+    return resolve_run_config({**given(args, RunConfig), **shorthand}, args.config, args.resume, finetune)
 
 
 def _train(args: argparse.Namespace, finetune: bool = False) -> int:
