@@ -21,6 +21,7 @@ from amod.families import family_of
 from amod.methods import PiToMe, TokenMerging
 from amod.mod.calibrate import tilt_shape
 from amod.mod.routers import SeededDraws, router_class, router_names
+from amod.ppt import PPT
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,7 +85,8 @@ def output(name: str, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 # The methods besides MoD (``amod.methods``), each at full cost (capacity 1: nothing reduced) and reduced: a new
 # registered method is one line here.
 METHODS = {"tome": lambda capacity: TokenMerging(r=0 if capacity == 1.0 else 2),
-           "pitome": lambda capacity: PiToMe(keep=1.0 if capacity == 1.0 else 0.75)}
+           "pitome": lambda capacity: PiToMe(keep=1.0 if capacity == 1.0 else 0.75),
+           "ppt": lambda capacity: PPT(r=0 if capacity == 1.0 else 2)}
 
 
 def convert(model: torch.nn.Module, router: str, mode: str, capacity: float, **kwargs) -> torch.nn.Module:
@@ -207,7 +209,8 @@ COMPILED = list({family_of(dense(name)).name: name for name in reversed(list(MOD
 # timm and on DETR (its encoder positions), its family's attention path by A-MoD's bypass.
 MERGED_ON = ("timm-vit", "hf-siglip")
 DEPLOYED = [(name, "attention", mode) for name in COMPILED for mode in MODES] + \
-           [(name, router, mode) for name in MERGED_ON for router, mode in (("attention", "tome"), ("-", "pitome"))] + \
+           [(name, router, mode) for name in MERGED_ON for router, mode in (("attention", "tome"), ("-", "pitome"),
+                                                                        ("-", "ppt"))] + \
            [(name, "standard", "bypass") for name in COMPILED if name in ("timm-vit", "detr")]
 DEPLOYED = [case for case in DEPLOYED if case not in REFUSED]  # (the contract test checks those refusals)
 

@@ -12,9 +12,11 @@ import torch
 from conftest import images, make_model
 
 import amod
+import amod.ppt  # registers PPT (an installed amod finds it through its amod.methods entry point)
 from amod.methods import (METHOD_CLASSES, Calibrated, Dense, IsoFLOP, MoD, PiToMe, TokenMerging, metadata_keys,
                           SHORTHAND_NAMES, method_classes, method_from_metadata, method_from_shorthand, method_of,
                           parse_method, setting_text_of)
+from amod.ppt import PPT
 from amod.train.config import RunConfig, resolve_run_config
 
 
@@ -60,10 +62,11 @@ def test_settings_that_select_two_methods_are_refused():
 
 def test_each_method_names_its_checkpoint_metadata():
     # "amod.merge": ToMe's key in older files (read, never written), also the name of a skipped mode
-    assert metadata_keys() == ("amod.mod", "amod.tome", "amod.merge", "amod.pitome", "amod.isoflop", "amod.calibrated")
+    assert metadata_keys() == ("amod.mod", "amod.tome", "amod.merge", "amod.pitome", "amod.isoflop", "amod.calibrated",
+                               "amod.ppt")
     assert [cls.metadata_key for cls in method_classes() if cls.metadata_key] == [k for k in metadata_keys()
                                                                                    if k != "amod.merge"]
-    assert method_classes() == (MoD, TokenMerging, PiToMe, IsoFLOP, Calibrated, Dense)  # the lookup order; Dense last
+    assert method_classes() == (MoD, TokenMerging, PiToMe, IsoFLOP, Calibrated, PPT, Dense)  # lookup order, Dense last
     assert set(MoD(layers=(1, 3)).metadata()) == {"amod.mod"}
     assert TokenMerging(r=(1, 2)).metadata() == {"amod.tome": '{"schedule": [1, 2]}'}
     assert method_from_metadata(TokenMerging(r=(1, 2)).metadata()) == TokenMerging(r=(1, 2))
@@ -82,7 +85,8 @@ EXAMPLES = [Dense(), MoD(), MoD(router="standard", capacity=0.25, layers=(1, 3),
             MoD(skipped="fold", layers="all", protect=0.1, shape=(1.5, 1.0, 0.5, 0.25)), IsoFLOP(capacity=0.25),
             IsoFLOP(router="standard", layers=(1, 2, 3)), TokenMerging(cost=0.7), TokenMerging(r=(2, 2, 1, 1)),
             TokenMerging(r=3), PiToMe(cost=0.6), PiToMe(keep=0.8), Calibrated(router="random", protects=(0.0,),
-                                                                              tilts=(0.0,))]
+                                                                              tilts=(0.0,)),
+            PPT(cost=0.7), PPT(r=(3, 2), blocks=(1, 2), threshold=1e-5)]
 ROUND_TRIPPED = EXAMPLES + [cls() for cls in method_classes() if cls() not in EXAMPLES]
 
 

@@ -11,6 +11,7 @@ import torch
 from conftest import make_model
 
 import amod
+import amod.ppt
 from amod.deploy import flat_region_images
 from amod.mod.block import MergeMode
 from amod.mod.routing import select_tokens
@@ -117,6 +118,7 @@ REDUCTIONS = {
     "fold": lambda m: amod.convert(m, skipped="fold", capacity=0.5),
     "tome": lambda m: amod.tome.apply(m, r=3),
     "pitome": lambda m: amod.pitome.apply(m, keep=0.6),
+    "ppt": lambda m: amod.ppt.apply(m, r=3, threshold=1.3e-5),  # (pools some of these images and prunes others)
 }
 
 
