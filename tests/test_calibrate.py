@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import amod
 from amod.cost import COST_TOLERANCE
-from amod.experiments.calibration import CalibrateConfig
+from amod.experiments.calibrate_command import CalibrateConfig
 from amod.mod.calibrate import tilt_shape
 from amod.mod.fold import fold_count
 from amod.train.config import RunConfig, resolve_run_config

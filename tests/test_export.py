@@ -107,7 +107,7 @@ def test_the_check_runs_on_the_images_it_is_given(tmp_path):
     with pytest.raises(ValueError, match="holds 5 images; a fixed batch of 6"):
         amod.export(model, tmp_path / "n.onnx", batch=6, check_images=x)
     assert not (tmp_path / "n.onnx").exists()
-    from amod.experiments.export import fashion_mnist_images
+    from amod.experiments.export_command import fashion_mnist_images
 
     assert fashion_mnist_images(model, 4) is None  # three channels: not a Fashion-MNIST model
 
@@ -218,7 +218,7 @@ def test_cli_export_refuses_its_own_checkpoint_and_replaces_a_file_only_with_for
 
 def test_cli_export_refuses_a_read_only_directory_before_any_work(tmp_path, capsys, monkeypatch):
     import amod.deploy as deploy
-    import amod.experiments.export as exporting
+    import amod.experiments.export_command as exporting
 
     ckpt = amod.save(make_model("vit", depth=1), tmp_path / "model.safetensors")
     locked = tmp_path / "ro"

@@ -200,7 +200,7 @@ def test_a_training_runs_directory_is_refused_and_its_log_left_alone(backbone_pa
 
 def test_torn_lines_of_the_sweeps_files_are_named_in_a_warning(tmp_path, caplog):
     from amod.experiments.features import finished_probe_rows
-    from amod.experiments.calibration import CalibrationCache
+    from amod.experiments.calibrate_command import CalibrationCache
 
     rows = tmp_path / "frontier_rows.jsonl"
     rows.write_text(json.dumps({"method": "ToMe", "cost_target": 0.5, "method_repr": "r"}) + "\n" + '{"method": "To')

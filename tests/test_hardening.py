@@ -255,7 +255,7 @@ def test_study_honours_an_explicit_out_that_is_the_other_studys_default(checkpoi
 
 def test_export_checks_a_batch_larger_than_the_validation_set_on_random_images(checkpoints, tmp_path, monkeypatch,
                                                                                capsys):
-    import amod.experiments.export as export_command
+    import amod.experiments.export_command as export_command
 
     seen = {}
 
@@ -441,8 +441,8 @@ def test_a_single_output_file_has_one_writer_and_never_replaces_the_input(comman
     one --out both reported success and the last one's file won: the first now holds the file (a lock beside it, as a
     run directory's) from its checks to its write, and a second one started meanwhile, even with --force, is refused
     in one line naming it. A lock file left by a killed process blocks nobody, and none is left behind."""
-    import amod.experiments.calibration as calibration
-    import amod.experiments.export as export
+    import amod.experiments.calibrate_command as calibration
+    import amod.experiments.export_command as export
 
     _skip_without_extras(command)
     source, out = tmp_path / (name + ".tmp"), tmp_path / name

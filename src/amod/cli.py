@@ -57,7 +57,7 @@ FLOPS_MOD_OPTIONS = ("router", "layers", "skipped")  # the MoD setup of amod flo
 
 
 def _flops(args: argparse.Namespace) -> int:
-    from .experiments.costs import flops_report
+    from .experiments.flops_command import flops_report
 
     given = {k: getattr(args, k) for k in FLOPS_MOD_OPTIONS if getattr(args, k) is not None}
     mod = method_from_shorthand({"router": MoDConfig.router, **given})
@@ -289,9 +289,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved",
             "experiments.bench:BenchConfig", "experiments.bench:bench_command", json=True),
     Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime",
-            "experiments.export:ExportConfig", "experiments.export:export_command", json=True),
+            "experiments.export_command:ExportConfig", "experiments.export_command:export_command", json=True),
     Command("analyze", "leave-one-out importance, routing pictures or attention statistics",
-            "experiments.analyze:AnalyzeConfig", "experiments.analyze:analyze_command"),
+            "experiments.analyze_command:AnalyzeConfig", "experiments.analyze_command:analyze_command"),
     Command("study", "a backbone: every method finetuned at matched cost, with seeds and CIs; a model with a "
             "classifier: routers x capacities x seeds, with controls, leave-one-out and pictures", _study_flags,
             _study),
@@ -299,7 +299,7 @@ COMMANDS: tuple[Command, ...] = (
             "backbone: a linear probe, zero-training only), images/s", "experiments.compare:CompareConfig",
             "experiments.compare:run_compare", methods="compare only these methods"),
     Command("calibrate", "a dense model made A-MoD fold with the schedule chosen on unlabeled images, saved",
-            "experiments.calibration:CalibrateConfig", "experiments.calibration:calibrate_command"),
+            "experiments.calibrate_command:CalibrateConfig", "experiments.calibrate_command:calibrate_command"),
     Command("frontier", "every training-free method: accuracy against measured speed-up (by default at batch 32 and 1)",
             "experiments.frontier:FrontierConfig", "experiments.frontier:run_frontier",
             methods="sweep only these methods"),

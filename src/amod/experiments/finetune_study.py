@@ -51,7 +51,7 @@ from ..train.models import fit_to_data
 from ..train.resume import restore_training_state, save_training_state, training_state
 from ..train.rundir import run_dir_name
 from .bench import TimingRounds, same_setting_as, time_models, timing_key
-from .calibration import CalibrationCache, calibration_grid
+from .calibrate_command import CalibrationCache, calibration_grid
 from .features import dense_features, dense_probe, features_key
 from .finetune_study_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
 from .finetune_study_report import write_report

@@ -42,7 +42,7 @@ from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES
 from .arms import FOLD_CONTROLS, Arm, select
 from .bench import DEVICES, IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models, warn_implausible
-from .calibration import CalibrationCache, calibration_grid
+from .calibrate_command import CalibrationCache, calibration_grid
 from .compare import check_inputs
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
 from .plots import accuracy_vs_cost_panels
