@@ -126,28 +126,14 @@ def ppt_reduce(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tens
 
 class PPTAttention(SizedAttention):
     """``SizedAttention`` that, when its block reduces (``amod_want``), also keeps each token's value norm over all
-    heads (``amod_value_norm``, (B, N) float32), what PPT's significance multiplies the class-token attention by. The
-    output is timm's attention, fused or explicit, as ``SizedAttention``'s (the same steps, with v kept)."""
+    heads (``amod_value_norm``, (B, N) float32), what PPT's significance multiplies the class-token attention by
+    (``amod_keep``); its output is ``SizedAttention``'s."""
 
     amod_value_norm: Optional[torch.Tensor] = None
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                is_causal: bool = False) -> torch.Tensor:
-        q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
-        if self.fused_attn:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
-        if self.amod_want:
-            with torch.no_grad():  # the choice is discrete: no gradient through what it is made on
-                rows = importance_rows(self.amod_class_rows, x.shape[1])
-                if self.amod_want_importance and rows > 0:
-                    self.amod_importance = attention_probs(q[:, :, :rows], k, self.scale, attn_mask).mean(dim=(1, 2))
-                metric = k.mean(1)  # (B, N, hd)
-                self.amod_metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-                self.amod_value_norm = v.float().square().sum(dim=(1, 3)).sqrt()  # (B, N): all heads as one vector
-        return attention_output(self, o, gate)
+    def amod_keep(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> None:
+        super().amod_keep(q, k, v, attn_mask)
+        self.amod_value_norm = v.float().square().sum(dim=(1, 3)).sqrt()  # (B, N): all heads as one vector
 
     def amod_take_value_norm(self) -> torch.Tensor:
         """The value norms of the last forward, let go of here."""

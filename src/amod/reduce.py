@@ -88,13 +88,18 @@ class SizedAttention(Attention):
             o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
         if self.amod_want:
             with torch.no_grad():  # what is merged, and what protected, is a discrete choice: no gradient through it
-                rows = importance_rows(self.amod_class_rows, x.shape[1])
-                if self.amod_want_importance and rows > 0:
-                    # the class tokens' rows of the attention, (B, H, rows, N), averaged over heads and rows
-                    self.amod_importance = attention_probs(q[:, :, :rows], k, self.scale, attn_mask).mean(dim=(1, 2))
-                metric = k.mean(1)  # (B, N, hd): what the tokens are matched on, as unit vectors
-                self.amod_metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+                self.amod_keep(q, k, v, attn_mask)
         return attention_output(self, o, gate)
+
+    def amod_keep(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> None:
+        """Keep what the block's reduction reads of this forward ((B, H, N, hd) each, without gradient): the metric,
+        and the importance where wanted. A reduction that reads more (PPT's value norms) extends it."""
+        rows = importance_rows(self.amod_class_rows, k.shape[2])
+        if self.amod_want_importance and rows > 0:
+            # the class tokens' rows of the attention, (B, H, rows, N), averaged over heads and rows
+            self.amod_importance = attention_probs(q[:, :, :rows], k, self.scale, attn_mask).mean(dim=(1, 2))
+        metric = k.mean(1)  # (B, N, hd): what the tokens are matched on, as unit vectors
+        self.amod_metric = metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
     def amod_take(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(metric, importance) of the last forward, let go of here: no activation stays alive between forwards."""
