@@ -330,6 +330,9 @@ def test_yaml_config_is_overridden_by_flags(tmp_path):
     args = build_parser().parse_args(["train", "--config", str(cfg_file), "--lr", "0.002"])
     cfg = run_config_from_args(args, finetune=False)
     assert (cfg.epochs, cfg.lr, cfg.method(), cfg.warmup_epochs) == (3, 0.002, MoD(layers=(1, 3)), 0.5)
+    cfg_file.write_text("method: tome:cost=0.6\nepochs: 2\n")  # a key by its flag's name (--method fills method_spec)
+    assert run_config_from_args(build_parser().parse_args(["train", "--config", str(cfg_file)])).method_spec == \
+        "tome:cost=0.6"
     cfg_file.write_text("epochs: 3\nlearning_rate: 0.01\n")
     with pytest.raises(ValueError, match=r"unknown keys \['learning_rate'\]"):
         run_config_from_args(build_parser().parse_args(["train", "--config", str(cfg_file)]), finetune=False)

@@ -20,7 +20,7 @@ import yaml
 
 from ..methods import SHORTHAND_NAMES, SHORTHANDS, Dense, Method, MoD, method_from_shorthand, parse_method
 from . import engine
-from ..flags import flag, load_yaml_config
+from ..flags import dest_of, flag, load_yaml_config
 from .any_cost import NEEDS_MOD
 from .distill import Distillation
 from .models import checkpoint_architecture, saved_method
@@ -276,7 +276,8 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     (``amod.methods.SHORTHANDS``: router, capacity, tome_cost, ...), which a YAML file may hold too; they become the
     run's ``method_spec``. When resuming, anything given again must agree with the run (checked in ``train``).
     """
-    yaml_values = load_yaml_config(config) if config else {}
+    by_flag = {dest_of(f): f.name for f in dataclasses.fields(RunConfig)}  # (a YAML key may be a flag's name: method)
+    yaml_values = {by_flag.get(k, k): v for k, v in (load_yaml_config(config) if config else {}).items()}
     given = {**yaml_values, **flags}
     options = {k: given.pop(k) for k in SHORTHAND_NAMES if k in given}
     source = config or "options"
