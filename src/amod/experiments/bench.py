@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..files import dumps
 from ..cost import flops
 from ..deploy import export, onnx_session
 from ..families import family_of
