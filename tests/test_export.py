@@ -266,23 +266,23 @@ def small_bench_models(monkeypatch):
     """run_bench on two-block models: the benchmark's plumbing, not its numbers."""
     import amod.experiments.bench as bench
 
-    def make(name, img_size, convert_kwargs):
+    def make(name, img_size, method):
         model = make_model("vit", depth=2)
-        return amod.convert(model, **convert_kwargs) if convert_kwargs else model
+        return amod.methods.parse_method(method).apply(model) if method else model
 
     monkeypatch.setattr(bench, "make_bench_model", make)
 
 
 def test_bench_onnxruntime_reports_the_promised_keys(monkeypatch):
     small_bench_models(monkeypatch)
-    r = run_bench("vit_tiny_patch16_224", "attention", 0.5, layers=[1], batch_size=2, repeats=2, warmup=1,
+    r = run_bench("vit_tiny_patch16_224", "mod:capacity=0.5,layers=[1]", batch_size=2, repeats=2, warmup=1,
                   runtime="onnxruntime")
     assert r["runtime"] == "onnxruntime" and r["exporter"] == "dynamo"
     assert r["dense"]["images_per_s"] > 0 and r["mod"]["images_per_s"] > 0
     assert r["efficiency"] == pytest.approx(r["speedup"] / r["flop_speedup"])
     assert r["onnx_ops"]["mod"]["TopK"] > 0
     with pytest.raises(ValueError, match="compile"):
-        run_bench("vit_tiny_patch16_224", "attention", 0.5, runtime="onnxruntime", compile=True)
+        run_bench("vit_tiny_patch16_224", "mod:capacity=0.5", runtime="onnxruntime", compile=True)
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -353,7 +353,7 @@ def test_amod_compile_is_one_static_graph_per_batch_size(name):
 def test_bench_compile_times_compiled_and_eager(monkeypatch):
     small_bench_models(monkeypatch)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    r = run_bench("vit_tiny_patch16_224", "attention", 0.5, layers=[1], batch_size=2, repeats=2, warmup=1,
+    r = run_bench("vit_tiny_patch16_224", "mod:capacity=0.5,layers=[1]", batch_size=2, repeats=2, warmup=1,
                   compile=True)
     assert r["compile"] and set(r["eager"]) == {"dense", "mod"} and r["compile_speedup"]["mod"]["median"] > 0
     assert set(r["compile_seconds"]) == {"dense", "mod"} and all(v > 0 for v in r["compile_seconds"].values())

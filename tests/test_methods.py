@@ -316,8 +316,8 @@ def test_every_mod_default_is_mod_configs():
     from amod.experiments.bench import BenchConfig
     from amod.flags import build
 
-    bench = build(BenchConfig, build_parser().parse_args(["bench"]))
-    assert (bench.router, bench.layers) == (MoDConfig.router, default_layers)
+    bench = build(BenchConfig, build_parser().parse_args(["bench"]))  # (an MoD spec: MoD's own defaults but capacity)
+    assert parse_method(bench.method) == MoD(capacity=0.125)
 
 
 def test_run_config_without_method_drops_every_method():

@@ -1,14 +1,11 @@
-"""The ``amod`` command line: each command parses its flags into a library configuration and calls one
-library function. Errors a user can cause become one line and exit status 2 (``amod --debug`` shows
-the traceback). Every command is declared once, in ``COMMANDS``.
-
-Each command imports its own modules (``amod.experiments``, ``amod.train``, ``amod.detect``) when its flags are
-built or it runs, not when this module is imported: ``amod --help`` and ``import amod.cli`` cost the library's
-import only, and ``main`` builds the flags of the one command it runs.
-"""
+"""The ``amod`` command line: each command, declared once in ``COMMANDS``, parses its flags into a library
+configuration and calls one library function; a user's error is one line and exit status 2 (``--debug``: the
+traceback). A command imports its own modules (``amod.experiments``, ``amod.train``, ``amod.detect``) only when its
+flags are built or it runs: ``amod --help`` costs the library's import alone."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import os
@@ -21,7 +18,8 @@ from .files import dumps
 from .flags import (Parser, add_flags, add_parsed_flag, build, given, load_yaml_config,  # noqa: F401
                     nonnegative_int, parse_bool, parse_layers, parse_schedule, parse_shape, positive_int,
                     refuse_other_mode)
-from .methods import SHORTHAND_NAMES, SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand
+from .methods import (SHORTHAND_NAMES, SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand,
+                      with_shorthand)
 from .mod.config import MoDConfig
 from .errors import UserError, run_reporting_errors, setup_logging
 
@@ -143,9 +141,7 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool = False) -> None:
-    """Distillation's flags, shared by the finetune study and `amod finetune`: ``--teacher`` and the fields of
-    ``Distillation`` as ``--distill-*``. ``suppress``: leave flags that are not given out of the namespace (`amod
-    finetune` takes its defaults from RunConfig, which match these)."""
+    """The finetune study's distillation flags: ``--teacher`` and ``Distillation``'s fields as ``--distill-*``."""
     from .train.distill import Distillation
 
     g.add_argument("--teacher", default=argparse.SUPPRESS if suppress else None, metavar="FILE", help=teacher_help)
@@ -208,7 +204,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _detect_flags(p: argparse.ArgumentParser) -> None:
-    from .detect.config import DetectConfig, DetectStudyConfig
+    from .detect.config import DETECT_FIELDS, DETECT_FLAGS, DetectConfig, DetectStudyConfig
 
     p.add_argument("action", choices=tuple(DETECT_FLAGS),
                    help="train: a DETR from scratch, or a finetune of --init (converted with --router); study: "
@@ -222,14 +218,8 @@ def _detect_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p.add_argument_group("study"), DetectStudyConfig, only=DETECT_FIELDS["study"], suppress=True)
 
 
-# the fields that only one action of `amod detect` takes (given to the other, their flags are refused)
-DETECT_FIELDS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
-                 "study": ("dense", "costs", "routers", "seeds", "report_only")}
-DETECT_FLAGS = {"train": DETECT_FIELDS["train"], "study": ("dense", "cost", "routers", "seeds", "report_only")}
-
-
 def _detect(args: argparse.Namespace) -> int:
-    from .detect.config import DetectConfig, DetectStudyConfig
+    from .detect.config import DETECT_FLAGS, DetectConfig, DetectStudyConfig
 
     refuse_other_mode(args, args.action, DETECT_FLAGS, {a: f"amod detect {a}" for a in DETECT_FLAGS})
     if args.action == "study":
@@ -256,12 +246,14 @@ class Command:
     flags: Union[str, Callable[[argparse.ArgumentParser], None]]
     run: Union[str, Callable[[argparse.Namespace], int]]
     json: bool = False  # a --json flag (print one JSON object), passed on as json=
+    shorthand: tuple[str, ...] = ()  # method shorthand options (--capacity, ...) that set its configuration's method
     methods: str = ""  # a --methods flag (its help's start), applied with the configuration's ``only``
 
     def add_flags(self, p: argparse.ArgumentParser) -> None:
         if callable(self.flags):
             return self.flags(p)
         add_flags(p, _config(self.flags), suppress=True)  # (flags given, laid over --config's options)
+        shorthand_flags(p, self.shorthand, default=argparse.SUPPRESS)
         p.add_argument("--config", metavar="FILE", help="YAML file of these options, by their flags' names; flags "
                        "override it")
         if self.json:
@@ -273,6 +265,9 @@ class Command:
         if callable(self.run):
             return self.run(args)
         cfg = build(_config(self.flags), args, under=load_yaml_config(args.config) if args.config else None)
+        if self.shorthand:
+            options = {k: getattr(args, k) for k in self.shorthand if hasattr(args, k)}
+            cfg = dataclasses.replace(cfg, method=with_shorthand(parse_method(cfg.method), options).spec())
         result = _config(self.run)(cfg.only(args.methods) if self.methods else cfg,
                                    **({"json": args.json} if self.json else {}))
         if result is not None:
@@ -290,7 +285,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("eval", "accuracy, loss, cost and speed of a saved model", "experiments.evaluate:EvalConfig",
             "experiments.evaluate:eval_command", json=True),
     Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved",
-            "experiments.bench:BenchConfig", "experiments.bench:bench_command", json=True),
+            "experiments.bench:BenchConfig", "experiments.bench:bench_command", json=True,
+            shorthand=("router", "capacity", "layers")),
     Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime",
             "experiments.export_command:ExportConfig", "experiments.export_command:export_command", json=True),
     Command("analyze", "leave-one-out importance, routing pictures or attention statistics",

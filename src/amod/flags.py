@@ -294,7 +294,8 @@ def build(config: type, args: argparse.Namespace, only: Optional[Iterable[str]] 
     (a ``--config`` YAML file's options, by field name: ``load_yaml_config``), ``values`` over them. Refuses, in one
     line, a key of ``under`` that is no field and a required field given nowhere."""
     names = [f.name for f in dataclasses.fields(config)]
-    by_flag = {dest_of(f, prefix): f for f in dataclasses.fields(config)}  # (a key may be a flag's name: no_x is not x)
+    by_flag = {dest_of(f, prefix): f for f in dataclasses.fields(config)  # (a key may be a flag's name: no_x is not x)
+               if f.metadata.get("flag", "") is not None}
     under = {by_flag[k].name if k in by_flag else k: (not v) if k in by_flag and by_flag[k].metadata.get("negate")
              else v for k, v in (under or {}).items()}
     unknown = sorted(set(under) - set(names))
@@ -306,7 +307,8 @@ def build(config: type, args: argparse.Namespace, only: Optional[Iterable[str]] 
     fields = {**under, **given(args, config, only, prefix), **values}
     missing = [f.name for f in dataclasses.fields(config) if _default_of(f) is MISSING and f.name not in fields]
     if missing:
-        flags = [f"--{dest_of(f, prefix).replace('_', '-')}" for f in dataclasses.fields(config) if f.name in missing]
+        flags = [f.name if f.metadata.get("flag", "") is None else f"--{dest_of(f, prefix).replace('_', '-')}"
+                 for f in dataclasses.fields(config) if f.name in missing]
         raise UserError(f"{', '.join(flags)} must be given (as a flag, or in --config)")
     return config(**fields)
 

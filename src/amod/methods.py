@@ -728,6 +728,16 @@ def method_from_shorthand(values: dict[str, Any], lenient: bool = False) -> Opti
     return cls(**fields)
 
 
+def with_shorthand(method: Method, options: dict[str, Any]) -> Method:
+    """``method`` with the fields that the shorthand ``options`` (by name; None: not given) set, ``--capacity 0.25``
+    on ``mod:capacity=0.125``; an option of another method is refused in one line."""
+    given = [s for s in SHORTHANDS if options.get(s.name) is not None]
+    foreign = [_flag(s.name) for s in given if s.kind != method.kind or s.field is None]
+    if foreign:
+        raise UserError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to {method.spec()}")
+    return dataclasses.replace(method, **{s.field: _as_tuple(options[s.name]) for s in given})
+
+
 def setting_text_of(setting: Union[str, dict[str, Any]]) -> str:
     """A report's setting column for a row's ``setting``: the spec of the method it measured, or (a row written before
     rows held specs) the shorthand options of it; the method is rebuilt and asked for its ``setting_text``."""

@@ -130,3 +130,9 @@ class DetectStudyConfig:
                             batch_size=self.batch_size, lr=self.lr, warmup=max(1, self.steps // 10),
                             eval_every=self.steps, train_canvases=self.train_canvases,
                             val_canvases=self.val_canvases, canvas_size=self.canvas_size)
+
+
+# the fields that only one action of `amod detect` takes, and their flags (given to the other, they are refused)
+DETECT_FIELDS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
+                 "study": ("dense", "costs", "routers", "seeds", "report_only")}
+DETECT_FLAGS = {"train": DETECT_FIELDS["train"], "study": ("dense", "cost", "routers", "seeds", "report_only")}

@@ -24,11 +24,8 @@ from ..deploy import export, onnx_session
 from ..families import family_of
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
-from ..methods import Dense, method_of
-from ..flags import flag, nonnegative_int, parse_layers, positive_int
-from ..mod.config import MoDConfig, validate_capacity
-from ..mod.convert import DEFAULT_LAYERS, convert
-from ..mod.routers import vit_routers
+from ..methods import Dense, method_of, parse_method
+from ..flags import flag, nonnegative_int, positive_int
 from ..fast import compile as fast_compile
 from ..ops import attention_scores_explicit, attention_with_scores
 from ..train.engine import AMP_MODES, autocast
@@ -253,7 +250,7 @@ def _build_probe_target(spec: dict[str, Any], small: bool = False) -> Callable[[
     (BLAS and oneDNN workspaces, thread pools) is not counted as the op's memory.
     """
     if spec["kind"] == "model":
-        model = make_bench_model(spec["model"], spec.get("img_size"), spec.get("convert"))
+        model = make_bench_model(spec["model"], spec.get("img_size"), spec.get("method"))
         model = dense_twin(model) if spec.get("dense_twin") else model
         x = torch.randn(1 if small else spec["batch_size"], model.patch_embed.proj.in_channels,
                         *model.patch_embed.img_size)
@@ -309,9 +306,10 @@ def dense_twin(model: nn.Module) -> nn.Module:
     return family.rebuild(family.describe(model)).eval()
 
 
-def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optional[dict[str, Any]]) -> nn.Module:
+def make_bench_model(name: str, img_size: Optional[int], method: Optional[str]) -> nn.Module:
     """A timm model with random weights (timing does not depend on them), or a Hugging Face model (a
-    ``save_pretrained`` directory or ``hf:ID``, at its config's ``image_size``), optionally converted."""
+    ``save_pretrained`` directory or ``hf:ID``, at its config's ``image_size``), made into ``method`` (a spec) where
+    one is given."""
     torch.manual_seed(0)
     model = open_model(name, timm_names=True, img_size=img_size)
     if hf_source(name) is not None:
@@ -319,13 +317,8 @@ def make_bench_model(name: str, img_size: Optional[int], convert_kwargs: Optiona
         if img_size is not None and img_size != native:
             raise UserError(f"{name} is a Hugging Face model of {native}-px images (its config's image_size); "
                             f"drop --img-size {img_size}")
-        if convert_kwargs:
-            torch.manual_seed(0)
-            convert(model, **convert_kwargs)
-        return model.eval()
-    if convert_kwargs:
-        convert(model, **convert_kwargs)
-    return model.eval()
+        torch.manual_seed(0)
+    return (parse_method(method).apply(model) if method else model).eval()
 
 
 def paired_ratios(base: list[float], other: list[float]) -> dict[str, float]:
@@ -366,9 +359,9 @@ class BenchConfig:
     """``amod bench``: ``run_bench``'s arguments (each field's comment is its flag's help: amod.flags)."""
 
     model: str = "deit_small_patch16_224"  # a timm model name, or a Hugging Face model (directory or hf:ID)
-    router: str = flag(MoDConfig.router, choices=vit_routers)
-    capacity: float = 0.125
-    layers: Union[str, list[int]] = flag(DEFAULT_LAYERS, type=parse_layers)
+    method: str = flag("mod:capacity=0.125", metavar="SPEC")  # the reduced model timed against the dense one: any
+                                                              # registered method by its spec (--router, --capacity
+                                                              # and --layers set an MoD spec's fields)
     batch_size: int = flag(32, type=positive_int)
     img_size: Optional[int] = flag(None, type=positive_int)
     repeats: int = flag(10, type=positive_int)
@@ -382,13 +375,13 @@ class BenchConfig:
                                                     # ONNX Runtime on the CPU
 
 
-def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LAYERS, batch_size: int = 32,
+def run_bench(model: str, method: str = BenchConfig.method, batch_size: int = 32,
               img_size: Optional[int] = None, repeats: int = 10, warmup: int = 3, amp: str = "off",
               device: str = "auto", memory: bool = True, compile: bool = False, runtime: str = "torch"
               ) -> dict[str, Any]:
-    """Measure the unconverted timm model and its MoD conversion alternately in this process. A Hugging Face folder
-    of a converted model (its ``save_pretrained``) is timed as saved, against a dense model of its architecture: the
-    MoD settings are not used (``label`` says what ran).
+    """Measure the unconverted timm model and the model ``method`` (a spec, ``amod.methods.parse_method``) makes of it
+    alternately in this process. A Hugging Face folder of a converted model (its ``save_pretrained``) is timed as
+    saved, against a dense model of its architecture: ``method`` is not used (``label`` says what ran).
 
     ``runtime="torch"``: eager PyTorch, or with ``compile`` both models under ``torch.compile`` (their
     eager forms are timed in the same rounds, under ``eager``). ``runtime="onnxruntime"``: both models
@@ -401,7 +394,10 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LA
     """
     if runtime not in RUNTIMES:
         raise UserError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-    capacity = validate_capacity(capacity)
+    reduced = parse_method(method)
+    if reduced.needs_images:
+        raise UserError(f"--method {method}: {reduced.kind} chooses its setting on images: time the model amod "
+                        "calibrate saved (amod eval, amod frontier)")
     if hf_source(model) is None:
         check_vit_name(model)  # amod's supported-models line, not timm's error about an argument of another family
     if runtime == "onnxruntime":
@@ -411,17 +407,19 @@ def run_bench(model: str, router: str, capacity: float, layers: Any = DEFAULT_LA
             raise UserError("the ONNX Runtime benchmark runs fp32 on the CPU: use --device cpu (or auto) and --amp off")
         device = "cpu"
     dev = resolve_device(device)
-    convert_kwargs = {"router": router, "capacity": capacity, "layers": layers}
     dense = make_bench_model(model, img_size, None).to(dev)
     saved = method_of(dense)
     if isinstance(saved, Dense):
-        mod = make_bench_model(model, img_size, convert_kwargs).to(dev)
-        label, settings = f"{router}@{capacity:g}", convert_kwargs
-        specs = ({"convert": None}, {"convert": convert_kwargs})  # (how the memory probe builds each)
+        mod = make_bench_model(model, img_size, reduced.spec()).to(dev)
+        layers = getattr(reduced, "layers", None)  # (an MoD method's setting, as the result has always named it)
+        label, settings = reduced.label(), {"method": reduced.spec(), "router": getattr(reduced, "router", None),
+                                            "capacity": getattr(reduced, "capacity", None),
+                                            "layers": list(layers) if isinstance(layers, tuple) else layers}
+        specs = ({"method": None}, {"method": reduced.spec()})  # (how the memory probe builds each)
     else:  # a converted save_pretrained folder: as saved (its settings in its label), against its dense architecture
         dense, mod = dense_twin(dense).to(dev), dense
-        label, settings = f"{saved.label()} (saved)", dict(router=None, capacity=None, layers=None)
-        specs = ({"convert": None, "dense_twin": True}, {"convert": None})
+        label, settings = f"{saved.label()} (saved)", dict(method=saved.spec(), router=None, capacity=None, layers=None)
+        specs = ({"method": None, "dense_twin": True}, {"method": None})
     x = torch.randn(batch_size, dense.patch_embed.proj.in_channels, *dense.patch_embed.img_size, device=dev)
     result: dict[str, Any] = {
         "model": model, **settings, "batch_size": batch_size,
