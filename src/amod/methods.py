@@ -729,10 +729,12 @@ def method_from_shorthand(values: dict[str, Any], lenient: bool = False) -> Opti
 
 
 def with_shorthand(method: Method, options: dict[str, Any]) -> Method:
-    """``method`` with the fields that the shorthand ``options`` (by name; None: not given) set, ``--capacity 0.25``
-    on ``mod:capacity=0.125``; an option of another method is refused in one line."""
+    """``method`` with the fields that the shorthand ``options`` (by name; None: not given) set: each sets the field
+    of its name (``--capacity 0.25`` on ``mod:capacity=0.125``, ``--router random`` on ``calibrated``); an option
+    that names no field of ``method`` is refused in one line."""
     given = [s for s in SHORTHANDS if options.get(s.name) is not None]
-    foreign = [_flag(s.name) for s in given if s.kind != method.kind or s.field is None]
+    names = {f.name for f in dataclasses.fields(method)}
+    foreign = [_flag(s.name) for s in given if s.field not in names]
     if foreign:
         raise UserError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to {method.spec()}")
     return dataclasses.replace(method, **{s.field: _as_tuple(options[s.name]) for s in given})

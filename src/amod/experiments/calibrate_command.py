@@ -19,10 +19,9 @@ import torch
 from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..cost import validate_cost
 from ..files import check_output_file
-from ..methods import Calibrated, MoD
+from ..methods import Calibrated, MoD, parse_method
 from ..mod.calibrate import calibrate
-from ..mod.config import MoDConfig
-from ..mod.routers import router_class, vit_routers
+from ..mod.routers import router_class
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.resume import Journal
@@ -43,8 +42,8 @@ class CalibrateConfig:
     img_size: Optional[int] = flag(None, type=positive_int)  # input size; default the model's own
     cost: float = 0.5  # share of the dense MACs
     images: int = flag(256, type=positive_int)  # calibration images (the schedules are compared on the same images)
-    router: str = flag(MoDConfig.router, choices=vit_routers)  # whose scores decide what is protected: attention
-                                                               # (A-MoD) or a control
+    method: str = flag("calibrated", metavar="SPEC")  # the calibration by its spec: its router (--router) decides
+                                                      # whose scores are protected, attention (A-MoD) or a control
     force: bool = False  # replace --out if it exists
 
     def validate(self) -> "CalibrateConfig":
@@ -58,8 +57,12 @@ class CalibrateConfig:
         if Path(self.out).resolve() == Path(self.checkpoint).resolve():
             raise UserError("--out must not be the dense --checkpoint it starts from")
         check_output_file(self.out, "the .safetensors file", self.force)
-        if router_class(self.router).learnable:
-            raise UserError(f"--router {self.router} learns its scores; calibration uses no training: give "
+        method = parse_method(self.method)
+        if not isinstance(method, Calibrated):
+            raise UserError(f"--method {self.method}: amod calibrate makes a calibrated model; give calibrated, "
+                            "calibrated:router=random, ...")
+        if router_class(method.router).learnable:
+            raise UserError(f"--router {method.router} learns its scores; calibration uses no training: give "
                             "attention (A-MoD) or a control such as random")
         check_not_hugging_face(self.checkpoint, "--checkpoint", "calibrate", "a dense amod .safetensors file")
         check_dense_file(self.checkpoint)
@@ -102,7 +105,8 @@ def _calibrate_and_save(cfg: CalibrateConfig) -> Path:
     fit_to_data(dense, chans, img_size)  # the position grid only: the model keeps its channels
     images = torch.stack([train[i][0] for i in range(min(cfg.images, len(train)))])
     images = images.expand(-1, chans, -1, -1).contiguous()  # gray images as gray RGB for an RGB model
-    model = calibrate(dense, images, cfg.cost, router=cfg.router)
+    method = parse_method(cfg.method)
+    model = calibrate(dense, images, cfg.cost, router=method.router, tilts=method.tilts, protects=method.protects)
     report = model.amod_calibration
     print(f"calibrated {cfg.checkpoint} at {img_size} px, cost {cfg.cost:g}, on {len(images)} {info.name} images "
           f"in {report.seconds:.1f} s:")
