@@ -288,16 +288,21 @@ def given(args: argparse.Namespace, config: type, only: Optional[Iterable[str]] 
     return values
 
 
+def by_field_name(config: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``values`` (a YAML file's options) with each key that is a flag's name of ``config`` read as its field's
+    (``method`` for ``method_spec``; a negated switch's ``no_x: true`` as ``x: false``); other keys as they are."""
+    by_flag = {dest_of(f, prefix): f for f in dataclasses.fields(config) if f.metadata.get("flag", "") is not None}
+    return {by_flag[k].name if k in by_flag else k: (not v) if k in by_flag and by_flag[k].metadata.get("negate")
+            else v for k, v in values.items()}
+
+
 def build(config: type, args: argparse.Namespace, only: Optional[Iterable[str]] = None, prefix: str = "",
           under: Optional[dict[str, Any]] = None, **values: Any) -> Any:
     """``config`` from the parsed flags of ``add_flags`` (a flag left out: the field's default), laid over ``under``
     (a ``--config`` YAML file's options, by field name: ``load_yaml_config``), ``values`` over them. Refuses, in one
     line, a key of ``under`` that is no field and a required field given nowhere."""
     names = [f.name for f in dataclasses.fields(config)]
-    by_flag = {dest_of(f, prefix): f for f in dataclasses.fields(config)  # (a key may be a flag's name: no_x is not x)
-               if f.metadata.get("flag", "") is not None}
-    under = {by_flag[k].name if k in by_flag else k: (not v) if k in by_flag and by_flag[k].metadata.get("negate")
-             else v for k, v in (under or {}).items()}
+    under = by_field_name(config, under or {}, prefix)
     unknown = sorted(set(under) - set(names))
     if unknown:
         raise UserError(f"config file: unknown keys {unknown}; known keys: {names}")

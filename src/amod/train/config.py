@@ -18,9 +18,10 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from ..methods import SHORTHAND_NAMES, SHORTHANDS, Dense, Method, MoD, method_from_shorthand, parse_method
+from ..methods import (SHORTHAND_NAMES, SHORTHANDS, Dense, Method, MoD, method_from_shorthand, parse_method,
+                       with_shorthand)
 from . import engine
-from ..flags import dest_of, flag, load_yaml_config
+from ..flags import by_field_name, flag, load_yaml_config
 from .any_cost import NEEDS_MOD
 from .distill import Distillation
 from .models import checkpoint_architecture, saved_method
@@ -244,21 +245,21 @@ def _method_of_options(options: dict[str, Any], cfg: RunConfig, resume: bool) ->
         return method
     flags = ", ".join(f"--{_flag(k)}" for k in options)
     alone = "applies" if len(options) == 1 else "apply"
-    own = cfg.method() if resume else saved_method(cfg.checkpoint) if cfg.checkpoint else None
+    if resume:  # (its spec as given: a router seeded by the run's seed keeps that seed unset)
+        own = parse_method(cfg.method_spec) if cfg.method_spec else Dense()
+    else:
+        own = saved_method(cfg.checkpoint) if cfg.checkpoint else None
     if own is None or isinstance(own, Dense):
         raise UserError(f"{flags} only {alone} to an MoD model; add --router (attention, standard, ...) or leave "
                         f"{'it' if len(options) == 1 else 'them'} out")
-    fields = {s.field: options[s.name] for s in SHORTHANDS if s.name in options and s.kind == own.kind}
-    if len(fields) < len(options):
+    if any(s.kind != own.kind for s in SHORTHANDS if s.name in options):
         raise UserError(f"{flags} only {alone} to an MoD model; {cfg.checkpoint if not resume else 'the run'} runs "
                         f"{own.label()}: drop {flags}")
-    if resume:
-        return dataclasses.replace(parse_method(cfg.method_spec), **fields)
     fixed = [f"--{_flag(k)}" for k in options if k != "capacity"]
-    if fixed:
+    if fixed and not resume:
         raise UserError(f"{cfg.checkpoint} already runs {own.label()}, which {', '.join(fixed)} cannot change (only "
                         f"--capacity turns its dial): drop {', '.join(fixed)}")
-    return dataclasses.replace(own, **fields)
+    return with_shorthand(own, options)
 
 
 def distill_options_without_distill(given: dict[str, Any], distill: bool, teacher: Optional[str]) -> None:
@@ -276,8 +277,7 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     (``amod.methods.SHORTHANDS``: router, capacity, tome_cost, ...), which a YAML file may hold too; they become the
     run's ``method_spec``. When resuming, anything given again must agree with the run (checked in ``train``).
     """
-    by_flag = {dest_of(f): f.name for f in dataclasses.fields(RunConfig)}  # (a YAML key may be a flag's name: method)
-    yaml_values = {by_flag.get(k, k): v for k, v in (load_yaml_config(config) if config else {}).items()}
+    yaml_values = by_field_name(RunConfig, load_yaml_config(config)) if config else {}  # (method: method_spec)
     given = {**yaml_values, **flags}
     options = {k: given.pop(k) for k in SHORTHAND_NAMES if k in given}
     source = config or "options"
