@@ -88,6 +88,39 @@ def test_what_amod_detect_train_saves_amod_load_rebuilds(tmp_path):
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_a_conversion_is_one_spec_and_a_run_saved_with_router_and_layers_fields_still_resumes(
+        tmp_path, monkeypatch, detector_files):
+    cfg = DetectConfig(out=str(tmp_path / "run"), init=str(detector_files[0]), steps=2, eval_every=1, **TINY)
+    cfg = cfg.with_shorthand({"router": "feature-norm", "layers": [1, 2]})
+    assert cfg.encoder_method() == amod.methods.MoD(router="feature-norm", layers=(1, 2))
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def dies_at_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(detect_train.torch.nn.utils, "clip_grad_norm_", dies_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        detect_train.train_detector(cfg)
+    monkeypatch.setattr(detect_train.torch.nn.utils, "clip_grad_norm_", clip)
+    # as amod up to f875d91 saved it: the conversion as router and layers fields
+    path = tmp_path / "run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    saved = state["config"]
+    assert saved["method"] == "mod:router=feature-norm,layers=[1,2]"
+    state["config"] = {**{k: v for k, v in saved.items() if k != "method"}, "router": "feature-norm", "layers": [1, 2]}
+    torch.save(state, path)
+    assert DetectConfig.from_dict(state["config"]) == DetectConfig(**saved)
+    row = detect_train.train_detector(cfg)
+    assert row["step"] == 2 and [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+    model = detect_train.load_detector(tmp_path / "run" / "model.safetensors")
+    assert (model.amod_config.router, model.amod_config.layers) == ("feature-norm", [1, 2])
+    with pytest.raises(ValueError, match="other settings"):  # another conversion is another run
+        detect_train.train_detector(cfg.with_shorthand({"router": "attention"}))
+
+
 @pytest.fixture(scope="module")
 def detector_files(tmp_path_factory):
     """(a dense small DETR, a ViT classifier) saved with amod.save: neither trained."""
@@ -103,8 +136,11 @@ def detector_files(tmp_path_factory):
 TINY_FLAGS = ["--steps", "1", "--batch-size", "4", "--train-canvases", "8", "--val-canvases", "2"]
 REFUSED = [
     (["train", "--init", "{vit}"], "init {vit} holds a vit_tiny_patch16_224, not a DETR"),
-    (["train", "--init", "{detr}", "--router", "bogus"], "unknown router 'bogus' for a DETR encoder"),
+    (["train", "--init", "{detr}", "--router", "bogus"], "unknown router 'bogus'; supported routers: "),
     (["train", "--init", "{detr}", "--router", "attention", "--encoder-cost", "1.5"], "encoder_cost must be in (0, 1]"),
+    (["train", "--init", "{detr}", "--layers", "1,2"], "--layers sets the MoD conversion's layers: give --router"),
+    (["train", "--init", "{detr}", "--method", "tome:cost=0.5"], "converts the encoder with MoD; 'tome:cost=0.5' is"),
+    (["train", "--init", "{detr}", "--method", "mod:capacity=0.25"], "sets a capacity; the encoder's capacity is the"),
     (["train", "--train-canvases", "2"], "train_canvases (2) is smaller than one batch (4)"),
     (["study", "--dense", "{vit}"], "dense {vit} holds a vit_tiny_patch16_224, not a DETR"),
     (["study", "--dense", "{detr}", "--cost", "0"], "each encoder cost must be in (0, 1)"),

@@ -204,22 +204,25 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _detect_flags(p: argparse.ArgumentParser) -> None:
-    from .detect.config import DETECT_FIELDS, DETECT_FLAGS, DetectConfig, DetectStudyConfig
+    from .detect.config import DETECT_FIELDS, DETECT_FLAGS, DetectConfig, DetectStudyConfig, router_help
 
     p.add_argument("action", choices=tuple(DETECT_FLAGS),
-                   help="train: a DETR from scratch, or a finetune of --init (converted with --router); study: "
+                   help="train: a DETR from scratch, or a finetune of --init (converted with --method); study: "
                         "--dense converted at matched encoder costs, zero-training and finetuned (docs/detr.md)")
     S = argparse.SUPPRESS  # a flag of one action is left out unless given: _detect refuses it for the other
     for name, parse in (("out", str), ("steps", positive_int), ("lr", float)):  # (each action's own default)
         p.add_argument(f"--{name}", type=parse, default=S,
                        help=f"default {getattr(DetectConfig, name)}; study: {getattr(DetectStudyConfig, name)}")
     add_flags(p, DetectConfig, only=("batch_size", "train_canvases", "val_canvases"))
-    add_flags(p.add_argument_group("train"), DetectConfig, only=DETECT_FIELDS["train"], suppress=True)
+    g = p.add_argument_group("train")
+    add_flags(g, DetectConfig, only=DETECT_FIELDS["train"], suppress=True)
+    g.add_argument("--router", default=S, help=router_help())
+    shorthand_flags(g, ("layers",), default=S, nargs="+")  # (--layers 1 2 3 as before, or 1,2,3 as train's)
     add_flags(p.add_argument_group("study"), DetectStudyConfig, only=DETECT_FIELDS["study"], suppress=True)
 
 
 def _detect(args: argparse.Namespace) -> int:
-    from .detect.config import DETECT_FLAGS, DetectConfig, DetectStudyConfig
+    from .detect.config import DETECT_FLAGS, DETECT_SHORTHAND, DetectConfig, DetectStudyConfig
 
     refuse_other_mode(args, args.action, DETECT_FLAGS, {a: f"amod detect {a}" for a in DETECT_FLAGS})
     if args.action == "study":
@@ -229,7 +232,7 @@ def _detect(args: argparse.Namespace) -> int:
         print(run_detect_study(build(DetectStudyConfig, args)))
         return 0
     from .detect.train import train_detector  # (imports transformers: the optional extra)
-    cfg = build(DetectConfig, args)
+    cfg = build(DetectConfig, args).with_shorthand({k: getattr(args, k, None) for k in DETECT_SHORTHAND})
     row = train_detector(cfg)
     print(f"{cfg.out}: step {row['step']}, COCO AP {row['AP']:.4f}, AP50 {row['AP50']:.4f}")
     return 0

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from ..checkpoint import read_metadata
 from ..families.detr import DetrFamily
+from ..methods import MoD, parse_method, with_shorthand
 from ..mod.routers import router_names
 from ..train.rundir import check_output_dir
 from ..errors import UserError
@@ -37,9 +38,10 @@ class DetectConfig:
     out: str = "runs/detect/dense"
     seed: int = 0
     init: Optional[str] = None  # an amod.save file of a DETR to finetune (default: a new small DETR)
-    router: Optional[str] = None  # convert --init with this router (A-MoD: attention)
+    method: Optional[str] = None  # convert --init's encoder with this MoD method, by its spec (e.g.
+                                  # mod:router=attention,layers=[1,2,3,4,5]; default layers: alternate); its
+                                  # capacity is set by --encoder-cost
     encoder_cost: float = 0.5  # share of the dense encoder's MACs the converted encoder costs (the closest capacity)
-    layers: Optional[list[int]] = None  # MoD encoder layers (default: alternate)
     canvas_size: int = 128
     train_canvases: int = flag(20000, type=positive_int)
     val_canvases: int = flag(1000, type=positive_int)
@@ -54,7 +56,52 @@ class DetectConfig:
     amp: str = flag("off", choices=("off", "bf16"))
     d_model: int = 128  # the new model's width (init None only)
 
+    def encoder_method(self) -> Optional[MoD]:
+        """The MoD method ``init``'s encoder is converted with (a router that draws seeded by the run's ``seed``
+        unless its spec gives one), or None: the run converts nothing. Raises a UserError for another method, a
+        router DETR's encoder does not take, or a capacity (``encoder_cost`` sets it)."""
+        if self.method is None:
+            return None
+        method = parse_method(self.method)
+        if type(method) is not MoD:
+            raise UserError(f"amod detect converts the encoder with MoD; {self.method!r} is not an MoD spec "
+                            "(mod:router=...,layers=...)")
+        if method.router not in router_names("detr"):
+            raise UserError(f"unknown router {method.router!r} for a DETR encoder; use one of "
+                            f"{', '.join(router_names('detr'))}")
+        if method.capacity != MoD.capacity:
+            raise UserError(f"{self.method!r} sets a capacity; the encoder's capacity is the one --encoder-cost "
+                            "asks for: drop capacity= from the spec")
+        return method.seeded(self.seed)
+
+    def with_shorthand(self, options: dict[str, Any]) -> "DetectConfig":
+        """This run with its conversion adjusted by the shorthand options (``--router``, ``--layers``: None, not
+        given); ``--router`` alone makes one, ``--layers`` adjusts one that ``--router`` or ``--method`` makes."""
+        options = {k: v for k, v in options.items() if v is not None}
+        if isinstance(options.get("layers"), list):  # --layers 1 2 3: each word read as train's --layers reads it
+            words = options["layers"]
+            options["layers"] = words[0] if len(words) == 1 else tuple(i for w in words for i in
+                                                                       (w if isinstance(w, tuple) else (w,)))
+        if not options:
+            return self
+        if self.method is None and "router" not in options:
+            raise UserError("--layers sets the MoD conversion's layers: give --router (or --method) too")
+        base = parse_method(self.method) if self.method is not None else MoD()
+        return dataclasses.replace(self, method=with_shorthand(base, options).spec())
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "DetectConfig":
+        """The configuration a run saved (``to_dict``); one saved before a run held its conversion as a spec
+        (``router`` and ``layers``, amod up to f875d91) reads as the same spec."""
+        values = dict(values)
+        router, layers = values.pop("router", None), values.pop("layers", None)
+        if router is not None:
+            values["method"] = with_shorthand(MoD(), {"router": router, "layers": layers}).spec()
+        return cls(**values)
+
     def validate(self) -> "DetectConfig":
+        """Check every setting before any work; returns the configuration with its method in one spelling (the
+        spec's), as a run saves it."""
         for name in ("canvas_size", "train_canvases", "val_canvases", "steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
@@ -62,18 +109,16 @@ class DetectConfig:
             raise UserError(f"lr must be positive, got {self.lr}")
         if self.amp not in ("off", "bf16"):
             raise UserError(f"amp must be 'off' or 'bf16', got {self.amp!r}")
-        if self.router is not None and self.init is None:
-            raise UserError("router converts a trained DETR: give init (an amod.save file of the dense detector)")
-        if self.router is not None and self.router not in router_names("detr"):
-            raise UserError(f"unknown router {self.router!r} for a DETR encoder; use one of "
-                            f"{', '.join(router_names('detr'))}")
+        method = self.encoder_method()
+        if method is not None and self.init is None:
+            raise UserError("method converts a trained DETR: give init (an amod.save file of the dense detector)")
         if not 0 < self.encoder_cost <= 1:
             raise UserError(f"encoder_cost must be in (0, 1] (a share of the dense encoder's MACs), got "
                             f"{self.encoder_cost:g}")
         if self.init is not None:
             check_detector_file(self.init, "init")
         check_output_dir(self.out)
-        return self
+        return self if method is None else dataclasses.replace(self, method=parse_method(self.method).spec())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,7 +133,9 @@ class DetectStudyConfig:
     out: str = "runs/detect/study"
     costs: tuple[float, ...] = flag((0.5, 0.25), flag="cost")  # encoder costs, shares of the dense encoder's MACs
     routers: tuple[str, ...] = ("attention", "standard", "random", "feature-norm")
-    layers: tuple[int, ...] = (1, 2, 3, 4, 5)
+    # every router's conversion: this MoD spec with the router set (layers 1-5: alternate layers cannot bring the
+    # encoder below about half its cost)
+    method: str = flag("mod:layers=[1,2,3,4,5]", flag=None)
     seeds: int = flag(3, type=positive_int)
     steps: int = 300
     lr: float = 5e-5
@@ -109,6 +156,8 @@ class DetectStudyConfig:
             if not 0 < cost < 1:
                 raise UserError(f"each encoder cost must be in (0, 1) (a share of the dense encoder's MACs; the "
                                 f"dense reference is always run), got {cost:g}")
+        if "router=" in self.method:
+            raise UserError(f"the study's method {self.method!r} sets a router; the study sets each of --routers")
         unknown = [r for r in self.routers if r not in router_names("detr")]
         if unknown or not self.routers:
             raise UserError(f"unknown router {unknown[0]!r} for a DETR encoder; use any of "
@@ -119,20 +168,28 @@ class DetectStudyConfig:
         check_output_dir(self.out)
         for cost, router in [(None, None)] + [(c, r) for c in self.costs for r in self.routers]:
             run = self.run_config(cost, router, 0)
-            dataclasses.replace(run, init=None, router=None).validate()  # its other settings (the file: above)
+            if router is not None:
+                run.encoder_method()  # its conversion (the file: above)
+            dataclasses.replace(run, init=None, method=None).validate()  # its other settings
         return self
 
     def run_config(self, cost: Optional[float], router: Optional[str], seed: int) -> DetectConfig:
         name = "dense" if router is None else f"cost{cost:g}/{router}"
-        return DetectConfig(out=str(Path(self.out) / name / f"seed{seed}"), seed=seed, init=self.dense, router=router,
-                            encoder_cost=cost if cost is not None else 1.0,
-                            layers=list(self.layers) if router is not None else None, steps=self.steps,
+        method = None if router is None else with_shorthand(parse_method(self.method), {"router": router}).spec()
+        return DetectConfig(out=str(Path(self.out) / name / f"seed{seed}"), seed=seed, init=self.dense, method=method,
+                            encoder_cost=cost if cost is not None else 1.0, steps=self.steps,
                             batch_size=self.batch_size, lr=self.lr, warmup=max(1, self.steps // 10),
                             eval_every=self.steps, train_canvases=self.train_canvases,
                             val_canvases=self.val_canvases, canvas_size=self.canvas_size)
 
 
+def router_help() -> str:
+    """``amod detect train --router``'s help: the routers a DETR encoder takes."""
+    return f"shorthand for --method mod:router=ROUTER, one of {', '.join(router_names('detr'))}"
+
+
 # the fields that only one action of `amod detect` takes, and their flags (given to the other, they are refused)
-DETECT_FIELDS = {"train": ("init", "router", "encoder_cost", "layers", "eval_every", "seed", "amp"),
+DETECT_FIELDS = {"train": ("init", "method", "encoder_cost", "eval_every", "seed", "amp"),
                  "study": ("dense", "costs", "routers", "seeds", "report_only")}
-DETECT_FLAGS = {"train": DETECT_FIELDS["train"], "study": ("dense", "cost", "routers", "seeds", "report_only")}
+DETECT_SHORTHAND = ("router", "layers")  # amod detect train's shorthand options for its method
+DETECT_FLAGS = {"train": DETECT_FIELDS["train"] + DETECT_SHORTHAND, "study": ("dense", "cost", "routers", "seeds", "report_only")}

@@ -4,7 +4,8 @@ For each encoder cost (a share of the dense encoder's MACs) and router (A-MoD ``
 ``random``, ``feature-norm``), every seed is one ``amod detect train`` run from the dense detector
 (``train_detector`` with ``init``), so each run resumes on its own after a kill; its step-0 evaluation is the
 zero-training AP. The dense detector is finetuned the same way as the reference. MoD sits on the same encoder
-layers for every router (default 1-5: alternate layers cannot bring the encoder below about half its cost).
+layers for every router (the study's ``method``, default ``mod:layers=[1,2,3,4,5]``: alternate layers cannot bring the
+encoder below about half its cost).
 
 The report gives per (cost, router): capacity, encoder and whole-model cost, zero-training AP/AP50, finetuned
 AP/AP50 mean ± std over seeds, the paired difference to A-MoD with a 95 % bootstrap CI over seeds, and encoder
@@ -29,6 +30,7 @@ from ..train.rundir import RunDirectory
 from .canvases import collate
 from .config import DetectConfig, DetectStudyConfig
 from ..families.detr import detr_flops, mod_layers
+from ..methods import parse_method
 from ..mod.convert import set_recording
 from .train import datasets, load_detector, normalise, train_detector
 from ..errors import UserError
@@ -204,7 +206,7 @@ def write_report(cfg: DetectStudyConfig) -> Path:
 
     lines = [f"Finetune: {cfg.steps} steps x {cfg.batch_size} canvases, lr {cfg.lr:g}, {cfg.seeds} seeds planned "
              "(finetuned seeds: how many have finished); "
-             f"MoD on encoder layers {', '.join(map(str, cfg.layers))}. AP and AP50 in % (COCO, pycocotools), "
+             f"MoD on encoder layers {', '.join(map(str, parse_method(cfg.method).layers))}. AP and AP50 in % (COCO, pycocotools), "
              "mean ± std over seeds; the difference to A-MoD is in AP50 points with a 95 % paired bootstrap CI "
              "over seeds.", "",
              "| encoder cost | router | capacity | encoder MACs | model MACs | zero-training AP / AP50 | "

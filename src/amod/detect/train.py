@@ -7,11 +7,12 @@ images/s), ``model.safetensors`` (``amod.save``: ``amod.load`` rebuilds the conv
 
 The loss is ``transformers``' DETR loss (Hungarian matching; cross-entropy, L1 and GIoU terms); AP is
 ``pycocotools``' (``amod.detect.evaluate``). A new model is ``small_detr``; a finetune starts from an
-``amod.save`` file (``init``) and, given ``router``, converts it at the capacity whose encoder cost is
+``amod.save`` file (``init``) and, given ``method`` (an MoD spec), converts it at the capacity whose encoder cost is
 ``encoder_cost`` of the dense encoder's.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch import nn
 
 from .. import files
 from ..checkpoint import load, to_bytes
-from ..mod.convert import convert, set_capacity
+from ..mod.convert import set_capacity
 from ..train import engine, resume
 from ..train.rundir import RunDirectory
 from .config import DetectConfig, check_detector_file
@@ -54,14 +55,15 @@ def datasets(cfg: DetectConfig) -> tuple[DetectionCanvases, DetectionCanvases]:
 
 
 def build_model(cfg: DetectConfig) -> nn.Module:
-    """The run's starting model: a new small DETR, or ``init`` (converted when ``router`` is given)."""
+    """The run's starting model: a new small DETR, or ``init`` (converted when ``method`` is given)."""
     if cfg.init is None:
         return use_content_queries(small_detr(d_model=cfg.d_model, ffn=4 * cfg.d_model))
     model = load_detector(cfg.init, option="init")
-    if cfg.router is not None:
+    method = cfg.encoder_method()
+    if method is not None:
         if getattr(model, "amod_config", None) is not None:
             raise UserError(f"init {cfg.init} is already converted; give the dense detector")
-        convert(model, router=cfg.router, capacity=1.0, layers=cfg.layers, seed=cfg.seed)
+        dataclasses.replace(method, capacity=1.0).apply(model)
         set_capacity(model, capacity_for_encoder_cost(model, cfg.encoder_cost, cfg.canvas_size))
     return model
 
@@ -114,7 +116,7 @@ def _batches(cfg: DetectConfig, train: DetectionCanvases, start_step: int) -> It
 def train_detector(cfg: DetectConfig) -> dict[str, Any]:
     """Run (or resume) ``cfg``; returns the last evaluation row. Every check (settings, data, the starting model,
     a checkpoint to resume) comes before the run directory is created or locked: a refused run writes nothing."""
-    cfg.validate()
+    cfg = cfg.validate()
     out = Path(cfg.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train, val = datasets(cfg)
@@ -134,7 +136,8 @@ def _resumable_state(cfg: DetectConfig, out: Path) -> Optional[dict[str, Any]]:
     if not ckpt_path.exists():
         return None
     state = resume.load_training_checkpoint(ckpt_path, CHECKPOINT_KEYS)
-    if state["format"] != FORMAT or state["config"] != {**cfg.to_dict(), "out": state["config"]["out"]}:
+    saved = DetectConfig.from_dict(state["config"]).to_dict() if state["format"] == FORMAT else None
+    if saved is None or saved != {**cfg.to_dict(), "out": saved["out"]}:
         raise UserError(f"{out} holds a run of other settings; choose another out directory")
     return state
 
@@ -152,8 +155,8 @@ def _train(cfg: DetectConfig, out: Path, model: nn.Module, state: Optional[dict[
         log.info("resumed %s at step %d", out, step)
     else:
         files.write_text(out / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        if cfg.router is not None:
-            log.info("converted %s: %s at capacity %.3f", cfg.init, cfg.router, model.amod_config.capacity)
+        if cfg.method is not None:
+            log.info("converted %s: %s at capacity %.3f", cfg.init, cfg.method, model.amod_config.capacity)
         rows = [{"step": 0, "images_seen": 0, **evaluate(model, val, ground_truth, amp=cfg.amp)}]
         log.info("step 0: AP %.4f AP50 %.4f", rows[0]["AP"], rows[0]["AP50"])
         files.write_text(metrics_path, "".join(files.dumps(r) + "\n" for r in rows))
