@@ -199,6 +199,8 @@ def test_unsupported_models_and_misuse_are_refused():
     assert [i for i, _ in amod.mod_blocks(model)] == [1, 3]
     assert isinstance(model.blocks[1], MoDBlock)
     assert amod.get_config(amod.convert(make_model("vit"), layers="later")).layers == [3]
+    deep = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=12)
+    assert amod.get_config(amod.convert(deep, layers="last-two-thirds")).layers == list(range(4, 12))
 
 
 def test_control_routers_shuffle_and_invert_the_attention_scores():

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 # the library only (amod's own import has loaded it); the application's modules are imported by each command
 from .files import dumps
-from .flags import (Parser, add_flags, add_parsed_flag, build, given, load_yaml_config,  # noqa: F401
-                    nonnegative_int, parse_bool, parse_layers, parse_schedule, parse_shape, positive_int,
+from .flags import (Parser, add_flags, add_parsed_flag, build, given, load_yaml_config, positive_int,
                     refuse_other_mode)
 from .methods import (SHORTHAND_NAMES, SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand,
                       with_shorthand)

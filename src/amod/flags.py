@@ -79,34 +79,6 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def parse_layers(text: str):
-    """``alternate``, ``later``, ``all`` or a comma-separated list of block indices."""
-    if text in ("alternate", "later", "all"):
-        return text
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--layers must be 'alternate', 'later', 'all' or comma-separated block indices, got {text!r}") from None
-
-
-def parse_schedule(text: str):
-    """One int (every block) or a comma-separated list (one per block)."""
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or comma-separated ints, got {text!r}") from None
-    return values[0] if len(values) == 1 and "," not in text else values
-
-
-def parse_shape(text: str) -> list[float]:
-    """Comma-separated numbers, one per block (a fold model's capacity exponents)."""
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, one per block, got {text!r}") from None
-
-
 def add_parsed_flag(parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup], name: str,
                     parse: Optional[Callable[[str], Any]], help: str, choices: Optional[Callable[[], Any]] = None,
                     **kwargs: Any) -> None:

@@ -630,7 +630,7 @@ SHORTHANDS: tuple[Shorthand, ...] = (
               vit_routers),
     Shorthand("capacity", "mod", "capacity", False, f"share of patch tokens an MoD block processes (default "
               f"{MoDConfig.capacity})"),
-    Shorthand("layers", "mod", "layers", False, "alternate | later | all | 1,3,5 (default: all for --skipped fold, "
+    Shorthand("layers", "mod", "layers", False, "alternate | later | last-two-thirds | all | 1,3,5 (default: all for --skipped fold, "
               "alternate otherwise)"),
     Shorthand("scale_output", "mod", "scale_output", False, "true | false: scale a processed token's block output by "
               "its router gate (default: per router)"),

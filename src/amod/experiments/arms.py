@@ -19,8 +19,6 @@ class Arm:
     """One method of an experiment. ``method`` is set to each cost by ``at_cost`` (a method that ``needs_images``
     chooses its setting on unlabeled images given there).
 
-    Compare: ``layers="last-two-thirds"``, a compare-only preset: the method on blocks depth // 3 .. depth - 1.
-
     Finetune study: ``isoflop_of`` names the arm whose MoD setup the isoFLOP baseline matches;
     ``every_block_below`` lets a bypass MoD arm that cannot reach a cost on alternate blocks place MoD on every
     block after the first instead. ``distill``: trained against the study's dense teacher
@@ -31,7 +29,6 @@ class Arm:
 
     name: str
     method: Optional[Method]  # None: set by ``best_of`` when the run is planned
-    layers: Optional[str] = None
     isoflop_of: Optional[str] = None
     every_block_below: bool = False
     distill: bool = False
@@ -48,11 +45,7 @@ class Arm:
 
     def at_cost(self, dense: torch.nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> Method:
         """The method at the cost closest to ``cost`` x the dense model's MACs."""
-        method = self.method
-        if self.layers == "last-two-thirds":
-            depth = len(dense.blocks)
-            method = dataclasses.replace(method, layers=tuple(range(max(1, depth // 3), depth)))
-        return method.at_cost(dense, cost, images)
+        return self.method.at_cost(dense, cost, images)
 
 
 # What A-MoD's attention is worth to fold (amod compare and amod frontier run both): the same schedule and matching

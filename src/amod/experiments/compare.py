@@ -61,7 +61,7 @@ COMPARED = (
     Arm("standard MoD", MoD(router="standard")),
     Arm("A-MoD kv", MoD(skipped="kv")),
     Arm("A-MoD merge", MoD(skipped="merge")),
-    Arm("A-MoD merge, last 2/3", MoD(skipped="merge"), layers="last-two-thirds"),
+    Arm("A-MoD merge, last 2/3", MoD(skipped="merge", layers="last-two-thirds")),
     Arm("A-MoD fold", MoD(skipped="fold")),
     *FOLD_CONTROLS,  # what is left of A-MoD fold's lead over them is the attention's doing
 )

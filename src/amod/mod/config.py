@@ -12,7 +12,7 @@ from .modes import skipped_mode, skipped_mode_names
 from .routers import ROUTER_CLASSES, router_class
 from ..errors import UserError
 
-LAYER_PRESETS = ("alternate", "later", "all")
+LAYER_PRESETS = ("alternate", "later", "last-two-thirds", "all")
 
 
 @dataclass
@@ -109,7 +109,7 @@ def resolve_layers(layers: Any, depth: int, router: str, own_attention: bool = F
 
     Args:
         layers: ``"alternate"`` (blocks 1, 3, 5, ...), ``"later"`` (the alternate blocks in the second
-            half of the network), ``"all"`` or an explicit sequence of block indices.
+            half of the network), ``"last-two-thirds"`` (every block from depth // 3 on), ``"all"`` or an explicit sequence of block indices.
         depth: number of blocks in the model.
         router: the router; an attention router cannot sit on block 0, which has no previous attention,
             unless ``own_attention`` (fold blocks route on the attention they have just computed).
@@ -119,6 +119,8 @@ def resolve_layers(layers: Any, depth: int, router: str, own_attention: bool = F
             indices = list(range(1, depth, 2))
         elif layers == "later":
             indices = [i for i in range(1, depth, 2) if i >= depth // 2]
+        elif layers == "last-two-thirds":  # every block from depth // 3 on (block 0 never)
+            indices = list(range(max(1, depth // 3), depth))
         elif layers == "all":
             indices = list(range(depth))
         else:

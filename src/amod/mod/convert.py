@@ -57,7 +57,7 @@ def convert(
         capacity: share C in (0, 1] of patch tokens each MoD block processes; k = ceil(C * N_patches)
             (``"fold"``: of the patch tokens the block gets, which fall from block to block).
         layers: ``"alternate"`` (blocks 1, 3, 5, ...), ``"later"`` (alternate blocks in the second
-            half), ``"all"`` or a list of block indices; default: the skipped mode's ``default_layers``
+            half), ``"last-two-thirds"`` (every block from depth // 3 on), ``"all"`` or a list of block indices; default: the skipped mode's ``default_layers``
             (``"all"`` for ``skipped="fold"``, ``"alternate"`` for the others).
         scale_output: multiply processed tokens' block updates by their router gate; default True for
             the standard router, False for the others.
