@@ -216,3 +216,26 @@ def test_the_frontier_takes_the_method_by_its_kind(backbone_path, tmp_path, caps
     method = parse_method(rows[0]["setting"])  # (a row keeps its method's spec)
     assert isinstance(method, PPT) and method.blocks == (1, 2, 3) and method.r == (7, 6, 6)
     assert abs(rows[0]["cost"] - 0.6) < 0.02  # (16 patch tokens: 0.616 is the closest to 0.6 on 1-channel images)
+
+
+@pytest.mark.slow
+def test_compare_and_the_finetune_study_take_the_method_by_its_kind(backbone_path, tmp_path, capsys):
+    """``--methods ppt`` in ``amod compare`` (zero-training probe) and as an arm of the finetune study: set to the
+    cost, finetuned, evaluated, and its rows keep its spec."""
+    common = ["--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.6", "--probe-train", "40",
+              "--methods", "ppt"]
+    res = cli_in_process(["compare", *common, "--val-limit", "8", "--out", str(tmp_path / "compare")], capsys)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "compare" / "compare.json").read_text())["rows"]
+    ppt_rows = [r for r in rows if r["method"] == "ppt"]
+    assert len(ppt_rows) == 1 and isinstance(parse_method(ppt_rows[0]["setting"]), PPT)
+    assert abs(ppt_rows[0]["cost"] - 0.6) < 0.03
+
+    out = tmp_path / "study"
+    res = cli_in_process(["study", *common, "--seeds", "1", "--steps", "4", "--eval-images", "32", "--out", str(out)],
+                         capsys)
+    assert res.returncode == 0, res.stderr[-3000:]
+    evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
+    steps = sorted({r["step"] for r in evals if r["method"] == "ppt"})
+    assert steps[0] == 0 and steps[-1] == 4  # zero-training and finetuned
+    assert "| 0.6 | ppt | r = [7, 6, 6] at blocks [1, 2, 3], threshold 7e-05 |" in (out / "finetune.md").read_text()
