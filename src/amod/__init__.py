@@ -14,7 +14,8 @@ the baseline), ``amod.families`` (the model families: timm, Hugging Face ViT/Dei
 export, benchmarks), ``amod.detect`` (DETR on detection canvases), ``amod.cli``. ``amod.methods`` names what a model runs; ``amod.cost`` prices it;
 ``amod.ops`` is attention with A-MoD's scores; ``amod.deploy`` exports a model to ONNX (``amod.export``)
 and checks it in ONNX Runtime; ``amod.fast`` is the compiled (and CUDA-graph) inference path (``amod.compile``); ``amod.checkpoint`` saves and loads models (``amod.save``,
-``amod.load``); ``amod.arch`` holds a ViT's architecture arguments and ``set_input_size``.
+``amod.load``); ``amod.arch`` holds a ViT's architecture arguments and ``set_input_size``; ``amod.patch_features``
+(``amod.patch_grid``) gives every patch its feature on the dense grid, whatever the model reduces.
 """
 from . import arch, hf, ops, tome, weights  # hf: Hugging Face models (imports transformers only when used)
 # the model families amod ships: each module registers its family (none imports transformers at import time)
@@ -33,13 +34,14 @@ from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacit
 from .mod.isoflop import isoflop_baseline
 from .mod.calibrate import calibrate
 from .checkpoint import load, save
+from .patch_grid import patch_features
 
 __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "PiToMe", "pitome",
     "method_of", "calibrate",
-    "export", "compile", "hf", "families", "UserError",
+    "export", "compile", "hf", "families", "UserError", "patch_features",
 ]
 __version__ = "0.1.0"
 

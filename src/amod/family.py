@@ -95,6 +95,11 @@ class Family:
         """The width of the tokens ``block``'s router scores."""
         raise NotImplementedError
 
+    def lay_out_patch_grid(self, model: "nn.Module") -> None:
+        """Make the per-patch outputs of ``model``, which now reduces its tokens, lie on the dense model's patch grid
+        (``amod.patch_grid``), in place. Default: nothing (a family whose grid outputs are not laid back refuses or
+        returns its reduced sequence as it is)."""
+
     # ------------------------------------------------------------ conversion
 
     def validate(self, config: Any, model: "nn.Module") -> None:

@@ -57,8 +57,8 @@ from .methods import Method, register_method
 from .ops import attention_inputs, attention_output, attention_probs, tracing
 from .reduce import ALL_ROWS, SizedAttention, SizedSettings, SizedTokensBlock, importance_rows, reduction_macs
 from .static import StaticNumbers
-from .tokens import (DECISION_GRID, TokenSizes, bipartite_matching, decision_key, gather_tokens, merge_matched,
-                     top_indices, with_sizes, without_sizes)
+from .tokens import (DECISION_GRID, TokenSizes, bipartite_matching, decision_key, gather_tokens,
+                     matched_destinations, merge_matched, top_indices, with_sizes, without_sizes)
 from .tome.merging import check_mergeable
 
 PAPER_R = 50  # patch tokens a PPT block removes (the public code's --r_tokens for DeiT-S)
@@ -95,7 +95,7 @@ def pools(scores: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def ppt_reduce(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, scores: torch.Tensor, r: int,
-               num_prefix: int, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               num_prefix: int, threshold: float, destinations: bool = False) -> tuple[torch.Tensor, ...]:
     """Remove r patch tokens of every image of ``x`` (B, N, D) by PPT's rule (module docstring); prefix tokens stay.
 
     Args:
@@ -104,11 +104,12 @@ def ppt_reduce(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tens
         scores: (B, n) the patch tokens' ``significance``.
         r: patch tokens removed, 1 <= r <= n // 2.
         threshold: an image pools where its significances' variance is below it, and prunes otherwise.
+        destinations: also return where each input token went (``ppt_destinations``), for the patch grid.
 
     Returns:
-        The tokens left (B, N - r, D), their sizes (B, N - r, 1) and which images pooled (B,) bool. A pooled image's
-        tokens are in ToMe's order (prefix, set A's unmerged, set B), a pruned one's are the prefix, then its kept
-        patch tokens from the most significant down.
+        The tokens left (B, N - r, D), their sizes (B, N - r, 1) and which images pooled (B,) bool (then, with
+        ``destinations``, (B, N) int64). A pooled image's tokens are in ToMe's order (prefix, set A's unmerged, set
+        B), a pruned one's are the prefix, then its kept patch tokens from the most significant down.
     """
     p, n = num_prefix, x.shape[1] - num_prefix
     xs = with_sizes(x, size)  # (B, N, D + 1): one gather moves features and sizes together
@@ -119,7 +120,25 @@ def ppt_reduce(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tens
     by_pooling = merge_matched(xs, order, partner, r, p)  # (B, N - r, D + 1)
     by_pruning = torch.cat([xs[:, :p], gather_tokens(xs[:, p:], kept)], dim=1)  # (B, N - r, D + 1)
     x, size = without_sizes(torch.where(pooled.view(-1, 1, 1), by_pooling, by_pruning))
-    return x, size, pooled
+    if not destinations:
+        return x, size, pooled
+    return x, size, pooled, ppt_destinations(metric, order, partner, kept, pooled, r, p)
+
+
+def ppt_destinations(metric: torch.Tensor, order: torch.Tensor, partner: torch.Tensor, kept: torch.Tensor,
+                     pooled: torch.Tensor, r: int, num_prefix: int) -> torch.Tensor:
+    """Where ``ppt_reduce`` put each of its N input tokens (B, N): a pooled image's as ToMe's merging puts them
+    (``amod.tokens.matched_destinations``); in a pruned image a kept token goes to its rank after the prefix, and a
+    pruned token, which no token holds, takes the place of the kept token most similar to it (cosine of the keys
+    averaged over heads): its feature on the patch grid is that token's, as a merged token's is."""
+    p, n = num_prefix, metric.shape[1] - num_prefix
+    with torch.no_grad():
+        by_pooling = matched_destinations(order, partner, r, p, n)
+        patches = metric[:, p:].float()
+        nearest = torch.bmm(patches, gather_tokens(patches, kept).transpose(1, 2)).argmax(dim=-1)  # (B, n)
+        ranks = torch.arange(n - r, device=kept.device).expand_as(kept)
+        by_pruning = torch.cat([by_pooling[:, :p], p + nearest.scatter(1, kept, ranks)], dim=1)
+        return torch.where(pooled.view(-1, 1), by_pooling, by_pruning)
 
 
 # ---------------------------------------------------------------- the block
@@ -179,13 +198,14 @@ class PPTBlock(SizedTokensBlock):
         return True
 
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
-                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+                importance: Optional[torch.Tensor], r: int, destinations: bool = False) -> tuple[torch.Tensor, ...]:
         p = self.amod.num_prefix
         scores = significance(importance, self.attn.amod_take_value_norm(), p)
-        x, size, pooled = ppt_reduce(x, size, metric, scores, r, p, self.amod.static("threshold"))
+        x, size, pooled, *moved = ppt_reduce(x, size, metric, scores, r, p, self.amod.static("threshold"),
+                                             destinations)
         if not tracing():
             self.amod_last_pooled = pooled
-        return x, size
+        return (x, size, *moved)
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
         """ToMe's block MACs (the class row of the attention, the |A| x |B| matching) and the value norms."""

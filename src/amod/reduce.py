@@ -7,6 +7,9 @@ each averaged into a token that stays; the tokens left go on through every later
 - every token carries its size s, the patches it stands for (``amod.tokens.TokenSizes``, shared by
   the model's blocks during one forward); block 0 (``first``) starts every forward of the model
   (``forward``, ``forward_features``, ``forward_intermediates``) with sizes 1;
+- where a forward asks for the patch grid (``amod.patch_grid.tracking``), ``_reduce`` also says where
+  each token went, so that timm's ``forward_intermediates`` and ``amod.patch_features`` lay the reduced
+  sequence back on the dense grid; otherwise none of that runs;
 - proportional attention: log s enters timm's attention as an additive mask (``proportional_bias``),
   so a token counts as many times as the patches it holds, and the fused attention path stays on;
 - ``SizedAttention`` keeps what the reduction is decided on: the keys' mean over heads (the
@@ -138,9 +141,11 @@ class SizedTokensBlock(Block):
         raise NotImplementedError
 
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
-                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+                importance: Optional[torch.Tensor], r: int, destinations: bool = False) -> tuple[torch.Tensor, ...]:
         """Tokens (B, N, D) with sizes (B, N, 1; None: all 1) -> the N - r tokens left and their sizes; ``metric``
-        (B, N, hd, unit vectors) and ``importance`` (B, N; where ``_wants_importance``) from this block's attention."""
+        (B, N, hd, unit vectors) and ``importance`` (B, N; where ``_wants_importance``) from this block's attention.
+        With ``destinations`` (a forward that lays its tokens back on the patch grid: ``amod.patch_grid``), also
+        where each of the N tokens went (B, N) int64: the index of the token left that holds it."""
         raise NotImplementedError
 
     def _wants_importance(self) -> bool:
@@ -177,14 +182,18 @@ class SizedTokensBlock(Block):
         self.attn.amod_want = r > 0
         self.attn.amod_want_importance = r > 0 and self._wants_importance()
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=bias)))
+        track = sizes.track and not replay  # a forward that lays its tokens back on the patch grid
         if r > 0:
             metric, importance = self.attn.amod_take()
             with self._replay(state) if replay else contextlib.nullcontext():
-                x, size = self._reduce(x, size, metric, importance, r)  # (B, N - r, D), (B, N - r, 1)
+                # (B, N - r, D), (B, N - r, 1) and, when tracking, where each of the N went
+                x, size, *moved = self._reduce(x, size, metric, importance, r, destinations=track)
             if not replay:
-                sizes.set(size)
+                sizes.set(size, moved[0] if moved else None)
         if not replay:
             self.amod_last_tokens = x.shape[1]
+        if track:
+            self.amod_source = sizes.source  # where each original token is after this block (amod.patch_grid)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:

@@ -103,17 +103,32 @@ def best_match(scores: torch.Tensor, unit: float = 1.0) -> tuple[torch.Tensor, t
 # ---------------------------------------------------------------- sized tokens
 
 class TokenSizes:
-    """The state of one forward that every block of a model that reduces tokens (fold, ToMe, PiToMe: ``amod.reduce``)
-    shares: the token sizes (B, N, 1), the patches each token stands for, and the proportional-attention bias made of
-    them, log(size) as (B, 1, 1, N) (``proportional_bias``); both None while every size is 1."""
+    """The state of one forward that every block of a model that reduces tokens (fold, ToMe, PiToMe, PPT:
+    ``amod.reduce``) shares: the token sizes (B, N, 1), the patches each token stands for, and the
+    proportional-attention bias made of them, log(size) as (B, 1, 1, N) (``proportional_bias``); both None while
+    every size is 1.
+
+    While ``track`` is set (``amod.patch_grid.tracking``: a forward asked for the patch grid), it also keeps
+    ``source`` (B, N0): for each of the N0 tokens the model started with (prefix, then patches in grid order),
+    the index of the token that holds it now; None while no token has left. An index map, one int per original
+    token: laying a sequence back on the grid is one gather (``lay_back``). Off, the reductions compute none of it.
+    """
 
     def __init__(self) -> None:
         self.size: Optional[torch.Tensor] = None
         self.bias: Optional[torch.Tensor] = None
+        self.track = False
+        self.source: Optional[torch.Tensor] = None
 
-    def set(self, size: Optional[torch.Tensor]) -> None:
-        """The sizes after a reduction, and their bias (made once here, read by every later block)."""
+    def set(self, size: Optional[torch.Tensor], destinations: Optional[torch.Tensor] = None) -> None:
+        """The sizes after a reduction, and their bias (made once here, read by every later block); ``size`` None
+        starts a new forward. ``destinations`` (B, N), while tracking: where each token before the reduction went,
+        composed into ``source``."""
         self.size, self.bias = size, proportional_bias(size)
+        if size is None:
+            self.source = None
+        elif destinations is not None:
+            self.source = destinations if self.source is None else destinations.gather(1, self.source)
 
     def __repr__(self) -> str:
         return f"TokenSizes(tokens={None if self.size is None else self.size.shape[1]})"
@@ -185,17 +200,54 @@ def merge_matched(xs: torch.Tensor, order: torch.Tensor, partner: torch.Tensor, 
     return torch.cat([xs[:, :p], a[:, r:], b], dim=1)
 
 
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of each row's permutation ``order`` (B, n): where each index stands in ``order``."""
+    ranks = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter(1, order, ranks)
+
+
+def matched_destinations(order: torch.Tensor, partner: torch.Tensor, r: int, num_prefix: int, num_patches: int
+                         ) -> torch.Tensor:
+    """Where ``merge_matched`` puts each of its p + n input tokens (B, p + n), given the same ``order``, ``partner``,
+    r and prefix: a prefix token stays, an unmerged A token of rank m goes to p + m - r, a merged one to its
+    partner's place, B token j to p + |A| - r + j (A: the even patch positions, B: the odd ones)."""
+    p, (B, na) = num_prefix, order.shape
+    b_start = p + na - r
+    rank = inverse_order(order)
+    to_a = torch.where(rank >= r, p + rank - r, b_start + partner)  # (B, |A|)
+    positions = torch.arange(p + na, device=order.device)
+    to_b = (b_start + positions[:na]).expand(B, -1)  # (B, |A|): B has |A| or |A| - 1 tokens, the last cut below
+    patches = torch.stack([to_a, to_b], dim=-1).reshape(B, 2 * na)[:, :num_patches]
+    return torch.cat([positions[:p].expand(B, -1), patches], dim=1)
+
+
+def reordered_destinations(destinations: torch.Tensor, order: torch.Tensor, num_prefix: int) -> torch.Tensor:
+    """Destinations (B, N) of a sequence whose patch tokens were first put in ``order`` (B, n) -> the
+    destinations of the sequence before that reordering (prefix tokens were not reordered)."""
+    p = num_prefix
+    return torch.cat([destinations[:, :p], destinations[:, p:].gather(1, inverse_order(order))], dim=1)
+
+
+def lay_back(x: torch.Tensor, source: Optional[torch.Tensor]) -> torch.Tensor:
+    """Tokens (B, N, D) of a reduced sequence -> (B, N0, D): each of the N0 original tokens gets the feature of the
+    token that holds it (``TokenSizes.source``; None: nothing was reduced, ``x`` itself). One gather."""
+    return x if source is None else gather_tokens(x, source)
+
+
 def reduce_weighted(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, r: int, num_prefix: int,
-                    protected: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    protected: Optional[torch.Tensor] = None, destinations: bool = False) -> tuple[torch.Tensor, ...]:
     """Remove r patch tokens of ``x`` (B, N, D) with sizes ``size`` (B, N, 1; None: all 1): the r best pairs of
     ``bipartite_matching`` on ``metric`` (B, N, c), each A token averaged into its B partner by size; prefix tokens
     stay. ``protected``: see ``bipartite_matching``.
 
     Returns the tokens left (B, N - r, D) in ToMe's order (prefix, set A's unmerged tokens, then set B) and their
-    sizes (B, N - r, 1).
+    sizes (B, N - r, 1); with ``destinations``, also where each input token went (B, N: ``matched_destinations``).
     """
     order, partner = bipartite_matching(metric, num_prefix, protected)
-    return without_sizes(merge_matched(with_sizes(x, size), order, partner, r, num_prefix))
+    x, size = without_sizes(merge_matched(with_sizes(x, size), order, partner, r, num_prefix))
+    if not destinations:
+        return x, size
+    return x, size, matched_destinations(order, partner, r, num_prefix, metric.shape[1] - num_prefix)
 
 
 # ---------------------------------------------------------------- gradient checkpointing

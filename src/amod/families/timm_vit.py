@@ -17,6 +17,7 @@ from ..arch import (architecture_name, infer_model_args, set_input_channels, set
                     weightless_timm_copy)
 from ..family import class_names, register_family
 from ..mod.block import MoDBlock, ScoringAttention
+from ..patch_grid import grid_class
 from ..reduce import make_sized
 from .vit import ViTFamily
 from ..errors import UnsupportedModelError
@@ -52,6 +53,9 @@ class TimmViTFamily(ViTFamily):
 
     def make_sized(self, block: nn.Module, block_cls: type, settings: Any, class_rows: int = 0) -> None:
         make_sized(block, block_cls, settings, class_rows)
+
+    def lay_out_patch_grid(self, model: nn.Module) -> None:
+        model.__class__ = grid_class(type(model))  # forward_intermediates laid back on the grid (amod.patch_grid)
 
     def router_dim(self, block: nn.Module) -> int:
         norm = block.norm1

@@ -29,7 +29,9 @@ class ViTFamily(Family):
         skipped_mode(config.skipped).convert(model, config, self)
 
     def merge_apply(self, model: nn.Module, merge: Any) -> nn.Module:
-        return merge(self.prepare(model), self)
+        merged = merge(self.prepare(model), self)
+        self.lay_out_patch_grid(merged)
+        return merged
 
     def outside_blocks_macs(self, model: nn.Module, num_patches: int, tokens_out: int) -> tuple[int, int]:
         """(patch embedding, head) MACs of one image whose last block hands on ``tokens_out`` tokens."""

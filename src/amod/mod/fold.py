@@ -101,7 +101,7 @@ class FoldBlock(SizedTokensBlock):
                           config.static("protect"))
 
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
-                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+                importance: Optional[torch.Tensor], r: int, destinations: bool = False) -> tuple[torch.Tensor, ...]:
         p = self.amod.num_prefix
         t = x.shape[1] - p
         q = protected_count(self.amod.config.static("protect"), t)
@@ -110,7 +110,7 @@ class FoldBlock(SizedTokensBlock):
             scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
             top = top_indices(scores, q, self.router.score_unit(t))  # near-ties by position (amod.tokens)
             protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-        return reduce_weighted(x, size, metric, r, p, protected=protected)
+        return reduce_weighted(x, size, metric, r, p, protected=protected, destinations=destinations)
 
     def _wants_importance(self) -> bool:
         return self.amod.config.static("protect") > 0  # the router ranks by it only to protect
@@ -166,6 +166,7 @@ class FoldMode(SkippedMode):
                                     sizes=sizes, first=i == 0, index=i)
             family.make_sized(blk, FoldBlock, settings, class_rows=class_rows)
             blk.router = build_router(config.router, family.router_dim(blk), seed=config.seed + i)
+        family.lay_out_patch_grid(model)  # its tokens leave the sequence: lay per-patch outputs back (amod.patch_grid)
 
     def lowest_capacity(self, model: nn.Module, num_patches: int) -> float:
         """A fold block removes at most the tokens the bipartite matching can pair (about half its patch tokens,

@@ -58,8 +58,8 @@ class ToMeBlock(SizedTokensBlock):
         return min(self.amod.r, tokens // 2)  # (a capacity does not apply to token merging)
 
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
-                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return reduce_weighted(x, size, metric, r, self.amod.num_prefix)
+                importance: Optional[torch.Tensor], r: int, destinations: bool = False) -> tuple[torch.Tensor, ...]:
+        return reduce_weighted(x, size, metric, r, self.amod.num_prefix, destinations=destinations)
 
 
 def tome_block_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int) -> tuple[int, int]:

@@ -48,7 +48,8 @@ from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
-from ..tokens import TokenSizes, best_match, descending_order, merge_matched, order_of_keys, with_sizes, without_sizes
+from ..tokens import (TokenSizes, best_match, descending_order, matched_destinations, merge_matched, order_of_keys,
+                      reordered_destinations, with_sizes, without_sizes)
 from .merging import check_mergeable
 from ..errors import UserError
 
@@ -72,7 +73,8 @@ def pitome_count(keep: float, tokens: int) -> int:
 
 
 def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, r: int, num_prefix: int,
-                 block_margin: float, match_all: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_margin: float, match_all: bool = False, destinations: bool = False
+                 ) -> tuple[torch.Tensor, ...]:
     """Remove r patch tokens of ``x`` (B, N, D) by PiToMe's rule (see the module docstring); prefix tokens stay.
 
     Args:
@@ -82,6 +84,7 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
         block_margin: the energy's margin in this block.
         match_all: every patch token takes part in the matching and the r best-matched A tokens merge (the early
             blocks); otherwise the 2r tokens of highest energy are the candidates and the rest are protected.
+        destinations: also return where each input token went (B, N), for the patch grid (``amod.patch_grid``).
 
     Returns:
         The tokens left (B, N - r, D) and their sizes (B, N - r, 1): prefix, then with ``match_all`` set A's unmerged
@@ -105,9 +108,25 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
     C = xs.shape[-1]
     patches = xs[:, p:].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # in energy order
     if match_all:  # set A: the even energy ranks, set B: the odd ones
-        return without_sizes(merge_matched(torch.cat([xs[:, :p], patches], dim=1), best, into, r, p))
-    merged = patches[:, 1:2 * r:2].scatter_add(1, into.unsqueeze(-1).expand(-1, -1, C), patches[:, 0:2 * r:2])
-    return without_sizes(torch.cat([xs[:, :p], patches[:, 2 * r:], merged], dim=1))
+        left = without_sizes(merge_matched(torch.cat([xs[:, :p], patches], dim=1), best, into, r, p))
+        moved = matched_destinations(best, into, r, p, n) if destinations else None
+    else:
+        merged = patches[:, 1:2 * r:2].scatter_add(1, into.unsqueeze(-1).expand(-1, -1, C), patches[:, 0:2 * r:2])
+        left = without_sizes(torch.cat([xs[:, :p], patches[:, 2 * r:], merged], dim=1))
+        moved = candidates_destinations(into, r, p, n) if destinations else None
+    return left if moved is None else (*left, reordered_destinations(moved, order, p))
+
+
+def candidates_destinations(into: torch.Tensor, r: int, num_prefix: int, num_patches: int) -> torch.Tensor:
+    """Where ``energy_merge`` without ``match_all`` puts each token of the prefix and the patches in energy order
+    (B, p + n): energy rank 2j (set A) merges into B token ``into[j]``, rank 2j + 1 is B token j, the protected
+    ranks from 2r on keep their order after the prefix, and set B follows them."""
+    p, n, B = num_prefix, num_patches, into.shape[0]
+    positions = torch.arange(p + n, device=into.device)
+    b_start = p + n - 2 * r
+    candidates = torch.stack([b_start + into, (b_start + positions[:r]).expand(B, -1)], dim=-1).reshape(B, 2 * r)
+    return torch.cat([positions[:p].expand(B, -1), candidates, positions[p:p + n - 2 * r].expand(B, -1)],
+                     dim=1)
 
 
 @dataclass(kw_only=True)
@@ -131,8 +150,9 @@ class PiToMeBlock(SizedTokensBlock):
         return pitome_count(self.amod.static("keep"), tokens)  # (a compile-time constant: amod.static)  # (a capacity does not apply to token merging)
 
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
-                importance: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return energy_merge(x, size, metric, r, self.amod.num_prefix, self.amod.margin, self.amod.match_all)
+                importance: Optional[torch.Tensor], r: int, destinations: bool = False) -> tuple[torch.Tensor, ...]:
+        return energy_merge(x, size, metric, r, self.amod.num_prefix, self.amod.margin, self.amod.match_all,
+                            destinations)
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
         """ToMe's block MACs with the energy's n x n cosine matrix in place of the |A| x |B| matching."""

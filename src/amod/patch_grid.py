@@ -1,0 +1,163 @@
+"""Every patch keeps its feature: a reduced model's tokens laid back on the dense model's patch grid.
+
+A model that reduces tokens (fold, calibrated, ToMe, PiToMe, PPT: ``amod.reduce``) hands fewer tokens from block to
+block, in an order of its own. Whoever asks for a grid of patch features (timm's ``forward_intermediates``,
+``amod.patch_features``) gets the dense model's shapes in the original patch order instead: every original patch
+gets the feature of the token it was merged, folded or (PPT) pruned into.
+
+- ``tracking(model)``: within it, the reduction blocks also say where each of their tokens went, and the blocks'
+  shared ``TokenSizes`` composes that into ``source`` (B, N0): for each original token, the index of the token that
+  holds it now. An index map (one int per original token), not an N x N matrix; outside it none of this runs, so
+  classification keeps its fast path.
+- ``lay_back``: a reduced sequence on the grid, one gather per returned layer.
+- ``PatchGridViT``: the mixin a family puts before its model class (``Family.lay_out_patch_grid``) so that the
+  model's own ``forward_intermediates`` lays its outputs back, with every option the dense model's has.
+
+A model that keeps every token in place (MoD: bypass, merge, kv) needs none of it: its grid is already whole.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .errors import UserError
+from .reduce import SizedTokensBlock
+from .tokens import TokenSizes, lay_back
+
+__all__ = ["tracking", "lay_back", "PatchGridViT", "grid_class", "patch_features"]
+
+
+def shared_sizes(model: nn.Module) -> Optional[TokenSizes]:
+    """The ``TokenSizes`` the reduction blocks of ``model`` share; None in a model that reduces no tokens."""
+    for blk in getattr(model, "blocks", ()):
+        if isinstance(blk, SizedTokensBlock):
+            return blk.amod.sizes
+    return None
+
+
+@contextlib.contextmanager
+def tracking(model: nn.Module) -> Iterator[Optional[TokenSizes]]:
+    """Within this context a forward of ``model`` tracks where each original token goes (``TokenSizes.source``, and
+    ``amod_source`` on each reduction block: the map after that block). Leaves no state behind: the maps are let go
+    of on exit. Yields the shared ``TokenSizes`` (None for a model that reduces nothing)."""
+    sizes = shared_sizes(model)
+    if sizes is None:
+        yield None
+        return
+    sizes.track = True
+    try:
+        yield sizes
+    finally:
+        sizes.track, sizes.source = False, None
+        for blk in model.blocks:
+            blk.__dict__.pop("amod_source", None)
+
+
+def _block_sources(model: nn.Module, taken: Sequence[int]) -> list[Optional[torch.Tensor]]:
+    """The token map after each block in ``taken`` (ascending), carried over blocks that reduce nothing."""
+    sources, source = [], None
+    wanted = set(taken)
+    for i, blk in enumerate(model.blocks):
+        if i > max(wanted, default=-1):
+            break
+        source = blk.__dict__.get("amod_source", source)
+        if i in wanted:
+            sources.append(source)
+    return sources
+
+
+class PatchGridViT:
+    """Mixin before a ViT class whose ``forward_intermediates`` follows timm's: the same call, every option, with
+    the reduced model's intermediates and final features laid back on the dense model's grid (``lay_back``)."""
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, list[int]]] = None,
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = "NCHW", intermediates_only: bool = False, output_dict: bool = False,
+                              **kwargs: Any) -> Any:
+        if output_fmt not in ("NCHW", "NLC"):
+            raise UserError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        from timm.models._features import feature_take_indices  # (timm's own reading of ``indices``)
+
+        taken, _ = feature_take_indices(len(self.blocks), indices)
+        with tracking(self) as sizes:
+            out = super().forward_intermediates(  # type: ignore[misc]
+                x, indices=indices, return_prefix_tokens=True, norm=norm, stop_early=stop_early, output_fmt="NLC",
+                intermediates_only=intermediates_only, output_dict=True, **kwargs)
+            final_source = None if sizes is None else sizes.source
+            sources = _block_sources(self, sorted(set(int(i) for i in taken)))
+        p = self.num_prefix_tokens
+        patches, prefixes = out["image_intermediates"], out.get("image_intermediates_prefix")
+        grids, prefix_out = [], []
+        for k, (y, source) in enumerate(zip(patches, sources)):
+            full = y if prefixes is None else torch.cat([prefixes[k], y], dim=1)
+            full = lay_back(full, source)
+            prefix_out.append(full[:, :p])
+            grids.append(self._as_grid(full[:, p:], x, output_fmt))
+        features = out.get("image_features")
+        if features is not None:
+            features = lay_back(features, final_source)
+        if output_dict:
+            result: dict[str, Any] = {"image_intermediates": grids}
+            if p and return_prefix_tokens:
+                result["image_intermediates_prefix"] = prefix_out
+            if features is not None:
+                result["image_features"] = features
+            return result
+        if p and return_prefix_tokens:
+            grids = list(zip(grids, prefix_out))
+        return grids if intermediates_only else (features, grids)
+
+    def _as_grid(self, y: torch.Tensor, x: torch.Tensor, output_fmt: str) -> torch.Tensor:
+        """(B, n, D) patch tokens in grid order -> NCHW (B, D, H, W) or, for NLC, as they are."""
+        if output_fmt == "NLC":
+            return y
+        H, W = self.patch_embed.dynamic_feat_size(x.shape[-2:])  # type: ignore[attr-defined]
+        return y.reshape(y.shape[0], H, W, -1).permute(0, 3, 1, 2).contiguous()
+
+
+def grid_class(cls: type) -> type:
+    """``cls`` with ``PatchGridViT`` before it, made once per class and kept in this module (so that a model of it
+    pickles and deep-copies); named like ``cls``, so that what prints or describes the model reads as before."""
+    if issubclass(cls, PatchGridViT):
+        return cls
+    qualname = f"PatchGrid{cls.__name__}"
+    made = globals().get(qualname)
+    if made is None:
+        made = type(cls.__name__, (PatchGridViT, cls), {"__module__": __name__, "__qualname__": qualname})
+        setattr(sys.modules[__name__], qualname, made)
+    return made
+
+
+def patch_features(model: nn.Module, x: torch.Tensor, layers: Union[int, Sequence[int], None] = None,
+                   norm: bool = True, output_fmt: str = "NCHW") -> Union[torch.Tensor, list[torch.Tensor]]:
+    """The feature of every patch, on the dense model's grid, whatever the model reduces.
+
+    Args:
+        model: a timm ViT, dense or converted by amod (MoD, fold, calibrated, ToMe, PiToMe, PPT).
+        x: images (B, C, H, W).
+        layers: a block index (negative: from the end) or a list of them; default: the last block.
+        norm: apply the model's final norm to each (DINOv2's patch features are normed).
+        output_fmt: ``"NCHW"`` (B, D, H/patch, W/patch) or ``"NLC"`` (B, n, D), patches in grid order.
+
+    Returns:
+        One tensor for an int or None ``layers``, a list (one per index, in block order) for a list.
+    """
+    if not callable(getattr(model, "forward_intermediates", None)) or not hasattr(model, "blocks"):
+        raise UserError(f"amod.patch_features takes a timm ViT (one with forward_intermediates), got "
+                        f"{type(model).__name__}")
+    depth = len(model.blocks)
+    single = layers is None or isinstance(layers, int)
+    wanted = [depth - 1 if layers is None else layers] if single else list(layers)
+    blocks = []
+    for i in wanted:
+        if isinstance(i, bool) or not isinstance(i, int) or not -depth <= i < depth:
+            raise UserError(f"layers must be block indices in [-{depth}, {depth - 1}], got {i!r}")
+        blocks.append(i % depth)
+    grids = model.forward_intermediates(x, indices=sorted(set(blocks)), norm=norm, output_fmt=output_fmt,
+                                        intermediates_only=True)
+    by_block = dict(zip(sorted(set(blocks)), grids))
+    return by_block[blocks[0]] if single else [by_block[i] for i in blocks]
