@@ -10,12 +10,12 @@ import amod
 
 
 @pytest.mark.parametrize("family", ["vit", "deit_distilled", "dinov2_reg", "qk_norm"])
-@pytest.mark.parametrize("router", [None, "attention", "standard"])
+@pytest.mark.parametrize("router", [None, "attention", "standard", "hybrid"])
 def test_save_load_round_trip_gives_identical_logits(tmp_path, family, router):
     model = make_model(family)
     if router:
         amod.convert(model, router=router, capacity=0.4, layers=[1, 2])
-        if router == "standard":  # make the router weights matter
+        if router in ("standard", "hybrid"):  # make the router weights matter
             torch.nn.init.normal_(model.blocks[1].router.proj.weight)
     path = amod.save(model, tmp_path / "m.safetensors")
     loaded = amod.load(path).eval()

@@ -16,7 +16,7 @@ from amod.ops import received_attention
 
 
 @pytest.mark.parametrize("family", sorted(TIMM_VARIANTS))
-@pytest.mark.parametrize("router", ["attention", "random", "standard"])
+@pytest.mark.parametrize("router", ["attention", "random", "standard", "hybrid"])
 def test_capacity_one_unscaled_equals_timm(family, router):
     dense = make_model(family)
     x = images(dense)
@@ -48,7 +48,7 @@ def _block_io(model, x):
     grid=st.integers(2, 6),  # patches per side: 4 .. 36 patch tokens
     capacity=st.floats(0.01, 1.0),
     layers=st.sampled_from([[1, 3], [1, 2], [2, 3], [1, 2, 3], [3]]),
-    router=st.sampled_from(["attention", "standard", "random"]),
+    router=st.sampled_from(["attention", "standard", "random", "hybrid"]),
     family=st.sampled_from(["vit", "deit_distilled", "registers"]),
 )
 def test_only_k_patch_tokens_change(batch, grid, capacity, layers, router, family):

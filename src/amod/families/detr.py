@@ -280,7 +280,8 @@ def _report(model: nn.Module, img_size: tuple[int, int], n: int, other: int,
         dense += layer_macs(layer, n)
         if isinstance(layer, DetrMoDLayer):
             k = num_kept(layer.amod.config.capacity if capacity is None else capacity, n)
-            cost = layer_macs(layer, k) + layer.router.macs(n)
+            # (every position kept and no gate, as at inference unscaled: the layer runs as it was, no router)
+            cost = layer_macs(layer, k) + (layer.router.macs(n) if k < n or layer.amod.config.scale_output else 0)
         else:
             k, cost = n, layer_macs(layer, n)
         if isinstance(layer.self_attn, DetrScoringAttention):  # A-MoD's column sums: k x k per head

@@ -103,8 +103,8 @@ def gated_updates(router: Router, scale_output: bool, ys: torch.Tensor, xs: torc
     ``kept_scores`` (B, k); without ``scale_output``, the straight-through estimator (forward x 1, backward the
     gate's gradient, so that a learned router still learns)."""
     gate = router.gate(kept_scores)  # (B, k)
-    if not scale_output:
-        gate = 1.0 + (gate - gate.detach())
+    if not scale_output:  # ys + (ys - xs) * 0: ys itself, bit for bit (xs + (ys - xs) * 1 is ys only to a rounding)
+        return ys + (ys - xs) * (gate - gate.detach()).unsqueeze(-1).to(ys.dtype)
     return xs + (ys - xs) * gate.unsqueeze(-1).to(ys.dtype)
 
 
@@ -261,7 +261,10 @@ class MoDBlock(RoutedForward, Block):
         n = tokens - num_prefix
         kept = num_prefix + num_kept(self.amod.config.capacity if capacity is None else capacity, n)
         mode = MODES[self.amod.config.skipped if kept < tokens else "bypass"]  # nothing skipped: every mode is bypass
-        macs = mode.macs(self, tokens, kept, num_prefix) + self.router.macs(n)  # every patch token is scored
+        # the router scores every patch token, unless nothing is routed: every token kept and no gate (unscaled
+        # outputs at inference), where the block runs as it was (``_route``) and a learned router is not run
+        scored = kept < tokens or self.amod.config.scale_output
+        macs = mode.macs(self, tokens, kept, num_prefix) + (self.router.macs(n) if scored else 0)
         return BlockPrice(macs, kept, tokens)
 
 

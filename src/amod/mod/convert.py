@@ -44,15 +44,16 @@ def convert(
 ) -> nn.Module:
     """Convert a timm ViT into a Mixture-of-Depths model, in place; returns the same model.
 
-    Weights and state_dict keys stay as they were (the standard router adds ``blocks.i.router.*``). The defaults are
+    Weights and state_dict keys stay as they were (the learned routers add ``blocks.i.router.*``). The defaults are
     ``MoDConfig``'s.
 
     Args:
         model: a model of a registered family (``amod.families``): a timm ``VisionTransformer`` (vit_*, deit_*
             incl. distilled, deit3_*, *_reg*, *_dinov2), a Hugging Face ViT/DeiT/DINOv2, CLIP or SigLIP vision model,
             or a DETR (its encoder; bypass only, routers attention, standard, random and feature-norm).
-        router: ``"attention"`` (A-MoD, parameter-free), ``"standard"`` (learned linear), or one of the
-            controls: ``"random"`` (a random subset), ``"shuffled-attention"`` (A-MoD's scores permuted
+        router: ``"attention"`` (A-MoD, parameter-free), ``"standard"`` (learned linear), ``"hybrid"`` (A-MoD's
+            scores times exp of a learned linear correction that starts at zero: A-MoD exactly until trained), or one
+            of the controls: ``"random"`` (a random subset), ``"shuffled-attention"`` (A-MoD's scores permuted
             among the patch tokens), ``"inverse-attention"`` (the tokens A-MoD would skip).
         capacity: share C in (0, 1] of patch tokens each MoD block processes; k = ceil(C * N_patches)
             (``"fold"``: of the patch tokens the block gets, which fall from block to block).
@@ -60,7 +61,7 @@ def convert(
             half), ``"last-two-thirds"`` (every block from depth // 3 on), ``"all"`` or a list of block indices; default: the skipped mode's ``default_layers``
             (``"all"`` for ``skipped="fold"``, ``"alternate"`` for the others).
         scale_output: multiply processed tokens' block updates by their router gate; default True for
-            the standard router, False for the others.
+            the standard router, False for the others (the hybrid router included: A-MoD's default).
         seed: seed of the routers that draw random numbers (random, shuffled-attention).
         skipped: what the tokens an MoD block skips do there. ``"bypass"``: copied through unchanged
             (the paper's MoD). ``"merge"``: each is averaged into its most similar kept token

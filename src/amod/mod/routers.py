@@ -3,8 +3,9 @@
 Each router maps the block input's patch tokens (and, for the attention routers, the previous
 block's received-attention scores, handed over in an ``amod.mod.block.ScoreHandoff``) to one score
 per patch token; top-k on those scores (``amod.mod.routing``) picks the tokens the block processes.
-Five routers here: ``attention`` (A-MoD), ``standard`` (learned linear), and the controls ``random``,
-``shuffled-attention`` and ``inverse-attention``; a sixth, ``feature-norm`` (DETR only), is registered in
+Six routers here: ``attention`` (A-MoD), ``standard`` (learned linear), ``hybrid`` (A-MoD's scores times a learned
+correction that starts at exactly 1), and the controls ``random``, ``shuffled-attention`` and ``inverse-attention``; a
+seventh, ``feature-norm`` (DETR only), is registered in
 ``amod.families.detr``.
 
 A router is one ``Router`` subclass registered under its name with ``@register_router(name)``: that
@@ -256,6 +257,56 @@ class InverseAttentionRouter(AttentionRouter):
 
     def gate(self, kept_scores: torch.Tensor) -> torch.Tensor:
         return mean_normalized_gate(-kept_scores)
+
+
+@register_router("hybrid")
+class HybridRouter(AttentionRouter):
+    """A-MoD plus a learned correction: s_i = a_i * exp(c_i), c_i = w . x_i (a ``Linear(d, 1)`` without bias), where
+    a_i is the attention token i received in the previous block (``AttentionRouter``'s score).
+
+    It ranks by log a_i + c_i: the correction is a learned logit added to A-MoD's log-score. Its weight starts at
+    exactly zero, so c_i = 0.0, exp(0.0) = 1.0 and a_i * 1.0 = a_i bit for bit: at initialisation the
+    scores, the ranking, the gate (A-MoD's ``mean_normalized_gate``, inherited) and so the forward in either output
+    rule are A-MoD's exactly. The correction multiplies rather than adds, so that the scores stay positive whatever
+    it learns: the mean-normalised gate (s_i over the kept tokens' mean) stays a positive weight averaging 1, where
+    an additive correction could push a kept score to zero or below and flip or blow up the gate. No bias: a factor
+    exp(b) common to every score changes neither the ranking nor the mean-normalised gate, so it would never learn.
+
+    How it learns from zero. The top-k choice has no gradient; the gate does. d s_i / d c_i = a_i * exp(c_i) = a_i
+    (> 0) at c = 0, and c is linear in w, so d loss / d w = sum_i a_i * x_i * d loss / d s_i is nonzero at
+    w = 0 (a zero weight still gets x times the gradient of the score; only a correction that vanished to first
+    order, e.g. a product of two zero-initialised factors, would not). The block gates kept tokens' updates with
+    the router's gate in both output rules (``amod.mod.block.gated_updates``):
+
+    - ``scale_output=True``: a processed token becomes x_i + g_i * f(X)_i, g_i = s_i / mean_kept s (A-MoD's scaled
+      forward at init), and the gradient also reaches the previous block's queries and keys through a_i, as A-MoD's;
+    - ``scale_output=False`` (the default): the straight-through estimator of a learned router: its forward is the
+      ungated block's (y + (y - x) * (g - g.detach()) = y exactly, A-MoD's unscaled forward bit for bit, in
+      training too), its backward g_i's gradient, so the correction still learns; with grad off (evaluation) the
+      block does not gate at all.
+
+    ``default_scale_output`` is False, A-MoD's: a model converted with defaults computes A-MoD's default forward
+    (unscaled) at initialisation, and learns through the straight-through gate; scaled outputs are asked for.
+    Its MACs are the ``Linear``'s, d per patch token (the elementwise exp and product are not counted).
+    """
+
+    learnable = True
+    default_scale_output = False  # A-MoD's: at init the default converted model is A-MoD's default model exactly
+    max_correction = 30.0  # |c_i| is clipped here so that exp(c_i) stays finite in float32 (e^30 ~ 1e13)
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 1, bias=False)  # (a bias, one factor exp(b) on every score, would change nothing)
+        nn.init.zeros_(self.proj.weight)  # exactly zero: the scores start as A-MoD's, bit for bit
+
+    @classmethod
+    def build(cls, dim: int, seed: int) -> "HybridRouter":
+        return cls(dim)
+
+    def score(self, x_patch: torch.Tensor, attention_scores: Optional[torch.Tensor]) -> torch.Tensor:
+        scores = super().score(x_patch, attention_scores)  # (B, n) A-MoD's, float32
+        correction = self.proj(x_patch).squeeze(-1).to(scores.dtype)  # (B, n), 0.0 at init (also under autocast)
+        return scores * correction.clamp(-self.max_correction, self.max_correction).exp()
 
 
 def router_names(family: Optional[str] = None) -> tuple[str, ...]:
