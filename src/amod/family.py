@@ -18,6 +18,8 @@ What a family knows (the methods below; ``amod.families.vit.ViTFamily`` gives th
 - what it refuses (``validate``: routers and skipped modes, with the reason) and how it converts (``convert``,
   ``merge_apply``: token merging, ToMe or PiToMe);
 - what it costs (``flops``: the blocks price themselves, the family prices the rest);
+- its tokens after every block and its final norm, which ``amod.patch_features`` lays back on the patch grid where
+  the model has no timm ``forward_intermediates`` (``hidden_states``, ``final_norm``: the Hugging Face families);
 - how a checkpoint describes and rebuilds it (``describe``, ``rebuild``), a weightless copy (``weightless_copy``), what
   it exports and evaluates (``tensor_module``, ``feature_module``), its classifier's classes (``num_classes``);
 - whether amod's classifier training takes its models (``trainable``).
@@ -28,10 +30,11 @@ This module imports nothing of amod: it is the bottom of the package, so the lib
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from .errors import UnsupportedModelError, UserError
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -99,6 +102,17 @@ class Family:
         """Make the per-patch outputs of ``model``, which now reduces its tokens, lie on the dense model's patch grid
         (``amod.patch_grid``), in place. Default: nothing (a family whose grid outputs are not laid back refuses or
         returns its reduced sequence as it is)."""
+
+    def hidden_states(self, model: "nn.Module", x: "torch.Tensor") -> "Sequence[torch.Tensor]":
+        """What ``amod.patch_features`` lays back on the patch grid for a model without timm's
+        ``forward_intermediates``: the tokens of one forward of ``model`` (prepared) on images ``x``, index 0 the
+        embeddings and i + 1 block i's output, as long as the blocks hand them on. Default: refused, one line."""
+        raise UserError(f"amod.patch_features takes a ViT; {self.name} models give no per-patch features")
+
+    def final_norm(self, model: "nn.Module") -> "Callable[[torch.Tensor], torch.Tensor]":
+        """What turns the last block's tokens (``hidden_states``' last) into the model's own final tokens: the norm
+        ``amod.patch_features(norm=True)`` applies to each layer it returns."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ conversion
 

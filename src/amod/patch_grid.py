@@ -12,6 +12,8 @@ gets the feature of the token it was merged, folded or (PPT) pruned into.
 - ``lay_back``: a reduced sequence on the grid, one gather per returned layer.
 - ``PatchGridViT``: the mixin a family puts before its model class (``Family.lay_out_patch_grid``) so that the
   model's own ``forward_intermediates`` lays its outputs back, with every option the dense model's has.
+- ``patch_features``: the one call for any ViT amod takes; a Hugging Face model (whose own outputs stay the reduced
+  sequence) gets its layers' ``hidden_states`` laid back (``Family.hidden_states``, ``Family.final_norm``).
 
 A model that keeps every token in place (MoD: bypass, merge, kv) needs none of it: its grid is already whole.
 """
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
+from .family import Family, claimed
 from .reduce import SizedTokensBlock
 from .tokens import TokenSizes, lay_back
 
@@ -60,9 +63,9 @@ def tracking(model: nn.Module) -> Iterator[Optional[TokenSizes]]:
 def _block_sources(model: nn.Module, taken: Sequence[int]) -> list[Optional[torch.Tensor]]:
     """The token map after each block in ``taken`` (ascending), carried over blocks that reduce nothing."""
     sources, source = [], None
-    wanted = set(taken)
+    wanted, last = set(taken), max(taken, default=-1)
     for i, blk in enumerate(model.blocks):
-        if i > max(wanted, default=-1):
+        if i > last:
             break
         source = blk.__dict__.get("amod_source", source)
         if i in wanted:
@@ -78,8 +81,7 @@ class PatchGridViT:
                               return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False, output_dict: bool = False,
                               **kwargs: Any) -> Any:
-        if output_fmt not in ("NCHW", "NLC"):
-            raise UserError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        _check_fmt(output_fmt)
         from timm.models._features import feature_take_indices  # (timm's own reading of ``indices``)
 
         taken, _ = feature_take_indices(len(self.blocks), indices)
@@ -89,6 +91,7 @@ class PatchGridViT:
                 intermediates_only=intermediates_only, output_dict=True, **kwargs)
             final_source = None if sizes is None else sizes.source
             sources = _block_sources(self, sorted(set(int(i) for i in taken)))
+        hw = self.patch_embed.dynamic_feat_size(x.shape[-2:])  # type: ignore[attr-defined]
         p = self.num_prefix_tokens
         patches, prefixes = out["image_intermediates"], out.get("image_intermediates_prefix")
         grids, prefix_out = [], []
@@ -96,7 +99,7 @@ class PatchGridViT:
             full = y if prefixes is None else torch.cat([prefixes[k], y], dim=1)
             full = lay_back(full, source)
             prefix_out.append(full[:, :p])
-            grids.append(self._as_grid(full[:, p:], x, output_fmt))
+            grids.append(_as_grid(full[:, p:], hw, output_fmt))
         features = out.get("image_features")
         if features is not None:
             features = lay_back(features, final_source)
@@ -111,12 +114,19 @@ class PatchGridViT:
             grids = list(zip(grids, prefix_out))
         return grids if intermediates_only else (features, grids)
 
-    def _as_grid(self, y: torch.Tensor, x: torch.Tensor, output_fmt: str) -> torch.Tensor:
-        """(B, n, D) patch tokens in grid order -> NCHW (B, D, H, W) or, for NLC, as they are."""
-        if output_fmt == "NLC":
-            return y
-        H, W = self.patch_embed.dynamic_feat_size(x.shape[-2:])  # type: ignore[attr-defined]
-        return y.reshape(y.shape[0], H, W, -1).permute(0, 3, 1, 2).contiguous()
+
+def _check_fmt(output_fmt: str) -> None:
+    """Refuse an ``output_fmt`` other than the two the grid comes in."""
+    if output_fmt not in ("NCHW", "NLC"):
+        raise UserError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+
+
+def _as_grid(y: torch.Tensor, hw: Sequence[int], output_fmt: str) -> torch.Tensor:
+    """(B, n, D) patch tokens in grid order -> NCHW (B, D, H, W) for a grid of ``hw`` patches or, for NLC, as they
+    are."""
+    if output_fmt == "NLC":
+        return y
+    return y.reshape(y.shape[0], *hw, -1).permute(0, 3, 1, 2).contiguous()
 
 
 def grid_class(cls: type) -> type:
@@ -136,19 +146,31 @@ def patch_features(model: nn.Module, x: torch.Tensor, layers: Union[int, Sequenc
                    norm: bool = True, output_fmt: str = "NCHW") -> Union[torch.Tensor, list[torch.Tensor]]:
     """The feature of every patch, on the dense model's grid, whatever the model reduces.
 
+    For a Hugging Face model this is the per-patch call: its own outputs (``last_hidden_state``, ``hidden_states``)
+    stay the reduced sequence, in the reduction's order; here its ``hidden_states`` are laid back on the grid.
+
     Args:
-        model: a timm ViT, dense or converted by amod (MoD, fold, calibrated, ToMe, PiToMe, PPT).
+        model: a ViT, dense or converted by amod (MoD, fold, calibrated, ToMe, PiToMe, PPT): timm's (through its
+            ``forward_intermediates``), or a Hugging Face ViT, DeiT, DINOv2 (with registers too), CLIP or SigLIP
+            vision model.
         x: images (B, C, H, W).
         layers: a block index (negative: from the end) or a list of them; default: the last block.
-        norm: apply the model's final norm to each (DINOv2's patch features are normed).
+        norm: apply the model's final norm to each layer: the one that makes the last layer the model's own final
+            features (timm: ``norm``; Hugging Face: what its ``last_hidden_state`` has, ``layernorm`` for ViT, DeiT
+            and DINOv2, ``post_layernorm`` for SigLIP, none for CLIP, whose ``post_layernorm`` norms the pool only).
         output_fmt: ``"NCHW"`` (B, D, H/patch, W/patch) or ``"NLC"`` (B, n, D), patches in grid order.
 
     Returns:
         One tensor for an int or None ``layers``, a list (one per index, in block order) for a list.
     """
-    if not callable(getattr(model, "forward_intermediates", None)) or not hasattr(model, "blocks"):
-        raise UserError(f"amod.patch_features takes a timm ViT (one with forward_intermediates), got "
-                        f"{type(model).__name__}")
+    _check_fmt(output_fmt)
+    family = None
+    if not (callable(getattr(model, "forward_intermediates", None)) and hasattr(model, "blocks")):
+        family = claimed(model)
+        if family is None:
+            raise UserError(f"amod.patch_features takes a timm ViT (one with forward_intermediates) or a Hugging "
+                            f"Face vision transformer amod converts, got {type(model).__name__}")
+        model = family.prepare(model)
     depth = len(model.blocks)
     single = layers is None or isinstance(layers, int)
     wanted = [depth - 1 if layers is None else layers] if single else list(layers)
@@ -157,7 +179,28 @@ def patch_features(model: nn.Module, x: torch.Tensor, layers: Union[int, Sequenc
         if isinstance(i, bool) or not isinstance(i, int) or not -depth <= i < depth:
             raise UserError(f"layers must be block indices in [-{depth}, {depth - 1}], got {i!r}")
         blocks.append(i % depth)
-    grids = model.forward_intermediates(x, indices=sorted(set(blocks)), norm=norm, output_fmt=output_fmt,
-                                        intermediates_only=True)
-    by_block = dict(zip(sorted(set(blocks)), grids))
+    taken = sorted(set(blocks))
+    if family is None:
+        grids = model.forward_intermediates(x, indices=taken, norm=norm, output_fmt=output_fmt,
+                                            intermediates_only=True)
+    else:
+        grids = _hidden_state_grids(model, family, x, taken, norm, output_fmt)
+    by_block = dict(zip(taken, grids))
     return by_block[blocks[0]] if single else [by_block[i] for i in blocks]
+
+
+def _hidden_state_grids(model: nn.Module, family: Family, x: torch.Tensor, taken: Sequence[int], norm: bool,
+                        output_fmt: str) -> list[torch.Tensor]:
+    """``patch_features`` of a model without ``forward_intermediates`` (Hugging Face): the family's hidden states of
+    the blocks ``taken`` (ascending), each normed by its ``final_norm`` (``norm``) and laid back on the grid."""
+    with tracking(model):
+        states = family.hidden_states(model, x)
+        sources = _block_sources(model, taken)
+    final = family.final_norm(model) if norm else None
+    p = model.num_prefix_tokens
+    hw = [n // k for n, k in zip(x.shape[-2:], model.patch_embed.patch_size)]
+    grids = []
+    for i, source in zip(taken, sources):
+        y = states[i + 1] if final is None else final(states[i + 1])  # (normed before laying back: fewer tokens)
+        grids.append(_as_grid(lay_back(y, source)[:, p:], hw, output_fmt))
+    return grids

@@ -383,7 +383,8 @@ class HFCheckpoints:
 class HFFamily(HFCheckpoints, ViTFamily):
     """A Hugging Face family of the ViT pattern. A subclass gives ``classes``, ``layer_views`` and
     ``attention_views`` (HF class name -> views class), and ``layers``, ``attention``, ``patch_embed``,
-    ``prefix_tokens`` and ``heads``."""
+    ``prefix_tokens`` and ``heads``; ``final_norm`` where ``last_hidden_state`` is not
+    ``base_model.layernorm``'s (``hidden_states``, ``final_norm``: what ``amod.patch_features`` lays back)."""
 
     layer_views: ClassVar[dict[str, type]] = {}
     attention_views: ClassVar[dict[str, type]] = {}
@@ -415,6 +416,15 @@ class HFFamily(HFCheckpoints, ViTFamily):
     def pool(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """The pooled feature of the final tokens that a linear probe reads (the class token by default)."""
         return tokens[:, 0]
+
+    def hidden_states(self, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The model's own ``hidden_states`` (``output_hidden_states=True``): the embeddings, then each layer's
+        output, as long as the layers hand them on."""
+        return model(pixel_values=x, output_hidden_states=True).hidden_states
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm between the last layer's output and ``last_hidden_state`` (ViT, DeiT, DINOv2: ``layernorm``)."""
+        return model.base_model.layernorm
 
     # ------------------------------------------------------------ the views and roles
 

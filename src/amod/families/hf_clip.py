@@ -66,5 +66,8 @@ class HFCLIPFamily(HFFamily):
     def pool(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return self._vision(model).post_layernorm(tokens[:, 0])  # CLIP's pooler_output
 
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return IDENTITY  # last_hidden_state is the last layer's output (post_layernorm norms the pool only)
+
 
 FAMILY = register_family(HFCLIPFamily())

@@ -75,6 +75,9 @@ class HFSiglipFamily(HFFamily):
     def pool(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model.head(tokens) if getattr(model, "use_head", False) else tokens.mean(1)
 
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return model.post_layernorm  # last_hidden_state: the last layer's output after post_layernorm
+
     def outside_blocks_macs(self, model: nn.Module, num_patches: int, tokens_out: int) -> tuple[int, int]:
         embed = num_patches * model.embeddings.patch_embedding.weight.numel()
         head = model._modules.get("head")
