@@ -305,6 +305,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("frontier", "every training-free method: accuracy against measured speed-up (by default at batch 32 and 1)",
             "experiments.frontier:FrontierConfig", "experiments.frontier:run_frontier",
             methods="sweep only these methods"),
+    Command("dense-frontier", "every training-free method's patch features: segmentation mIoU against measured "
+            "speed-up (default 448 px, batch 8)", "detect.dense_frontier:DenseFrontierConfig",
+            "detect.dense_frontier:run_dense_frontier", methods="sweep only these methods"),
     Command("demo", "the main job: DINOv2 ViT-S/14 made cheaper on Fashion-MNIST, dense vs ToMe vs A-MoD at two "
             "costs, and a short finetune (--toy: the paper's comparison on a small ViT pretrained here)", _demo_flags,
             _demo),

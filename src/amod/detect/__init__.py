@@ -1,1 +1,2 @@
-"""Object detection: DETR with Mixture-of-Depths encoders on Fashion-MNIST canvases."""
+"""The Fashion-MNIST canvas tasks: object detection (DETR with Mixture-of-Depths encoders) and semantic segmentation
+of patch features (``segmentation``, `amod dense-frontier`)."""

@@ -32,6 +32,7 @@ from ..errors import UserError
 CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")  # Fashion-MNIST label order
 SPLITS = ("train", "val")
+BACKGROUND = len(CLASS_NAMES)  # the pixel label of the canvas where no item shows (``DetectionCanvases.mask``)
 
 # A resized pixel belongs to an item when its intensity is above this (in [0, 1], i.e. ~25/255).
 # Fashion-MNIST's backgrounds carry faint scanning noise of a few /255, and bilinear resizing smears
@@ -190,17 +191,34 @@ class DetectionCanvases(Dataset):
         s = self._randint(g, spec.min_scale, spec.max_scale)
         x = self._randint(g, 0, spec.size - s)
         y = self._randint(g, 0, spec.size - s)
-        image = self.images[source].float().div(255)[None, None]  # (1, 1, 28, 28)
-        patch = F.interpolate(image, size=(s, s), mode="bilinear", antialias=True, align_corners=False)[0, 0]
-        patch = patch.clamp(0, 1)
-        visible = patch > PIXEL_THRESHOLD  # (s, s)
+        patch = self._item_patch(source, s)
+        visible = patch > 0  # (s, s)
         if not visible.any():
             return None
-        patch = patch * visible
         rows = visible.any(dim=1).nonzero()[:, 0]
         cols = visible.any(dim=0).nonzero()[:, 0]
         box = (x + int(cols[0]), y + int(rows[0]), x + int(cols[-1]) + 1, y + int(rows[-1]) + 1)
         return patch, Placement(source, int(self.labels[source]), s, x, y, box)
+
+    def _item_patch(self, source: int, scale: int) -> torch.Tensor:
+        """Image ``source`` resized to (scale, scale), pixels at or below ``PIXEL_THRESHOLD`` set to black."""
+        image = self.images[source].float().div(255)[None, None]  # (1, 1, 28, 28)
+        patch = F.interpolate(image, size=(scale, scale), mode="bilinear", antialias=True, align_corners=False)[0, 0]
+        patch = patch.clamp(0, 1)
+        return patch * (patch > PIXEL_THRESHOLD)
+
+    def mask(self, i: int) -> torch.Tensor:
+        """Canvas ``i``'s pixel labels (size, size) int64: each item's visible pixels its class, the rest
+        ``BACKGROUND``. Where items overlap, a pixel belongs to the item that the canvas shows there (the brighter one,
+        as the canvas keeps the maximum; the later item on a tie)."""
+        canvas, placed = self._draw(i)
+        mask = torch.full(canvas.shape, BACKGROUND, dtype=torch.int64)
+        for p in placed:
+            patch = self._item_patch(p.source, p.scale)
+            region = mask[p.y:p.y + p.scale, p.x:p.x + p.scale]
+            shown = (patch > 0) & (patch >= canvas[p.y:p.y + p.scale, p.x:p.x + p.scale])
+            region[shown] = p.label
+        return mask
 
     @staticmethod
     def _randint(g: torch.Generator, low: int, high: int) -> int:

@@ -316,19 +316,20 @@ def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
 # ---------------------------------------------------------------- the report
 
 def readings(rows: list[dict[str, Any]], dense_row: dict[str, Any], batch: int, speedups: Sequence[float],
-             methods: Sequence[str]) -> dict[str, dict[str, Optional[dict[str, float]]]]:
-    """{speed-up: {method: {"top1", "spread"} or None}}: each method's frontier read at each speed-up, its
-    spread half the difference between the two test halves' readings."""
+             methods: Sequence[str], metric: str = "top1") -> dict[str, dict[str, Optional[dict[str, float]]]]:
+    """{speed-up: {method: {metric, "spread"} or None}}: each method's frontier of ``metric`` (a key of the rows,
+    whose ``halves`` are that metric on each test half) read at each speed-up, its spread half the difference
+    between the two test halves' readings."""
     out: dict[str, dict[str, Optional[dict[str, float]]]] = {}
     for s in speedups:
         out[f"{s:g}"] = {}
         for name in methods:
             mine = [dense_row] + [r for r in rows if r["method"] == name and _trusted(r, str(batch))]
             speed = [r["speed"][str(batch)]["speedup"] for r in mine]
-            whole = accuracy_at(list(zip(speed, (r["top1"] for r in mine))), s)
+            whole = accuracy_at(list(zip(speed, (r[metric] for r in mine))), s)
             halves = [accuracy_at(list(zip(speed, (r["halves"][h] for r in mine))), s) for h in (0, 1)]
             out[f"{s:g}"][name] = None if whole is None else {
-                "top1": whole, "spread": abs(halves[0] - halves[1]) / 2 if None not in halves else None}
+                metric: whole, "spread": abs(halves[0] - halves[1]) / 2 if None not in halves else None}
     return out
 
 

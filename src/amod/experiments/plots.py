@@ -17,12 +17,12 @@ from ..analysis import kept_positions  # noqa: E402
 Series = dict[str, tuple[Sequence[float], Sequence[float]]]
 
 
-def _draw(ax, series: Series, title: str, xlabel: str) -> None:
+def _draw(ax, series: Series, title: str, xlabel: str, ylabel: str = "val top-1 (%)") -> None:
     """One line per series (x values, accuracies in [0, 1]) on an accuracy axis."""
     for name, (xs, acc) in series.items():
         ax.plot(xs, [100 * a for a in acc], marker="o", label=name)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("val top-1 (%)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -53,11 +53,11 @@ def _cost_series(points: dict[str, Sequence[tuple[float, float]]]) -> Series:
 
 
 def accuracy_vs_cost_panels(panels: dict[str, dict[str, Sequence[tuple[float, float]]]], path: Path,
-                            xlabel: str = "cost (share of dense MACs)") -> Path:
+                            xlabel: str = "cost (share of dense MACs)", ylabel: str = "val top-1 (%)") -> Path:
     """Side-by-side accuracy-vs-cost panels (e.g. zero-training and finetuned), one curve per method."""
     fig, axes = plt.subplots(1, len(panels), figsize=(6.0 * len(panels), 4.4), squeeze=False)
     for ax, (title, points) in zip(axes[0], panels.items()):
-        _draw(ax, _cost_series(points), title, xlabel)
+        _draw(ax, _cost_series(points), title, xlabel, ylabel)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
