@@ -37,9 +37,9 @@ from ..train.rundir import check_output_dir
 from ..experiments.arms import Arm, select
 from ..experiments.bench import (DEVICES, IMPLAUSIBLE_NOTE, TimingRounds, resolve_device, same_setting_as,
                                   speedup_text, time_callables, timing_key)
-from ..experiments.calibrate_command import CalibrationCache, calibration_grid
+from ..experiments.calibrate_command import CalibrationCache
 from ..experiments.features import features_key, finished_probe_rows
-from ..experiments.frontier import flag_implausible, readings
+from ..experiments.frontier import flag_implausible, readings, sweep_points
 from ..experiments.plots import accuracy_vs_cost_panels
 from .segmentation import (PatchProbe, SegmentationCanvases, confusion, fit_patch_probe, grid_features,
                            patch_targets, segmentation_scores)
@@ -192,20 +192,8 @@ def _measure(cfg: DenseFrontierConfig, root: Path, key: str, probe: PatchProbe, 
         lambda: torch.stack([train[i][0] for i in range(cfg.calibration_images)]).to(device))
     rows: list[dict[str, Any]] = []
     settings: dict[str, str] = {}
-    pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
-    for number, (entry, cost) in enumerate(pairs, start=1):
-        calibration = None
-        if entry.needs_images:
-            calibrated = entry.method
-            method, calibration = calibrations.get(entry.name, cost, calibration_grid(calibrated),
-                                                   lambda images: calibrated.calibrated(dense, cost, images))
-        else:
-            method = entry.at_cost(dense, cost)
-        settings[f"{entry.name} @ {cost:g}"] = repr(method)
-        if any(r["method"] == entry.name and r["method_repr"] == repr(method) for r in rows):
-            log.info("[%d/%d] %s at cost %g: the same setting as at another cost, measured once", number,
-                     len(pairs), entry.name, cost)
-            continue
+    for point in sweep_points(cfg.methods, cfg.costs, dense, calibrations, settings):
+        entry, cost, method = point.entry, point.cost, point.method
         model = method.apply(copy.deepcopy(dense)).eval()
         measured = finished.get((entry.name, cost, repr(method)))
         if measured is None:
@@ -216,9 +204,9 @@ def _measure(cfg: DenseFrontierConfig, root: Path, key: str, probe: PatchProbe, 
                         **segmentation_scores(confusion(probe, feats, masks, patch)), "cosine": cosine}
             finished.add(measured)
         log.info("[%d/%d] %s at cost %g (matched %.3f): mIoU %.4f (halves %.4f, %.4f), pixel accuracy %.4f",
-                 number, len(pairs), entry.name, cost, measured["cost"], measured["miou"], *measured["halves"],
-                 measured["pixel_acc"])
-        rows.append({**measured, "model": model, **({"calibration": calibration} if calibration else {})})
+                 point.number, point.total, entry.name, cost, measured["cost"], measured["miou"],
+                 *measured["halves"], measured["pixel_acc"])
+        rows.append({**measured, "model": model, **point.calibrated})
     return rows, same_setting_as(settings)
 
 

@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from ..checkpoint import check_dense_file, open_model
 from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..files import write_json, write_text
 from ..hf.loading import hf_source
-from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
+from ..methods import Calibrated, Method, MoD, PiToMe, TokenMerging, setting_text_of
 from ..mod.calibrate import CHOSEN_COLUMNS, chosen_cells
 from ..train import engine
 from ..train.data import build_datasets
@@ -239,6 +239,45 @@ def _scores(probe: LinearProbe, feats: torch.Tensor, labels: torch.Tensor) -> di
     return {"top1": correct.mean().item(), "halves": [correct[0::2].mean().item(), correct[1::2].mean().item()]}
 
 
+@dataclass
+class SweepPoint:
+    """One (method, cost) point of a sweep, set to its cost: its place in the sweep (``number`` of ``total``), and
+    ``calibrated``: ``{"calibration": report}`` for a method that chose its setting on images, else empty."""
+
+    number: int
+    total: int
+    entry: Arm
+    cost: float
+    method: Method
+    calibrated: dict[str, Any]
+
+
+def sweep_points(methods: Sequence[Arm], costs: Sequence[float], dense: torch.nn.Module,
+                 calibrations: CalibrationCache, settings: dict[str, str]) -> Iterator[SweepPoint]:
+    """Every method at every cost, in order: `amod frontier`'s and `amod dense-frontier`'s sweep. A method that
+    ``needs_images`` is calibrated through ``calibrations`` (kept, so a resumed sweep reuses it). Each point's setting
+    is recorded in ``settings`` (``"name @ cost"``: the method's repr, for ``bench.same_setting_as``); a cost whose
+    closest setting the method already has at an earlier cost is logged and not yielded (measured once)."""
+    pairs = [(entry, cost) for entry in methods for cost in costs]
+    seen: set[tuple[str, str]] = set()
+    for number, (entry, cost) in enumerate(pairs, start=1):
+        calibration = None
+        if entry.needs_images:
+            calibrated = entry.method  # (a ``Calibrated``)
+            method, calibration = calibrations.get(
+                entry.name, cost, calibration_grid(calibrated),
+                lambda images: calibrated.calibrated(dense, cost, images))
+        else:
+            method = entry.at_cost(dense, cost)
+        settings[f"{entry.name} @ {cost:g}"] = repr(method)
+        if (entry.name, repr(method)) in seen:
+            log.info("[%d/%d] %s at cost %g: the same setting as at another cost, measured once", number,
+                     len(pairs), entry.name, cost)
+            continue
+        seen.add((entry.name, repr(method)))
+        yield SweepPoint(number, len(pairs), entry, cost, method, {"calibration": calibration} if calibration else {})
+
+
 def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dense: torch.nn.Module,
              cached: dict[str, torch.Tensor], train, val, device: torch.device
              ) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -254,21 +293,8 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
         lambda: torch.stack([train[i][0] for i in range(cfg.calibration_images)]).to(device))
     rows: list[dict[str, Any]] = []
     settings: dict[str, str] = {}  # every point's setting, the points without a row too
-    pairs = [(entry, cost) for entry in cfg.methods for cost in cfg.costs]
-    for number, (entry, cost) in enumerate(pairs, start=1):
-        calibration = None
-        if entry.needs_images:
-            calibrated = entry.method  # (a ``Calibrated``)
-            method, calibration = calibrations.get(
-                entry.name, cost, calibration_grid(calibrated),
-                lambda images: calibrated.calibrated(dense, cost, images))
-        else:
-            method = entry.at_cost(dense, cost)
-        settings[f"{entry.name} @ {cost:g}"] = repr(method)
-        if any(r["method"] == entry.name and r["method_repr"] == repr(method) for r in rows):
-            log.info("[%d/%d] %s at cost %g: the same setting as at another cost, measured once", number,
-                     len(pairs), entry.name, cost)
-            continue
+    for point in sweep_points(cfg.methods, cfg.costs, dense, calibrations, settings):
+        entry, cost, method = point.entry, point.cost, point.method
         model = method.apply(copy.deepcopy(dense)).eval()
         measured = finished.get((entry.name, cost, repr(method)))
         if measured is None:
@@ -277,9 +303,9 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
                         "cost": flops(model).ratio, "setting": method.spec(), **_scores(probe, feats, labels),
                         "cosine": mean_cosine(feats, cached["test"])}
             finished.add(measured)
-        log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f (halves %.4f, %.4f)", number, len(pairs),
-                 entry.name, cost, measured["cost"], measured["top1"], *measured["halves"])
-        rows.append({**measured, "model": model, **({"calibration": calibration} if calibration else {})})
+        log.info("[%d/%d] %s at cost %g (matched %.3f): probe top-1 %.4f (halves %.4f, %.4f)", point.number,
+                 point.total, entry.name, cost, measured["cost"], measured["top1"], *measured["halves"])
+        rows.append({**measured, "model": model, **point.calibrated})
     return rows, same_setting_as(settings)
 
 
