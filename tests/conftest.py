@@ -1,6 +1,7 @@
 """Small registered timm models, one per variant of the timm ViT family amod supports, cheap enough for the CPU."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 
 import pytest
@@ -79,3 +80,15 @@ def run_in_process(argv: list[str], capsys) -> tuple[int, str]:
     """(exit status, stderr) of ``amod argv`` run in this process."""
     res = cli_in_process(argv, capsys)
     return res.returncode, res.stderr.strip()
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """One intra-op torch thread within the block, the count restored after: tiny tensors on the test machine's 2
+    shared cores only wait on a second thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import images, make_model
+from conftest import images, make_model, one_torch_thread
 from timm.layers import set_reentrant_ckpt, use_reentrant_ckpt
 
 import amod
@@ -77,10 +77,8 @@ def _assert_same_steps(method, family: str = "vit", drop_path: float = 0.0, step
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny tensors: a second intra-op thread only adds waiting (on a busy 2-core machine, 4 min instead of 15 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture

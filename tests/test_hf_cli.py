@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import one_torch_thread
 
 transformers = pytest.importorskip("transformers")
 
@@ -253,10 +254,8 @@ def hf_files(tmp_path_factory):
 def one_thread():
     """One torch thread while a linear probe is fitted on a few dozen features: on the 2 shared cores of the test
     machine a second thread makes each L-BFGS step many times slower, and the probe's answer is the same."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.mark.parametrize("command, model", [("compare", "classifier"), ("frontier", "backbone")])

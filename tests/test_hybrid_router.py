@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cli_in_process, images, make_model
+from conftest import cli_in_process, images, make_model, one_torch_thread
 
 import amod
 from amod.mod.routers import HybridRouter, router_class, router_names, vit_routers
@@ -25,10 +25,8 @@ ARMS = [pytest.param(True, id="scaled"), pytest.param(False, id="straight-throug
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny tensors; a busy 2-core machine: one intra-op thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -211,6 +211,10 @@ class DetectionCanvases(Dataset):
         """Canvas ``i``'s pixel labels (size, size) int64: each item's visible pixels its class, the rest
         ``BACKGROUND``. Where items overlap, a pixel belongs to the item that the canvas shows there (the brighter one,
         as the canvas keeps the maximum; the later item on a tie)."""
+        return self.image_and_mask(i)[1]
+
+    def image_and_mask(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canvas ``i`` as ``dataset[i]`` gives its image (3, size, size), and its ``mask``, from one drawing."""
         canvas, placed = self._draw(i)
         mask = torch.full(canvas.shape, BACKGROUND, dtype=torch.int64)
         for p in placed:
@@ -218,7 +222,7 @@ class DetectionCanvases(Dataset):
             region = mask[p.y:p.y + p.scale, p.x:p.x + p.scale]
             shown = (patch > 0) & (patch >= canvas[p.y:p.y + p.scale, p.x:p.x + p.scale])
             region[shown] = p.label
-        return mask
+        return canvas.unsqueeze(0).repeat(3, 1, 1), mask
 
     @staticmethod
     def _randint(g: torch.Generator, low: int, high: int) -> int:

@@ -49,8 +49,8 @@ class SegmentationCanvases(Dataset):
         return len(self.canvases)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image, _ = self.canvases[i]
-        return (image - FASHION_MNIST_MEAN) / FASHION_MNIST_STD, self.canvases.mask(i)
+        image, mask = self.canvases.image_and_mask(i)
+        return (image - FASHION_MNIST_MEAN) / FASHION_MNIST_STD, mask
 
     def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images, masks) in order, ``batch_size`` at a time."""
