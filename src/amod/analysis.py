@@ -2,7 +2,7 @@
 patches each MoD layer keeps, and attention entropy / attention sinks per layer."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -10,10 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import family_of
+from .mod.block import publish_scores
 from .mod.convert import mod_blocks, set_recording
 from .mod.modes import mode_list, skipped_mode
 from .ops import attention_inputs, attention_probs, received_attention
 from .stats import spearman
+from .tokens import gather_tokens, scatter_tokens
 from .errors import UserError
 
 
@@ -145,6 +147,100 @@ def leave_one_out(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, 
 
 
 @torch.no_grad()
+def skip_importance(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch: int = 64,
+                    layers: Optional[Sequence[int]] = None) -> dict[int, dict[str, Optional[np.ndarray]]]:
+    """Leave-one-out inside an MoD model as MoD removes a token: at each MoD block l, each patch token in turn skips
+    block l alone (copied through it and absent from its attention, as a bypass MoD block treats a token it skips)
+    while the block processes every other token; every other block runs as the model does. A token's importance at
+    l is the rise of the image's cross-entropy over the same forward with block l processing every token. Where the
+    block gates its outputs (scaled outputs), the processed tokens get the gate of their scores, as in the model.
+
+    Unlike ``leave_one_out`` (the token leaves the sequence for good), the token is back from block l + 1 on: this is
+    what the router at l decides. A converted model at capacity 1.0 (``MoD(capacity=1.0)``) is the dense model with
+    MoD blocks where they would be: its importances are the dense model's.
+
+    Args:
+        model: a timm MoD model with skipped ``bypass`` and a classifier; random routers are frozen to one draw
+            for the duration (``SeededDraws.freeze_draws``), so that every forward of an image routes alike.
+        images: (B, C, H, W); labels: (B,).
+        batch: removals per forward.
+        layers: only these MoD blocks (default every one).
+
+    Returns:
+        Per MoD block: ``importance`` (B, n), ``router`` (B, n): its router's scores of the patch tokens, and
+        ``attention`` (B, n): the attention scores the block reads (None where its router reads none).
+    """
+    check_loo_model(model)
+    config = model.amod_config
+    if config.skipped != "bypass" or not hasattr(model, "blocks"):
+        raise UserError(f"skip importance makes a token skip one block as a bypass MoD block skips it; the model is a "
+                        f"{config.skipped} model{'' if hasattr(model, 'blocks') else ' without timm blocks'}")
+    model.eval()
+    frozen = [r for _, blk in mod_blocks(model) if hasattr(r := blk.router, "freeze_draws")]
+    for router in frozen:
+        router.freeze_draws(1)
+    try:
+        result: dict[int, dict[str, Optional[np.ndarray]]] = {}
+        for layer, blk in mod_blocks(model):
+            if layers is not None and layer not in layers:
+                continue
+            rows = [_skip_importance_of_image(model, layer, blk, img[None], label, batch)
+                    for img, label in zip(images, labels)]
+            result[layer] = {key: None if rows[0][key] is None else np.stack([r[key] for r in rows])
+                             for key in ("importance", "router", "attention")}
+        return result
+    finally:
+        for router in frozen:
+            router.unfreeze_draws()
+
+
+def _skip_importance_of_image(model: nn.Module, layer: int, blk: nn.Module, image: torch.Tensor,
+                              label: torch.Tensor, batch: int) -> dict[str, Optional[np.ndarray]]:
+    """``skip_importance`` of one image (1, C, H, W) at one MoD block."""
+    p = blk.amod.num_prefix
+    x = run_until(model, image, layer)  # (1, N, D)
+    handoff = in_handoff(blk)
+    prev = handoff.take() if handoff is not None else None  # (1, N) or None
+    N = x.shape[1]
+    n = N - p
+    patch_scores = blk.router.score(x[:, p:], None if prev is None else prev[:, p:])  # (1, n)
+    everything = torch.arange(N, device=x.device)[None]  # (1, N)
+
+    def loss_without(skipped: Optional[torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy of each row: block ``layer`` processes every token but ``skipped[r]`` (None: every one)."""
+        index = everything if skipped is None else _drop_token(everything[..., None], skipped + p)[..., 0]
+        T = index.shape[0]
+        xe = x.expand(T, -1, -1)
+        xs = gather_tokens(xe, index)
+        patch_idx = index[:, p:] - p
+        ys = blk.gate_updates(blk.block_output(xs), xs, patch_idx, patch_scores.expand(T, -1))
+        out = scatter_tokens(xe, index, ys)
+        handed = blk.amod.out_handoff
+        if handed is not None:  # the next block's scores: this block's attention, as the block itself hands them on
+            publish_scores(handed, prev.expand(T, -1), index, N)
+        logits = run_replacing_output(model, image, layer, out)
+        return F.cross_entropy(logits, label.expand(T), reduction="none")
+
+    base = loss_without(None)
+    deltas = [loss_without(torch.arange(s, min(s + batch, n), device=x.device)) - base for s in range(0, n, batch)]
+    return {"importance": torch.cat(deltas).float().cpu().numpy(),
+            "router": patch_scores[0].float().cpu().numpy(),
+            "attention": None if prev is None else prev[0, p:].float().cpu().numpy()}
+
+
+def run_replacing_output(model: nn.Module, images: torch.Tensor, layer: int, out: torch.Tensor) -> torch.Tensor:
+    """Logits of the model's own forward on ``images`` with block ``layer``'s output replaced by ``out`` (its rows,
+    however many, go on through the later blocks and the head); the block itself does not run, and the scores it
+    hands on are left as they are."""
+    blk = model.blocks[layer]
+    blk.forward = lambda *args, **kwargs: out  # (an instance attribute: nn.Module.__call__ finds it first)
+    try:
+        return family_of(model).tensor_module(model)(images)
+    finally:
+        del blk.forward
+
+
+@torch.no_grad()
 def attention_stats(model: nn.Module, images: torch.Tensor) -> dict[int, dict[str, float]]:
     """Per block: mean attention entropy (nats, per query row), its maximum log N, and the share of
     all attention held by the single most-attended token (attention sinks push it towards 1)."""
@@ -171,8 +267,10 @@ def attention_stats(model: nn.Module, images: torch.Tensor) -> dict[int, dict[st
         attn = attention_probs(q * attn_mod.scale, k, 1.0)  # (B, H, N, N)
         entropy = -(attn * attn.clamp_min(1e-12).log()).sum(-1).mean().item()
         received = received_attention(attn)  # (B, N)
+        share = received / received.sum(dim=1, keepdim=True)  # (B, N): each token's share of the attention
         stats[i] = {"entropy": entropy, "max_entropy": float(np.log(N)),
                     "top_token_share": received.max(dim=1).values.mean().item(),
+                    "received_entropy": -(share * share.clamp_min(1e-12).log()).sum(1).mean().item(),
                     "tokens": N}
     return stats
 

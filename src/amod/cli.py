@@ -133,7 +133,8 @@ def _study_flags(p: argparse.ArgumentParser) -> None:
               StudyConfig, only=("capacities", "epochs", "train_limit", "quick"), suppress=True)
     g = p.add_argument_group("a backbone without classifier (--checkpoint, e.g. DINOv2): the matched-cost finetune study")
     add_flags(g, FinetuneConfig, only=("costs", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train",
-                                       "amp", "fp32_check", "report_only"), suppress=True)
+                                       "amp", "fp32_check", "report_only", "leave_one_out", "loo_costs",
+                                       "loo_images"), suppress=True)
     _methods_flag(g, "only these methods", "; dense and 'A-MoD (paper)' are always run", default=S)
     _distill_flags(g, "the distilled methods' teacher: a dense model file with the probe's classes (default: the "
                       "study's dense run of seed 0, done again with its final weights kept)", suppress=True)
@@ -154,7 +155,7 @@ def _study(args: argparse.Namespace) -> int:
     # the flags (by dest) that only one study takes: given to the other, they are refused
     flags = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
              FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
-                              "no_fp32_check", "report_only", "methods", "teacher", "distill_logits",
+                              "no_fp32_check", "report_only", "leave_one_out", "loo_cost", "loo_images", "methods", "teacher", "distill_logits",
                               "distill_temperature", "distill_features")}
     mode = study_for(args.checkpoint)
     names = {ROUTER_STUDY: "the routers study", FINETUNE_STUDY: "the finetune study"}

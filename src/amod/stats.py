@@ -57,6 +57,30 @@ def paired_bootstrap_ci(a: np.ndarray, b: np.ndarray, level: float = 0.95, n_boo
     return PairedCI(float(diff.mean()), float(low), float(high), level, S)
 
 
+def bootstrap_mean_ci(values: np.ndarray, level: float = 0.95, n_boot: int = 10_000, seed: int = 0
+                      ) -> tuple[float, float, float]:
+    """Mean of ``values`` (NaNs left out) and its percentile bootstrap CI, resampling the values."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    if values.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    stats = values[np.random.default_rng(seed).integers(0, values.size, size=(n_boot, values.size))].mean(axis=1)
+    alpha = (1 - level) / 2
+    low, high = np.quantile(stats, [alpha, 1 - alpha])
+    return float(values.mean()), float(low), float(high)
+
+
+def spearman_ci(x: np.ndarray, y: np.ndarray, level: float = 0.95, n_boot: int = 10_000, seed: int = 0
+                ) -> tuple[float, float, float]:
+    """Spearman correlation of paired points and its percentile bootstrap CI, resampling the pairs."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    draws = [spearman(x[i], y[i]) for i in rng.integers(0, x.size, size=(n_boot, x.size))]
+    alpha = (1 - level) / 2
+    low, high = np.nanquantile(draws, [alpha, 1 - alpha])
+    return spearman(x, y), float(low), float(high)
+
+
 def mean_std(values: np.ndarray) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     values = np.asarray(values, dtype=np.float64)

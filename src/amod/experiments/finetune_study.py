@@ -53,7 +53,8 @@ from ..train.rundir import run_dir_name
 from .bench import TimingRounds, same_setting_as, time_models, timing_key
 from .calibrate_command import CalibrationCache, calibration_grid
 from .features import dense_features, dense_probe, features_key
-from .finetune_study_plan import CALIBRATION_IMAGES, DENSE, TEACHER, Arm, FinetuneConfig, Planned, label, plan
+from .finetune_study_plan import (CALIBRATION_IMAGES, DENSE, LOO_ARMS, TEACHER, Arm, FinetuneConfig, Planned, label,
+                                  plan)
 from .finetune_study_report import write_report
 from .finetune_study_rows import EvalRows, pack
 from .presets import check_trainable, run_in_directory
@@ -404,6 +405,12 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
             for seed, p, amp, also in _runs(cfg, planned, seeds):
                 _run_one(cfg, prep, root, device, p, seed, amp, also, distilled if p.arm.distill else None)
         planned = plan(cfg, prep.start, calibrated, prep.rows)
+    if cfg.leave_one_out:
+        from .finetune_study_loo import run_leave_one_out
+
+        loo = run_leave_one_out(cfg, prep.start, planned, lambda p: kept_model_path(root, p, 0, cfg.amp), prep.digest,
+                                weights_digest, prep.test_loader.dataset, root)
+        log.info("leave-one-out: %s", loo)
     speeds = saved_speeds(root) if cfg.report_only else \
         speeds_of(cfg, prep.start, planned, device, root / f"speed_rounds_{prep.digest}.jsonl")
     report = write_report(root, cfg, Path(cfg.checkpoint).expanduser(), planned, prep.rows, speeds, prep.n_test,
@@ -438,13 +445,25 @@ def _run_one(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch.devi
     log.info("seed %d, %s at cost %s (%.3f)%s%s", seed, p.arm.name, costs, p.cost, f" ({amp})" if amp != cfg.amp
              else "", f": done, top-1 {prep.rows.get(seed, p.cost_target, p.arm.name, amp, steps)['top1']:.4f}"
              if done else "")
-    if done:
+    keep = kept_model_path(root, p, seed, amp)
+    if done and (keep is None or keep.is_file() or not cfg.leave_one_out or
+                 all(round(c, 6) != round(p.cost_target, 6) for c in cfg.loo_costs)):
         return
+    if done:
+        log.info("    trained again to keep its weights for leave-one-out (%s)", keep)
     cost_dir = "costany" if p.arm.any_cost else f"cost{p.cost_target:g}"
     run_dir = root / "runs" / f"seed{seed}" / cost_dir / (run_dir_name(p.arm.name) + f"_{amp}")
     run_dir.mkdir(parents=True, exist_ok=True)
     finetune_run(cfg, prep.start, p, seed, amp, prep.train, prep.test_loader, prep.rows, run_dir, device, distilled,
-                 also)
+                 also, keep=keep)
+
+
+def kept_model_path(root: Path, p: Planned, seed: int, amp: str) -> Optional[Path]:
+    """Where the final weights of a run are kept (``OUT/models/...``): seed 0 of the leave-one-out arms
+    (``LOO_ARMS``) at their study schedule; None for every other run."""
+    if seed != 0 or p.arm.name not in LOO_ARMS or p.arm.steps or p.arm.distill:
+        return None
+    return root / "models" / f"seed{seed}" / f"cost{p.cost_target:g}" / (run_dir_name(p.arm.name) + f"_{amp}.safetensors")
 
 
 def study_teacher(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch.device) -> "Distilled":

@@ -32,6 +32,9 @@ DENSE = "dense"
 CALIBRATED = "calibrated, nothing protected"
 ANY_COST = "any-cost A-MoD fold + distillation"
 LONG_STEPS = 1024
+HYBRID, HYBRID_STE = "hybrid", "hybrid unscaled (STE)"
+# the arms whose finetuned models leave-one-out judges (``finetune_study_loo``): their seed-0 weights are kept
+LOO_ARMS = (REFERENCE, "standard MoD", HYBRID, HYBRID_STE, "random")
 CALIBRATION_IMAGES = 256  # the first of the probe's training images (labels unread)
 # The study's arms (``arms.Arm``), in the report's order (``--methods`` picks some by name).
 ARMS = (
@@ -40,6 +43,9 @@ ARMS = (
     Arm("standard MoD", MoD(router="standard", scale_output=True), every_block_below=True),
     Arm("A-MoD scaled", MoD(router="attention", scale_output=True), every_block_below=True),
     Arm("standard MoD unscaled (STE)", MoD(router="standard", scale_output=False), every_block_below=True),
+    # the review's hybrid router (A-MoD's attention times a learned correction that starts at 1), both output rules
+    Arm(HYBRID, MoD(router="hybrid", scale_output=True), every_block_below=True, counterpart="standard MoD"),
+    Arm(HYBRID_STE, MoD(router="hybrid", scale_output=False), every_block_below=True, counterpart="standard MoD"),
     Arm("random", MoD(router="random", scale_output=False), every_block_below=True),
     Arm("isoFLOP dense", IsoFLOP(), isoflop_of=REFERENCE),
     Arm("ToMe", TokenMerging()),
@@ -92,6 +98,10 @@ class FinetuneConfig:
     # (None: at its evaluations only), so that a kill loses at most that much of it; results do not depend on it
     state_every_s: Optional[float] = None
     report_only: bool = False  # write the report from the evaluations in OUT/evals.jsonl; train nothing
+    # (a run of a LOO arm whose weights were not kept is trained again, its rows replaced by the new run's)
+    leave_one_out: bool = False  # also judge the finetuned models of seed 0 and the dense one by leave-one-out
+    loo_costs: tuple[float, ...] = flag((0.40,), flag="loo-cost")  # the costs whose finetuned models it judges
+    loo_images: int = flag(64, type=positive_int)  # test images leave-one-out removes every patch token of
     # the distilled arms: the loss's weights, and the teacher (None: the study's dense run of seed 0, kept)
     distillation: Distillation = field(default_factory=Distillation)
     teacher: Optional[str] = None
