@@ -155,8 +155,8 @@ def _study(args: argparse.Namespace) -> int:
     # the flags (by dest) that only one study takes: given to the other, they are refused
     flags = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
              FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
-                              "no_fp32_check", "report_only", "leave_one_out", "loo_cost", "loo_images", "methods", "teacher", "distill_logits",
-                              "distill_temperature", "distill_features")}
+                              "no_fp32_check", "report_only", "leave_one_out", "loo_cost", "loo_images", "methods",
+                              "teacher", "distill_logits", "distill_temperature", "distill_features")}
     mode = study_for(args.checkpoint)
     names = {ROUTER_STUDY: "the routers study", FINETUNE_STUDY: "the finetune study"}
     why = (f"{args.checkpoint} is a backbone without classifier" if mode == FINETUNE_STUDY else

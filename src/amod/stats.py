@@ -64,10 +64,8 @@ def bootstrap_mean_ci(values: np.ndarray, level: float = 0.95, n_boot: int = 10_
     values = values[~np.isnan(values)]
     if values.size == 0:
         return float("nan"), float("nan"), float("nan")
-    stats = values[np.random.default_rng(seed).integers(0, values.size, size=(n_boot, values.size))].mean(axis=1)
-    alpha = (1 - level) / 2
-    low, high = np.quantile(stats, [alpha, 1 - alpha])
-    return float(values.mean()), float(low), float(high)
+    ci = paired_bootstrap_ci(values, np.zeros_like(values), level, n_boot, seed)  # (the values against 0)
+    return ci.mean, ci.low, ci.high
 
 
 def spearman_ci(x: np.ndarray, y: np.ndarray, level: float = 0.95, n_boot: int = 10_000, seed: int = 0

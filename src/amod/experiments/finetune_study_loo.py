@@ -34,7 +34,6 @@ from ..checkpoint import load
 from ..errors import UserError
 from ..files import atomic_write, write_json, write_text
 from ..methods import MoD
-from ..mod.convert import mod_blocks
 from ..stats import bootstrap_mean_ci, spearman, spearman_ci
 from ..train.rundir import run_dir_name
 from .finetune_study_plan import LOO_ARMS, REFERENCE, FinetuneConfig, Planned
@@ -47,12 +46,15 @@ EVERY_BLOCK = "every block"  # (the key of the correlations averaged over a mode
 
 @dataclass
 class Judged:
-    """One model leave-one-out judges: its name, cost, and how to build it (loaded or converted when first needed)."""
+    """One model leave-one-out judges: its name, cost, MoD blocks, and how to build it (loaded or converted only when a
+    measurement is missing)."""
 
     name: str
     cost: float
     key: str  # what its kept measurements are bound to (its weights)
+    layers: tuple[int, ...]  # its MoD blocks
     build: Callable[[], nn.Module]
+    folder: str  # where its measurements are kept, under OUT/leave_one_out
 
 
 def judged_models(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned], kept: Callable[[Planned], Path],
@@ -67,12 +69,14 @@ def judged_models(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned],
         at = {p.arm.name: p for p in planned if round(p.cost_target, 6) == round(cost, 6)}
         if REFERENCE not in at:
             raise UserError(f"--loo-cost {cost:g} is not one of the study's costs ({', '.join(f'{c:g}' for c in cfg.costs)})")
-        layers = at[REFERENCE].method.layers
+        layers = tuple(at[REFERENCE].method.layers)
 
         def dense(layers=layers) -> nn.Module:  # MoD blocks at capacity 1.0: the dense model, scores read where A-MoD's are
             return MoD(router="attention", capacity=1.0, layers=layers, scale_output=False).apply(copy.deepcopy(start))
 
-        models.append(Judged(DENSE_LOO, cost, f"dense-{digest}", dense))
+        # (one folder for every cost: at capacity 1.0 a block's importances do not depend on where the other MoD blocks
+        # are, so a block measured at one cost is not measured again at another)
+        models.append(Judged(DENSE_LOO, cost, f"dense-{digest}", layers, dense, run_dir_name(DENSE_LOO)))
         for name in LOO_ARMS:
             if name not in at:
                 continue
@@ -80,7 +84,8 @@ def judged_models(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned],
             if not path.is_file():
                 missing.append(f"{name} at {cost:g} ({path})")
                 continue
-            models.append(Judged(name, cost, digest_of(path), lambda path=path: load(path)))
+            models.append(Judged(name, cost, digest_of(path), tuple(at[name].method.layers),
+                                 lambda path=path: load(path), f"cost{cost:g}/{run_dir_name(name)}"))
     if missing:
         raise UserError(f"leave-one-out judges the finetuned models of seed 0; not kept: {'; '.join(missing)}")
     return models
@@ -100,8 +105,7 @@ def measure(judged: Judged, images: torch.Tensor, labels: torch.Tensor, folder: 
         model = judged.build().eval()
         out["attention_stats"] = attention_stats(model, images)
         write_json(stats_path, {str(k): v for k, v in out["attention_stats"].items()})
-    layers = [layer for layer, _ in mod_blocks(model if model is not None else judged.build())]
-    for layer in layers:
+    for layer in judged.layers:
         path = folder / f"layer{layer}_{tag}.npz"
         if not path.is_file():
             if model is None:
@@ -154,7 +158,7 @@ def run_leave_one_out(cfg: FinetuneConfig, start: nn.Module, planned: list[Plann
     labels = torch.as_tensor([int(test[i][1]) for i in range(n)])
     results = []
     for judged in models:
-        folder = root / "leave_one_out" / f"cost{judged.cost:g}" / run_dir_name(judged.name)
+        folder = root / "leave_one_out" / judged.folder
         results.append((judged, correlations(measure(judged, images, labels, folder))))
     concentration = concentration_links(results)
     write_json(root / "leave_one_out.json", {
