@@ -132,6 +132,68 @@ def test_after_a_step_the_scores_are_its_own(scale_output):
             assert not torch.equal(out_h, att(x))
 
 
+def test_a_router_lr_moves_the_routers_alone_at_their_own_rate():
+    """``engine.param_groups(router_lr=...)``: the routers' parameters, and only they, take the rate (AdamW's first
+    step moves a weight by about its rate); every other parameter steps exactly as without it. A model without a
+    learned router is refused in one line."""
+    from amod.errors import UserError
+    from amod.train.engine import param_groups
+
+    _, hyb = pair(False)
+    hyb.train()
+    x, y = images(hyb, 4), torch.tensor([1, 4, 7, 2])
+    routers = {id(blk.router.proj.weight) for _, blk in amod.mod_blocks(hyb)}
+    groups = param_groups(hyb, 0.05, router_lr=1e-2)
+    plain = param_groups(hyb, 0.05)
+    # (the router weights are (1, d) matrices: they leave the decayed group for a decayed group of their own)
+    assert len(groups) == 3 and [len(g["params"]) for g in plain] == [len(groups[0]["params"]) + len(routers),
+                                                                      len(groups[1]["params"])]
+    listed = [id(p) for g in groups for p in g["params"]]
+    assert sorted(listed) == sorted(id(p) for p in hyb.parameters()) and len(set(listed)) == len(listed)
+    assert {id(p) for g in groups if "lr" in g for p in g["params"]} == routers
+    assert all(g["lr"] == 1e-2 and g["weight_decay"] == 0.05 for g in groups if "lr" in g)  # (d,)-row matrices
+    assert len(plain) == 2 and not any("lr" in g for g in plain)
+    assert {id(p) for g in plain for p in g["params"]} == set(listed)
+
+    def one_step(router_lr):
+        model = copy.deepcopy(hyb)
+        # (eps far below the tiny model's router gradients, ~1e-8: the first step is then lr * sign(grad))
+        opt = torch.optim.AdamW(param_groups(model, 0.05, router_lr), lr=1e-5, eps=1e-20)
+        loss_of(model, x, y).backward()
+        opt.step()
+        return dict(model.named_parameters())
+
+    fast, slow = one_step(1e-2), one_step(None)
+    for name, p in fast.items():
+        if ".router." in name:  # from zero, AdamW's first step is lr * sign(grad) where the gradient is not 0
+            assert p.abs().max().item() == pytest.approx(1e-2, rel=1e-3), name
+            assert slow[name].abs().max().item() == pytest.approx(1e-5, rel=1e-3), name
+        else:
+            assert torch.equal(p, slow[name]), name
+    att, _ = pair(False)
+    with pytest.raises(UserError, match=r"^--router-lr is for a learned router"):
+        param_groups(att, 0.05, router_lr=1e-3)
+
+
+def test_train_takes_a_router_lr_and_refuses_one_without_a_learned_router(tmp_path, capsys):
+    """``amod train --router-lr``: recorded in the run's settings (a resume with another rate is refused as any
+    changed setting is); zero, or a router without parameters, is refused in one line."""
+    import yaml
+
+    tiny = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "3", "--embed-dim", "32",
+            "--num-heads", "2", "--train-limit", "64", "--val-limit", "32", "--batch-size", "32", "--epochs", "1",
+            "--capacity", "0.5"]
+    out = tmp_path / "hybrid"
+    res = cli_in_process(["train", *tiny, "--router", "hybrid", "--router-lr", "1e-2", "--out", str(out)], capsys)
+    assert res.returncode == 0, res.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["router_lr"] == 1e-2
+    for args, message in ((["--router", "hybrid", "--router-lr", "0"], "--router-lr must be a positive number"),
+                          (["--router", "attention", "--router-lr", "1e-3"], "--router-lr is for a learned router")):
+        res = cli_in_process(["train", *tiny, *args, "--out", str(tmp_path / "refused")], capsys)
+        assert res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1, \
+            res.stderr
+
+
 def test_save_and_load_keep_its_weights_and_outputs(tmp_path):
     _, hyb = pair(True)
     torch.manual_seed(3)

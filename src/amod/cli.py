@@ -71,8 +71,8 @@ RUN_GROUPS = (("model", ("model", "pretrained", "checkpoint", "img_size", "patch
               ("distillation from a dense teacher", ("distill", "teacher", "distill_logits", "distill_temperature",
                                                      "distill_features")),
               ("data and optimisation", ("any_cost", "data", "train_limit", "val_limit", "workers", "skip_bad_images",
-                                         "epochs", "batch_size", "grad_accum", "lr", "warmup_epochs", "weight_decay",
-                                         "label_smoothing", "clip_grad", "seed", "amp", "out")))
+                                         "epochs", "batch_size", "grad_accum", "lr", "router_lr", "warmup_epochs",
+                                         "weight_decay", "label_smoothing", "clip_grad", "seed", "amp", "out")))
 FINETUNE_ONLY = ("pretrained", "checkpoint", "distill", "teacher", "distill_logits", "distill_temperature",
                  "distill_features")
 

@@ -82,6 +82,8 @@ class RunConfig:
                                             # --batch-size
     eval_batch_size: int = 256
     lr: float = 1e-3  # peak AdamW learning rate
+    router_lr: Optional[float] = flag(None, metavar="LR")  # peak AdamW learning rate of the parameters of a
+                                                           # learned router (standard, hybrid) (default: --lr)
     min_lr_ratio: float = 0.01  # the cosine ends at lr * min_lr_ratio
     warmup_epochs: float = 1.0  # linear warm-up of the learning rate, in epochs
     weight_decay: float = 0.05  # AdamW's
@@ -121,6 +123,8 @@ class RunConfig:
             raise UserError(f"--drop-path must be in [0, 1) (a stochastic-depth rate), got {self.drop_path}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise UserError(f"--lr must be a positive number, got {self.lr}")
+        if self.router_lr is not None and not (self.router_lr > 0 and math.isfinite(self.router_lr)):
+            raise UserError(f"--router-lr must be a positive number, got {self.router_lr}")
         if not (0.0 <= self.clip_grad < math.inf):
             raise UserError(f"--clip-grad must be >= 0 (0 turns clipping off), got {self.clip_grad}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

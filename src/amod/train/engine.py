@@ -219,16 +219,33 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
             "images_per_s": n / max(model_time, 1e-9)}
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW's two parameter groups for every training run (``amod train``/``finetune``, the finetune study, ``amod
+def param_groups(model: nn.Module, weight_decay: float, router_lr: Optional[float] = None) -> list[dict[str, Any]]:
+    """AdamW's parameter groups for every training run (``amod train``/``finetune``, the finetune study, ``amod
     detect train``): ``weight_decay`` on the weight matrices, none on biases, norms, position embeddings and tokens
-    (the usual ViT recipe), each group in ``named_parameters`` order; frozen parameters are left out."""
-    decay, no_decay = [], []
+    (the usual ViT recipe), each group in ``named_parameters`` order; frozen parameters are left out.
+
+    ``router_lr``: the routers' parameters (every ``amod.mod.routers.Router`` submodule's: a learned router's) get
+    groups of their own with this peak learning rate, the same decay rule and the same schedule (a scheduler
+    multiplies each group's own rate). A router learned from scratch, or a hybrid correction that starts at zero,
+    moves only about lr per AdamW step, so a backbone's finetuning rate (3e-5) leaves it where it started.
+    A ``UserError`` when the model has no trainable router parameter; None (the default): two groups as above."""
+    from ..mod.routers import Router  # (the training engine does not otherwise depend on the MoD package)
+
+    routed = {id(p) for m in model.modules() if isinstance(m, Router) for p in m.parameters() if p.requires_grad}
+    if router_lr is not None and not routed:
+        raise UserError("--router-lr is for a learned router (standard, hybrid); this model has no router "
+                        "parameters to train")
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {(r, d): [] for r in (False, True) for d in (True, False)}
     for name, p in model.named_parameters():
         if p.requires_grad:
             skip = p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "reg_token"))
-            (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups[router_lr is not None and id(p) in routed, not skip].append(p)
+    out = [{"params": groups[False, True], "weight_decay": weight_decay},
+           {"params": groups[False, False], "weight_decay": 0.0}]
+    if router_lr is not None:
+        out += [{"params": params, "weight_decay": weight_decay if decay else 0.0, "lr": router_lr}
+                for decay in (True, False) if (params := groups[True, decay])]
+    return out
 
 
 @dataclass

@@ -117,7 +117,7 @@ def _train(cfg: RunConfig, model: torch.nn.Module, state: Optional[dict[str, Any
     start_epoch = 1 if state is None else state["epoch"] + 1
     cost = flops(model)
     ratio = _share_of_dense(model, cost)
-    optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay, cfg.router_lr), lr=cfg.lr)
     steps_per_epoch = engine.steps_per_epoch(len(engine.make_loader(train_ds, cfg.batch_size, True, cfg.seed, 0,
                                                                     dist_info)), cfg.grad_accum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(
