@@ -153,6 +153,34 @@ def test_a_bf16_study_checks_bf16_against_one_fp32_dense_run(backbone_path, tmp_
     assert "bf16 check" in (out / "finetune.md").read_text()
 
 
+def test_an_arm_with_a_router_lr_trains_its_router_at_that_rate(backbone_path, tmp_path, monkeypatch):
+    """The router-lr arms (``Arm.router_lr``): their runs, and only theirs, give the routers' parameters an AdamW
+    group at that rate; the report says so."""
+    from amod.experiments import finetune_study
+    from amod.experiments.finetune_study_plan import ROUTER_LR, STANDARD_FAST
+    from amod.mod.routers import Router
+
+    made = []
+    real_adamw = torch.optim.AdamW
+
+    def recording_adamw(groups, **kw):  # each run's optimizer: which parameters got which rate
+        opt = real_adamw(groups, **kw)
+        made.append(opt)
+        return opt
+
+    monkeypatch.setattr(finetune_study.torch.optim, "AdamW", recording_adamw)
+    out = tmp_path / "fast"
+    assert amod_main(study_argv(backbone_path, out, "--methods", STANDARD_FAST, "--steps", "2")) == 0
+    with_router_group = [opt for opt in made if len(opt.param_groups) > 2]
+    assert len(made) == 4 and len(with_router_group) == 1  # dense, A-MoD, standard MoD, and the fast arm
+    fast = with_router_group[0]
+    assert [g["initial_lr"] for g in fast.param_groups] == [3e-5, 3e-5, ROUTER_LR, ROUTER_LR]
+    # the routers of MoD blocks 1-3 at 0.4 (4 blocks): their weights (decayed) and biases (not)
+    assert [(len(g["params"]), g["weight_decay"]) for g in fast.param_groups[2:]] == [(3, 0.05), (3, 0.0)]
+    assert {(r[2], r[4]) for r in final_rows(out)} >= {(STANDARD_FAST, 2), ("standard MoD", 2)}
+    assert f"'{STANDARD_FAST}': the router's parameters at lr 0.001" in (out / "finetune.md").read_text()
+
+
 def test_rows_of_other_settings_are_not_reused(tmp_path, backbone_path):
     from amod.experiments.finetune_study import weights_digest
 

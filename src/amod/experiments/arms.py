@@ -25,7 +25,9 @@ class Arm:
     (``FinetuneConfig.distillation``). ``any_cost``: one model per seed, trained at a cost drawn per step from this
     range (``amod.train.any_cost``) and evaluated at each study cost. ``steps``: its own schedule length (the long
     runs). ``best_of``: a long run of whichever of these arms has the best mean finetuned accuracy at the cost when
-    it starts. ``only_seeds``: run on the first seeds only. ``counterpart``: the arm the report compares it with."""
+    it starts. ``only_seeds``: run on the first seeds only. ``counterpart``: the arm the report compares it with.
+    ``router_lr``: the peak learning rate of its learned router's parameters (``engine.param_groups``; None: the
+    study's one rate for every parameter)."""
 
     name: str
     method: Optional[Method]  # None: set by ``best_of`` when the run is planned
@@ -37,6 +39,7 @@ class Arm:
     best_of: tuple[str, ...] = ()
     only_seeds: Optional[int] = None
     counterpart: Optional[str] = None
+    router_lr: Optional[float] = None
 
     @property
     def needs_images(self) -> bool:

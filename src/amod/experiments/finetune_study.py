@@ -142,7 +142,8 @@ def finetune_run(cfg: FinetuneConfig, start: nn.Module, planned: Planned, seed: 
         return
     model = planned.method.apply(copy.deepcopy(start)).to(device)
     dial = AnyCost(model, *planned.arm.any_cost) if planned.arm.any_cost else None
-    optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(engine.param_groups(model, cfg.weight_decay, planned.arm.router_lr),
+                                  lr=cfg.lr)
     warmup = max(1, round(cfg.warmup * steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, engine.warmup_cosine(steps, warmup))
     step = 0

@@ -33,8 +33,13 @@ CALIBRATED = "calibrated, nothing protected"
 ANY_COST = "any-cost A-MoD fold + distillation"
 LONG_STEPS = 1024
 HYBRID, HYBRID_STE = "hybrid", "hybrid unscaled (STE)"
+# A router that starts from zero (the hybrid's correction) or from a random draw (standard MoD's) moves about lr per
+# AdamW step: at the backbone's 3e-5 the hybrid's correction stays within 0.0075 of zero in 256 steps and routes as
+# A-MoD. These arms give the router's parameters a rate of their own (the rest keeps the study's).
+ROUTER_LR = 1e-3
+STANDARD_FAST, HYBRID_STE_FAST = (f"{name}, router lr {ROUTER_LR:g}" for name in ("standard MoD", HYBRID_STE))
 # the arms whose finetuned models leave-one-out judges (``finetune_study_loo``): their seed-0 weights are kept
-LOO_ARMS = (REFERENCE, "standard MoD", HYBRID, HYBRID_STE, "random")
+LOO_ARMS = (REFERENCE, "standard MoD", HYBRID, HYBRID_STE, STANDARD_FAST, HYBRID_STE_FAST, "random")
 CALIBRATION_IMAGES = 256  # the first of the probe's training images (labels unread)
 # The study's arms (``arms.Arm``), in the report's order (``--methods`` picks some by name).
 ARMS = (
@@ -46,6 +51,10 @@ ARMS = (
     # the review's hybrid router (A-MoD's attention times a learned correction that starts at 1), both output rules
     Arm(HYBRID, MoD(router="hybrid", scale_output=True), every_block_below=True, counterpart="standard MoD"),
     Arm(HYBRID_STE, MoD(router="hybrid", scale_output=False), every_block_below=True, counterpart="standard MoD"),
+    Arm(STANDARD_FAST, MoD(router="standard", scale_output=True), every_block_below=True, counterpart="standard MoD",
+        router_lr=ROUTER_LR),
+    Arm(HYBRID_STE_FAST, MoD(router="hybrid", scale_output=False), every_block_below=True, counterpart=STANDARD_FAST,
+        router_lr=ROUTER_LR),
     Arm("random", MoD(router="random", scale_output=False), every_block_below=True),
     Arm("isoFLOP dense", IsoFLOP(), isoflop_of=REFERENCE),
     Arm("ToMe", TokenMerging()),

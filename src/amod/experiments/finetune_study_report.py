@@ -88,6 +88,13 @@ def summarise(cfg: FinetuneConfig, planned: list[Planned], rows: EvalRows, n_tes
     return out
 
 
+def router_lr_text(arms: tuple[Arm, ...]) -> str:
+    """The clause naming the arms whose learned router has its own learning rate (``Arm.router_lr``), or ''."""
+    rates = sorted({a.router_lr for a in arms if a.router_lr is not None})
+    return "".join(f"; {' and '.join(repr(a.name) for a in arms if a.router_lr == lr)}: the router's parameters at lr "
+                   f"{lr:g} on the same schedule" for lr in rates)
+
+
 def steps_target(table: list[dict[str, Any]]) -> Optional[float]:
     """The accuracy every row's "steps to dense − 1 point" counts to: the short finetuned dense mean − 1 point (one
     target for every row, long runs included); None until a dense run has finished."""
@@ -112,7 +119,8 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
              f"probe (fitted on {cfg.probe_train} training images, L2 {probe.l2:g}). Every run: {cfg.steps} steps of "
              f"{cfg.batch_size} images ({cfg.steps * cfg.batch_size} images, the same ones in the same order for "
              f"every method of a seed), AdamW lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}, {cfg.warmup:.0%} "
-             f"warm-up then cosine, gradient clipping 1.0, {'bf16 autocast' if cfg.amp == 'bf16' else 'fp32'}. "
+             f"warm-up then cosine, gradient clipping 1.0, {'bf16 autocast' if cfg.amp == 'bf16' else 'fp32'}"
+             f"{router_lr_text(cfg.arms)}. "
              f"Accuracy on a fixed subset of {n_test} test images at steps {', '.join(map(str, [0] + cfg.eval_steps()))}; "
              f"{cfg.seeds} seeds (the seed sets the image order).", "",
              f"Command: `{command_line(cfg)}`", ""]
