@@ -81,6 +81,14 @@ def misses_cost(cost: float, target: float) -> bool:
     return abs(cost - target) / target > COST_TOLERANCE
 
 
+COST_DIGITS = 6  # cost targets equal to this many decimals are one cost point (0.4 given, 0.4 computed elsewhere)
+
+
+def same_cost(a: float, b: float) -> bool:
+    """Whether two cost targets (shares of the dense MACs) name the same cost point (``COST_DIGITS``)."""
+    return round(float(a), COST_DIGITS) == round(float(b), COST_DIGITS)
+
+
 def tolerance_text() -> str:
     """``COST_TOLERANCE`` as the reports write it (``2 %``): their words and their check read the one value."""
     return f"{100 * COST_TOLERANCE:g} %"

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from ..cost import same_cost
 from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..family import family_of
 from ..files import UnreadableFileError, load_torch
@@ -447,8 +448,7 @@ def _run_one(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch.devi
              else "", f": done, top-1 {prep.rows.get(seed, p.cost_target, p.arm.name, amp, steps)['top1']:.4f}"
              if done else "")
     keep = kept_model_path(root, p, seed, amp)
-    if done and (keep is None or keep.is_file() or not cfg.leave_one_out or
-                 all(round(c, 6) != round(p.cost_target, 6) for c in cfg.loo_costs)):
+    if done and not _retrain_to_keep(cfg, p, keep):
         return
     if done:
         log.info("    trained again to keep its weights for leave-one-out (%s)", keep)
@@ -457,6 +457,13 @@ def _run_one(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch.devi
     run_dir.mkdir(parents=True, exist_ok=True)
     finetune_run(cfg, prep.start, p, seed, amp, prep.train, prep.test_loader, prep.rows, run_dir, device, distilled,
                  also, keep=keep)
+
+
+def _retrain_to_keep(cfg: FinetuneConfig, p: Planned, keep: Optional[Path]) -> bool:
+    """Whether a finished run is trained again: leave-one-out judges it (``--leave-one-out``, one of ``--loo-cost``)
+    and its final weights, which it keeps (``keep``), are not there."""
+    return (cfg.leave_one_out and keep is not None and not keep.is_file()
+            and any(same_cost(c, p.cost_target) for c in cfg.loo_costs))
 
 
 def kept_model_path(root: Path, p: Planned, seed: int, amp: str) -> Optional[Path]:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..analysis import attention_stats, skip_importance
+from ..cost import same_cost
 from ..checkpoint import load
 from ..errors import UserError
 from ..files import atomic_write, write_json, write_text
@@ -66,7 +67,7 @@ def judged_models(cfg: FinetuneConfig, start: nn.Module, planned: list[Planned],
     models: list[Judged] = []
     missing = []
     for cost in cfg.loo_costs:
-        at = {p.arm.name: p for p in planned if round(p.cost_target, 6) == round(cost, 6)}
+        at = {p.arm.name: p for p in planned if same_cost(p.cost_target, cost)}
         if REFERENCE not in at:
             raise UserError(f"--loo-cost {cost:g} is not one of the study's costs ({', '.join(f'{c:g}' for c in cfg.costs)})")
         layers = tuple(at[REFERENCE].method.layers)

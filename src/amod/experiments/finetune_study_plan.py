@@ -15,7 +15,7 @@ import numpy as np
 from torch import nn
 
 from ..checkpoint import load_weightless
-from ..cost import misses_cost, validate_cost
+from ..cost import misses_cost, same_cost, validate_cost
 from ..family import family_of
 from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
@@ -239,7 +239,7 @@ def _best_of(cfg: FinetuneConfig, arm: Arm, cost: float, planned: list[Planned],
         return None
     candidates = {p.arm.name: p for p in planned if p.cost_target == cost and p.arm.name in arm.best_of}
     started = next((r.get("of") for r in rows.rows.values() if r["method"] == arm.name
-                    and round(r["cost_target"], 6) == round(cost, 6) and r.get("of") in candidates), None)
+                    and same_cost(r["cost_target"], cost) and r.get("of") in candidates), None)
     if started is None:
         means = {}
         for name in candidates:

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..cost import COST_DIGITS
 from ..train.resume import Journal
 
 log = logging.getLogger("amod")
@@ -45,7 +46,7 @@ class EvalRows(Journal):
 
     @staticmethod
     def key(seed: Optional[int], cost: float, method: str, amp: str, step: int) -> tuple:
-        return (seed, round(float(cost), 6), method, amp, step)
+        return (seed, round(float(cost), COST_DIGITS), method, amp, step)  # (one key per cost point: same_cost)
 
     def get(self, seed: Optional[int], cost: float, method: str, amp: str,  # type: ignore[override]
             step: int) -> Optional[dict[str, Any]]:
