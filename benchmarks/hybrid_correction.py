@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.stats import spearmanr
 
 import amod
 from amod.experiments.finetune_study_plan import FinetuneConfig
 from amod.mod.routers import AttentionRouter, HybridRouter
+from amod.mod.routing import select_tokens
+from amod.stats import spearman
 from amod.train.data import build_datasets
 
 
@@ -64,9 +65,10 @@ def main() -> None:
         for i, (attention, scores, k) in block_scores(model, x).items():
             norms.append(routers[i].router.proj.weight.norm().item())
             changes.append((scores / attention - 1).abs().max().item())
-            per_image = [spearmanr(a, s)[0] for a, s in zip(attention.numpy(), scores.numpy())]
+            per_image = [spearman(a, s) for a, s in zip(attention.numpy(), scores.numpy())]
             rhos.append(f"{np.mean(per_image):.3f} ({min(per_image):.3f})")
-            kept_a, kept_s = attention.topk(k, dim=1).indices, scores.topk(k, dim=1).indices
+            unit = routers[i].router.score_unit(attention.shape[1])  # (the model's own ranking, near-ties included)
+            kept_a, kept_s = (select_tokens(s, k, unit) for s in (attention, scores))
             moved.append(1 - np.mean([len(set(a.tolist()) & set(s.tolist())) / k for a, s in zip(kept_a, kept_s)]))
         print(f"| {path.parent.name} {path.stem} | {', '.join(f'{n:.4f}' for n in norms)} | "
               f"{', '.join(f'{100 * c:.1f} %' for c in changes)} | {', '.join(rhos)} | "
