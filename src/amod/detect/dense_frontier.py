@@ -39,8 +39,8 @@ from ..experiments.bench import (DEVICES, IMPLAUSIBLE_NOTE, TimingRounds, resolv
                                   speedup_text, time_callables, timing_key)
 from ..experiments.calibrate_command import CalibrationCache
 from ..experiments.features import features_key, finished_probe_rows
-from ..experiments.frontier import flag_implausible, readings, sweep_points
-from ..experiments.plots import accuracy_vs_cost_panels
+from ..experiments.frontier import flag_implausible, readings, speedup_figure, sweep_points
+from ..experiments.plots import save_figure
 from .segmentation import (PatchProbe, SegmentationCanvases, confusion, fit_patch_probe, grid_features,
                            patch_targets, segmentation_scores)
 
@@ -281,12 +281,8 @@ def _write_report(root: Path, cfg: DenseFrontierConfig, dense_row: dict[str, Any
     if any("calibration" in r for r in rows):
         lines += [f"The calibrated points chose their schedules on the first {cfg.calibration_images} training "
                   "canvases (no labels) by amod.calibrate's objective, the fidelity of the class token.", ""]
-    points = {name: [(1.0, dense_row["miou"])] + [(r["speed"][b]["speedup"], r["miou"]) for r in rows
-                                                   if r["method"] == name and not r["speed"][b].get("implausible")]
-              for name in methods}
-    png = accuracy_vs_cost_panels({f"zero training, batch {b} ({cfg.img_size} px)": points},
-                                  root / "dense_frontier.png", xlabel="measured speed-up over dense",
-                                  ylabel="segmentation mIoU (%)")
+    png = save_figure(speedup_figure(dense_row, rows, methods, [b], cfg.img_size, metric="miou",
+                                     ylabel="segmentation mIoU on test canvases (%)"), root / "dense_frontier.png")
     lines += [f"![mIoU against measured speed-up]({png.name})", ""]
     report = root / "dense_frontier.md"
     write_text(report, "\n".join(lines))

@@ -14,7 +14,7 @@ from ..stats import mean_std, paired_bootstrap_ci
 from ..train.distill import Distillation
 from .finetune_study_plan import ARMS, DENSE, LONG_STEPS, REFERENCE, Arm, FinetuneConfig, Planned, label
 from .finetune_study_rows import EvalRows, unpack
-from .plots import accuracy_vs_steps
+from .plots import Figure, save_figure, steps_figure
 from .probe import LinearProbe
 
 
@@ -157,19 +157,8 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
     notes = [f"- {r['method']} at {r['cost_target']:g}: {r['note']}" for r in table if r["note"]]
     if notes:
         lines += ["", "(!) where the cost or the setting differs from what was asked:", *notes]
-    curves_png = []
-    for cost in cfg.costs:
-        series = {}
-        for r in table:
-            if r["cost_target"] in (cost, 1.0) and None not in r["curve"]:
-                series[r["method"]] = (r["steps"], r["curve"])
-        if series:
-            done = sorted({r["seeds_done"] for r in table if r["method"] in series and r["cost_target"] in (cost, 1.0)})
-            seeds = f"{done[0]}" if len(done) == 1 else f"{done[0]}–{done[-1]}"
-            curves_png.append(accuracy_vs_steps(series, root / f"finetune_curves_{cost:g}.png",
-                                                f"finetuning at {cost:g} of dense MACs (mean of {seeds} of "
-                                                f"{cfg.seeds} seeds)",
-                                                _curve_styles([p.arm for p in planned if p.cost_target in (cost, 1.0)])))
+    curves_png = [save_figure(fig, root / f"finetune_curves_{cost:g}.png")
+                  for cost, fig in curve_figures(cfg, planned, table).items()]
     lines += [""] + [f"![curves at {p.stem}]({p.name})" for p in curves_png]
     lines += ["", f"images/s: inference at batch {cfg.speed_batch}, every architecture interleaved in one process, "
                   f"median of {cfg.speed_repeats}. Steps to target: the first evaluation step at which the seed-mean "
@@ -187,6 +176,24 @@ def write_report(root: Path, cfg: FinetuneConfig, checkpoint: Path, planned: lis
                                                             for p, a, b in precision]})
     print("\n".join(lines))
     return report
+
+
+def curve_figures(cfg: FinetuneConfig, planned: list[Planned], table: list[dict[str, Any]]) -> dict[float, Figure]:
+    """Per cost with a finished curve: the seed-mean curves (``summarise``'s rows) of its arms and dense, each in a
+    (colour, line style) of its own, an arm with a counterpart in its counterpart's colour where that pair is free."""
+    figures = {}
+    for cost in cfg.costs:
+        series = {}
+        for r in table:
+            if r["cost_target"] in (cost, 1.0) and None not in r["curve"]:
+                series[r["method"]] = (r["steps"], r["curve"])
+        if series:
+            done = sorted({r["seeds_done"] for r in table if r["method"] in series and r["cost_target"] in (cost, 1.0)})
+            seeds = f"{done[0]}" if len(done) == 1 else f"{done[0]}–{done[-1]}"
+            figures[cost] = steps_figure(series, f"finetuning at {cost:g} of dense MACs (mean of {seeds} of "
+                                                 f"{cfg.seeds} seeds)",
+                                         _curve_styles([p.arm for p in planned if p.cost_target in (cost, 1.0)]))
+    return figures
 
 
 def _curve_styles(arms: list[Arm]) -> dict[str, tuple[str, str]]:

@@ -45,7 +45,7 @@ from .bench import DEVICES, IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, s
 from .calibrate_command import CalibrationCache, calibration_grid
 from .compare import check_inputs
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
-from .plots import accuracy_vs_cost_panels
+from .plots import Figure, frontier_figure, save_figure
 from .presets import run_in_directory
 from .probe import LinearProbe, features, mean_cosine, probe_images
 from ..errors import UserError
@@ -359,6 +359,24 @@ def readings(rows: list[dict[str, Any]], dense_row: dict[str, Any], batch: int, 
     return out
 
 
+def speedup_figure(dense_row: dict[str, Any], rows: list[dict[str, Any]], methods: Sequence[str],
+                   batches: Sequence[str], img_size: int, metric: str = "top1",
+                   ylabel: str = "probe top-1 on test images (%)") -> Figure:
+    """``metric`` against measured speed-up, a panel per batch size: each method's points (a speed-up flagged
+    implausible left out) joined, dense one marker of its own at 1x; each point's error bar ± half the difference
+    between its two test halves (the tables' ±). Draws a report's json again: ``speedup_figure(d["dense"],
+    d["rows"], methods, list(d["dense"]["speed"]), d["img_size"])``."""
+    def point(r: dict[str, Any], speedup: float) -> tuple[float, float, Optional[float]]:
+        halves = r.get("halves")
+        return speedup, r[metric], None if not halves else abs(halves[0] - halves[1]) / 2
+
+    panels = {f"zero training, batch {b} ({img_size} px)": (
+        point(dense_row, 1.0),
+        {name: [point(r, r["speed"][b]["speedup"]) for r in rows if r["method"] == name and _trusted(r, b)]
+         for name in methods}) for b in batches}
+    return frontier_figure(panels, "measured speed-up over dense", ylabel)
+
+
 def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int, n_val: int, img_size: int,
                   dense_row: dict[str, Any], rows: list[dict[str, Any]], same: dict[str, str]) -> Path:
     methods = [e.name for e in cfg.methods]
@@ -422,12 +440,7 @@ def _write_report(root: Path, cfg: FrontierConfig, data_name: str, n_train: int,
             lines.append(f"| {r['method']} | {r['cost_target']:g} | {' | '.join(chosen_cells(report))} | "
                          f"{report['seconds']:.0f} |")
         lines.append("")
-    panels = {}
-    for b in batches:
-        panels[f"zero training, batch {b} ({img_size} px)"] = {
-            name: [(1.0, dense_row["top1"])] + [(r["speed"][b]["speedup"], r["top1"]) for r in rows
-                                                 if r["method"] == name and _trusted(r, b)] for name in methods}
-    png = accuracy_vs_cost_panels(panels, root / "frontier.png", xlabel="measured speed-up over dense")
+    png = save_figure(speedup_figure(dense_row, rows, methods, batches, img_size), root / "frontier.png")
     lines += [f"![accuracy against measured speed-up]({png.name})", ""]
     report = root / "frontier.md"
     write_text(report, "\n".join(lines))
