@@ -392,17 +392,18 @@ def convert_to_mod_blocks(model: nn.Module, config: MoDConfig, family: Any) -> N
     A-MoD's scores to each from the block before it (the conversion of every ``MoDMode``). ``family``: the model's
     (``amod.families``), which makes each block take its role."""
     blocks = model.blocks
+    scored = router_class(config.router).needs_attention
     for i in config.layers:
         family.check_block(blocks[i], i)
+        if scored and i - 1 not in config.layers:  # (checked before any block changes: a block before another MoD
+            family.check_block(blocks[i - 1], i - 1)  # block is converted here, and scores as one)
     for i in config.layers:
         blk = family.make_mod(blocks[i])
         weight = next(blk.parameters())
         blk.router = build_router(config.router, family.router_dim(blk), seed=config.seed + i)
         blk.router.to(device=weight.device, dtype=weight.dtype)
         blk.amod = MoDSettings(config=config, num_prefix=model.num_prefix_tokens)
-    if router_class(config.router).needs_attention:
-        for i in config.layers:
-            family.check_block(blocks[i - 1], i - 1)
+    if scored:
         wire_score_handoffs(blocks, config.layers, config.scale_output, family.make_scoring)
 
 
