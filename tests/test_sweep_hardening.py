@@ -75,3 +75,87 @@ def test_compare_and_frontier_check_and_set_up_their_default_methods_on_a_saved_
     assert {p.entry.name for p in points} == {a.name for a in plain}
     assert _layer_classes(dense) == ["ViTLayer"] * 4  # (every setting was made on a copy)
 
+
+# ---------------------------------------------------------------- one command per output directory
+
+# every command that writes an output directory, with the flags that bring it to its --out (a backbone's file: BACKBONE)
+DIRECTORY_COMMANDS = {
+    "compare": ["compare", "--checkpoint", "BACKBONE"],
+    "frontier": ["frontier", "--checkpoint", "BACKBONE"],
+    "dense-frontier": ["dense-frontier", "--checkpoint", "BACKBONE"],
+    "analyze": ["analyze", "attention", "--checkpoint", "BACKBONE"],
+    "study (finetune)": ["study", "--checkpoint", "BACKBONE"],
+    "study (routers)": ["study", "--quick"],
+    "demo --toy": ["demo", "--toy", "--quick"],
+    "detect train": ["detect", "train"],
+    "train": ["train", "--epochs", "1"],
+}
+
+
+@pytest.mark.parametrize("name", list(DIRECTORY_COMMANDS))
+def test_a_second_command_into_a_held_directory_is_refused_in_one_line_writing_nothing(name, backbone_path, tmp_path,
+                                                                                       capsys):
+    """While one command holds --out (its lock: RunDirectory, as every such command takes it), another is refused in
+    one line naming the holder, exit status 2, and writes nothing there."""
+    from amod.train.rundir import RunDirectory
+
+    if name == "detect train":
+        pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    argv = [str(backbone_path) if a == "BACKBONE" else a for a in DIRECTORY_COMMANDS[name]] + ["--out", str(out)]
+    with RunDirectory(out, log_name=None):
+        res = cli_in_process(argv, capsys)
+        assert sorted(p.name for p in out.iterdir()) == [".amod.lock"]
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert f"{out} is in use by another amod run (pid " in res.stderr
+
+
+@pytest.fixture(scope="module")
+def classifier_file(tmp_path_factory):
+    """A tiny 28-px, 1-channel Fashion-MNIST classifier saved by amod (what `amod analyze` takes)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=28, patch_size=7, depth=2,
+                              embed_dim=32, num_heads=2, in_chans=1, num_classes=10)
+    return amod.save(model, tmp_path_factory.mktemp("classifier") / "model.safetensors")
+
+
+# the sweep commands, each with what it runs once it holds --out (module, function): the test stops it there
+HOLDING = {
+    "compare": (["compare", "--checkpoint", "BACKBONE", "--cost", "0.75", "--methods", "ToMe"],
+                "amod.experiments.compare", "_run_compare"),
+    "frontier": (["frontier", "--checkpoint", "BACKBONE", "--cost", "0.75", "--methods", "ToMe"],
+                 "amod.experiments.frontier", "_run"),
+    "dense-frontier": (["dense-frontier", "--checkpoint", "BACKBONE", "--img-size", "42", "--cost", "0.75",
+                        "--methods", "ToMe"], "amod.detect.dense_frontier", "_run"),
+    "analyze": (["analyze", "attention", "--checkpoint", "CLASSIFIER", "--images", "2"],
+                "amod.experiments.analyze_command", "attention_stats"),
+    "study (routers)": (["study", "--quick"], "amod.experiments.router_study", "_run_study"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOLDING))
+def test_every_sweep_holds_its_directory_while_it_works(name, backbone_path, classifier_file, tmp_path, capsys,
+                                                        monkeypatch):
+    """Each command takes --out's lock before its work: stopped in the middle of it, the directory is held (another
+    process asking for it is refused, told who holds it), and let go when the command ends."""
+    import importlib
+
+    from amod.train.rundir import LOCK_NAME, Lock
+
+    argv, module, function = HOLDING[name]
+    out = tmp_path / "out"
+    files = {"BACKBONE": str(backbone_path), "CLASSIFIER": str(classifier_file)}
+    seen = []
+
+    def working(*args, **kwargs):
+        with pytest.raises(UserError, match="is in use by another amod run"):
+            Lock(out, out / LOCK_NAME).__enter__()
+        seen.append(name)
+        raise UserError("stopped by the test")
+
+    monkeypatch.setattr(importlib.import_module(module), function, working)
+    res = cli_in_process([files.get(a, a) for a in argv] + ["--out", str(out)], capsys)
+    assert seen == [name] and res.returncode == 2 and "stopped by the test" in res.stderr, res.stderr[-2000:]
+    assert not (out / LOCK_NAME).exists()

@@ -41,6 +41,7 @@ from ..experiments.calibrate_command import CalibrationCache
 from ..experiments.features import features_key, finished_probe_rows
 from ..experiments.frontier import flag_implausible, readings, speedup_figure, sweep_points
 from ..experiments.plots import save_figure
+from ..experiments.presets import run_in_directory
 from .segmentation import (PatchProbe, SegmentationCanvases, confusion, fit_patch_probe, grid_features,
                            patch_targets, segmentation_scores)
 
@@ -109,9 +110,8 @@ def run_dense_frontier(cfg: DenseFrontierConfig) -> Path:
     """Measure every (method, cost) point (reusing finished ones), time them all, and write the report."""
     cfg.validate()
     check_output_dir(cfg.out)
-    root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
-    return _run(cfg, root)
+    # held (its lock, its log) while it runs: a second sweep into --out is refused, as every multi-run command's is
+    return run_in_directory(cfg.out, "fashion-mnist", lambda root: _run(cfg, root))  # (the canvases' items)
 
 
 def _run(cfg: DenseFrontierConfig, root: Path) -> Path:

@@ -14,7 +14,7 @@ from ..files import dumps, made_directory, write_text
 from ..mod.modes import mode_list, skipped_mode
 from ..checkpoint import load
 from ..train.data import build_datasets, first_images, normalization
-from ..train.rundir import check_output_dir
+from ..train.rundir import RunDirectory, check_output_dir
 from ..analysis import attention_stats, check_loo_model, kept_positions, leave_one_out
 from .plots import keep_frequency_figure, routing_figure
 from ..errors import UserError
@@ -58,7 +58,8 @@ def run_analysis(cfg: AnalyzeConfig) -> tuple[Any, str]:
         raise UserError(f"the model takes {model.patch_embed.proj.in_channels}-channel images; {info.name} has "
                         f"{info.in_chans} channels")
     xs, ys = first_images(val, cfg.images)
-    with made_directory(out):  # (an analysis that fails leaves no empty --out)
+    # (an analysis that fails leaves no empty --out; held while it writes: a second command into --out is refused)
+    with made_directory(out), RunDirectory(out, log_name=None):
         if cfg.analysis == "loo":
             result = leave_one_out(model, xs, ys, tokens=cfg.tokens)
             summary = dumps({str(k): {"router": v["router"], "random": v["random"]}
