@@ -87,6 +87,25 @@ def test_cli_flops_prints_the_table_and_fails_cleanly(capsys):
     assert ratios[0] > 0.739  # the merge mode's similarities cost more than bypass at C = 0.5 (0.739)
 
 
+def test_cli_flops_table_columns_line_up_with_a_long_spec_label(capsys):
+    from amod.cli import main
+
+    long = "mod:router=attention,capacity=0.5,skipped=fold,protect=0.3"
+    assert main(["flops", "vit_tiny_patch16_224", "--capacity", "1", "--method", long, "--method",
+                 "tome:cost=0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("model "))
+    table = lines[header:header + 4]
+    assert [line.split()[2] for line in table[1:]] == ["1.000", long, "tome:cost=0.5"]  # (both --method flags)
+    # the header's column ends: the model column is left-aligned (it ends where the next one's padding starts), the
+    # others right-aligned; every row has a cell ending at each and a separator after it
+    ends = [table[0].index(c) + len(c) for c in ("img", "capacity", "GMACs", "GFLOPs", "vs dense", "ideal x")]
+    assert len({len(line) for line in table}) == 1
+    for line in table[1:]:
+        assert all(line[e - 1] != " " and (e == len(line) or line[e:e + 2] == "  ") for e in ends), (table, ends)
+        assert line.index(" ") < table[0].index("img") - 1  # the model name fits its column
+
+
 def test_a_fold_capacity_below_what_the_matching_can_reach_is_named_and_priced_as_the_floor():
     import warnings
 

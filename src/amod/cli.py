@@ -46,8 +46,9 @@ def _flops_flags(p: argparse.ArgumentParser) -> None:
     shorthand_flags(p, FLOPS_MOD_OPTIONS, default=None)
     p.add_argument("--tome-cost", type=float, nargs="+", default=None,
                    help="also price token merging (ToMe) matched to these shares of dense MACs")
-    p.add_argument("--method", dest="method_specs", nargs="+", default=[], metavar="SPEC",
-                   help="also price these registered methods, by spec: KIND[:FIELD=VALUE,...], e.g. pitome:keep=0.7")
+    p.add_argument("--method", dest="method_specs", nargs="+", action="extend", default=[], metavar="SPEC",
+                   help="also price these registered methods, by spec: KIND[:FIELD=VALUE,...], e.g. pitome:keep=0.7 "
+                        "(the flag may be given again)")
     p.add_argument("--img-size", type=positive_int, default=None)
 
 

@@ -114,13 +114,18 @@ def saved_notes(rows: Sequence[tuple[str, str, CostReport]]) -> list[str]:
             "architecture at these settings" for name, label, _ in rows if label == SAVED]
 
 
+FLOPS_COLUMNS = ("model", "img", "capacity", "GMACs", "GFLOPs", "vs dense", "ideal x")
+
+
 def format_flops_table(rows: Sequence[tuple[str, str, CostReport]]) -> list[str]:
-    """The table's lines."""
-    lines = [f"{'model':34s} {'img':>9s} {'capacity':>10s} {'GMACs':>8s} {'GFLOPs':>8s} {'vs dense':>8s} {'ideal x':>7s}"]
-    for name, label, r in rows:
-        lines.append(f"{name:34s} {r.img_size[0]:>4d}x{r.img_size[1]:<4d} {label:>10s} {r.gmacs:>8.3f} "
-                     f"{r.flops / 1e9:>8.3f} {r.ratio:>8.3f} {1 / r.ratio:>7.2f}")
-    return lines
+    """The table's lines: each column as wide as its widest cell (a long model name or method spec included), two
+    spaces between columns, the model names left-aligned and the numbers right-aligned."""
+    cells = [FLOPS_COLUMNS] + [(name, f"{r.img_size[0]}x{r.img_size[1]}", label, f"{r.gmacs:.3f}",
+                                f"{r.flops / 1e9:.3f}", f"{r.ratio:.3f}", f"{1 / r.ratio:.2f}")
+                               for name, label, r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(FLOPS_COLUMNS))]
+    return ["  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])])
+            for row in cells]
 
 
 def flops_report(models: Sequence[str], capacities: Sequence[float], mod: MoD, tome_costs: Sequence[float] = (),
