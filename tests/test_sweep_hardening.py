@@ -159,3 +159,25 @@ def test_every_sweep_holds_its_directory_while_it_works(name, backbone_path, cla
     res = cli_in_process([files.get(a, a) for a in argv] + ["--out", str(out)], capsys)
     assert seen == [name] and res.returncode == 2 and "stopped by the test" in res.stderr, res.stderr[-2000:]
     assert not (out / LOCK_NAME).exists()
+
+
+# ---------------------------------------------------------------- a file's amod.model that is not an object
+
+@pytest.mark.parametrize("entry", ["[1, 2]", "7", '"vit"', "null"])
+def test_a_model_description_that_is_valid_json_but_no_object_is_refused_in_one_line_by_every_reader(
+        entry, backbone_path, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from amod.checkpoint import family_of_file, load_weightless
+
+    with safe_open(str(backbone_path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    path = tmp_path / "odd.safetensors"
+    save_file(tensors, str(path), metadata={**meta, "amod.model": entry})
+    said = f"{path}: its amod metadata cannot be rebuilt into a model (UserError: amod.model is a "
+    for read in (amod.load, load_weightless, family_of_file):
+        with pytest.raises(UserError, match="^" + said.replace("(", r"\(")):
+            read(path)
+    res = cli_in_process(["eval", "--checkpoint", str(path)], capsys)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr[-2000:]

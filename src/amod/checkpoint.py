@@ -128,18 +128,24 @@ def family_of_file(path: PathLike) -> Family:
     family of this amod."""
     meta = read_metadata(path)
     try:
-        info = json.loads(meta["amod.model"])
-        if not isinstance(info, dict):
-            raise UserError(f"amod.model is a {type(info).__name__}, not a description")
-        return family_for(info)
+        return family_for(_description(meta))
     except ValueError as e:
         raise UserError(f"{path}: its amod metadata cannot be rebuilt into a model ({type(e).__name__}: {e})") from None
+
+
+def _description(meta: dict[str, str]) -> dict[str, Any]:
+    """The ``amod.model`` entry of a file's metadata: a JSON object (what ``Family.describe`` wrote), or a
+    ValueError saying what it is instead."""
+    info = json.loads(meta["amod.model"])
+    if not isinstance(info, dict):
+        raise UserError(f"amod.model is a {type(info).__name__}, not a description")
+    return info
 
 
 def _build(path: PathLike, meta: dict[str, str]) -> tuple[nn.Module, dict[str, Any]]:
     """(the model the metadata names, without its weights; the ``amod.model`` entry)."""
     try:
-        info = json.loads(meta["amod.model"])
+        info = _description(meta)
         dense = family_for(info).rebuild(info, meta)
         info = {**info, "arch": info.get("arch") or info.get("hf")}  # what the errors below name
         model = method_from_metadata(meta).restore(dense)  # (an isoFLOP file's blocks are the fewer already)
