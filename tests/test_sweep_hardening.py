@@ -181,3 +181,57 @@ def test_a_model_description_that_is_valid_json_but_no_object_is_refused_in_one_
             read(path)
     res = cli_in_process(["eval", "--checkpoint", str(path)], capsys)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- a calibration's tilts, a fold model's shape
+
+def test_tilts_and_shape_exponents_are_refused_beyond_their_bounds_where_the_method_is_made(backbone_path, tmp_path,
+                                                                                             capsys):
+    """A tilt's schedule is exp(±tilt / 2) over the blocks: beyond MAX_TILT it overflows (at 1e300 an OverflowError
+    traceback), so the method refuses it when it is made, in one line with the range; at the bound the schedule is
+    finite at any depth. A fold block's exponent beyond MAX_SHAPE_EXPONENT changes nothing: at every capacity of amod's
+    0.001 grid below 1 the block already folds all it can (two below it, a 3-token block folds less)."""
+    from amod.methods import parse_method
+    from amod.mod.calibrate import MAX_TILT, tilt_shape
+    from amod.mod.config import MAX_SHAPE_EXPONENT
+    from amod.mod.fold import fold_count
+
+    for depth in (2, 4, 12, 40, 1000):
+        for tilt in (-MAX_TILT, MAX_TILT):
+            assert all(math.isfinite(w) for w in tilt_shape(tilt, depth))
+    with pytest.raises(OverflowError):
+        tilt_shape(MAX_TILT + 20, 12)
+    for spec in ("calibrated:tilts=[1e300]", f"calibrated:tilts=[0,{-MAX_TILT - 1:g}]"):
+        with pytest.raises(UserError, match=r"^a tilt must be a finite number in \[-1400, 1400\]"):
+            parse_method(spec)
+    assert parse_method(f"calibrated:tilts=[{-MAX_TILT:g},{MAX_TILT:g}]").tilts == (-MAX_TILT, MAX_TILT)
+
+    saturated = [fold_count(0.999 ** MAX_SHAPE_EXPONENT, t, p) == fold_count(1e-12, t, p)
+                 for t in range(2, 4000) for p in (0.0, 0.25)]
+    assert all(saturated) and fold_count(0.999 ** (MAX_SHAPE_EXPONENT - 2), 3, 0.0) < fold_count(1e-12, 3, 0.0)
+    with pytest.raises(UserError, match=r"^shape must be finite numbers >= 0 and at most 1100"):
+        parse_method("mod:skipped=fold,shape=[1e300,1,1,1]")
+    with pytest.raises(UserError, match=r"^shape must be 4 finite numbers >= 0 and at most 1100"):
+        amod.convert(amod.load(backbone_path), skipped="fold", shape=[1101.0, 1.0, 1.0, 1.0])
+    assert parse_method(f"mod:skipped=fold,shape=[{MAX_SHAPE_EXPONENT},0,1,1]").shape[0] == MAX_SHAPE_EXPONENT
+
+    # on the command line: one line, exit status 2, before any work
+    for argv in (["frontier", "--checkpoint", str(backbone_path), "--methods", "calibrated:tilts=[1e300]", "--out",
+                  str(tmp_path / "f")],
+                 ["flops", "vit_tiny_patch16_224", "--method", "mod:skipped=fold,shape=[1e300,1,1,1,1,1,1,1,1,1,1,1]"]):
+        res = cli_in_process(argv, capsys)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+        assert "must be a finite number in [-1400, 1400]" in res.stderr or "at most 1100" in res.stderr
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_calibration_at_the_largest_tilt_runs(backbone_path):
+    """At MAX_TILT (the bound, not past it) the calibration is set to a cost as at any other tilt: every fold in the
+    last block."""
+    from amod.methods import parse_method
+    from amod.mod.calibrate import MAX_TILT
+
+    dense = amod.load(backbone_path).eval()
+    images = torch.randn(4, 3, 42, 42, generator=torch.Generator().manual_seed(0))
+    method = parse_method(f"calibrated:tilts=[{MAX_TILT:g}],protects=[0]").at_cost(dense, 0.8, images)
+    assert method.shape == (0.0, 0.0, 0.0, 4.0)

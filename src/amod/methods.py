@@ -32,8 +32,10 @@ from torch import nn
 
 from .family import weightless_copy
 from .cost import flops, validate_cost
-from .mod.calibrate import DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate
-from .mod.config import LAYER_PRESETS, MoDConfig, validate_capacity, validate_protect, validate_router, validate_skipped
+from .mod.calibrate import (DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate, validate_calibration_router, validate_protects,
+                             validate_tilts)
+from .mod.config import (LAYER_PRESETS, MoDConfig, validate_capacity, validate_protect, validate_router, validate_shape,
+                          validate_skipped)
 from .mod.modes import skipped_mode, skipped_mode_names
 from .mod.routers import vit_routers
 from .mod.convert import DEFAULT_LAYERS, capacity_for_cost, convert
@@ -315,6 +317,7 @@ class MoD(Method):
         validate_capacity(self.capacity)
         validate_skipped(self.skipped)
         validate_protect(self.protect)
+        validate_shape(self.shape)  # (its length: when it converts a model)
         if isinstance(self.layers, str) and self.layers not in LAYER_PRESETS:
             raise UserError(f"mod: layers must be one of {', '.join(LAYER_PRESETS)} or a list of block indices, got "
                             f"{self.layers!r}")
@@ -553,6 +556,11 @@ class Calibrated(Method):
     router: str = MoDConfig.router
     protects: tuple[float, ...] = DEFAULT_PROTECTS
     tilts: tuple[float, ...] = DEFAULT_TILTS
+
+    def check(self) -> None:
+        validate_calibration_router(self.router)
+        validate_protects(self.protects)
+        validate_tilts(self.tilts)
 
     def apply(self, model: nn.Module) -> nn.Module:
         raise UserError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "

@@ -39,6 +39,7 @@ from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
 from .config import MoDConfig, validate_protect
 from .convert import capacity_for_cost, convert, get_config
+from .routers import router_class
 from ..errors import UserError
 
 log = logging.getLogger("amod")
@@ -115,13 +116,39 @@ def _features(model: nn.Module, images: torch.Tensor, batch_size: int) -> torch.
     return torch.cat(out)
 
 
-def _validate_tilts(tilts: Sequence[float]) -> list[float]:
+# The largest tilt whose schedule can be computed: ``tilt_shape`` takes exp(tilt · (i / (L − 1) − ½)), up to
+# exp(|tilt| / 2), and its sum over the blocks; a float holds exp(x) up to x = 709.78, so |tilt| <= 1400 keeps both
+# finite at any depth below 17,000 blocks. (The schedule stops changing long before: once a tilt puts nearly all of the
+# folding in the first or the last block, e.g. from |tilt| of about 140 on a 12-block model.)
+MAX_TILT = 1400.0
+
+
+def validate_tilts(tilts: Any) -> list[float]:
+    """``tilts`` (``calibrate``'s grid of schedules) as a list of floats, or a ValueError saying what is allowed:
+    a non-empty list of numbers in [-``MAX_TILT``, ``MAX_TILT``]."""
     if isinstance(tilts, (str, bytes)) or not isinstance(tilts, Sequence) or not tilts:
         raise UserError(f"tilts must be a non-empty list of numbers, got {tilts!r}")
     for t in tilts:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-            raise UserError(f"a tilt must be a finite number (the schedule's slope over the blocks), got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or abs(t) > MAX_TILT:
+            raise UserError(f"a tilt must be a finite number in [-{MAX_TILT:g}, {MAX_TILT:g}] (the schedule's slope "
+                            f"over the blocks; exp(tilt / 2) must be a float), got {t!r}")
     return [float(t) for t in tilts]
+
+
+def validate_protects(protects: Any) -> list[float]:
+    """``protects`` (``calibrate``'s grid of protected shares) as a list of floats, or a ValueError."""
+    if isinstance(protects, (str, bytes)) or not isinstance(protects, Sequence) or not protects:
+        raise UserError(f"protects must be a non-empty list of shares in [0, 1), got {protects!r}")
+    return [validate_protect(p) for p in protects]
+
+
+def validate_calibration_router(router: Any) -> str:
+    """``router``, if a calibration can rank with it: registered and not learned (a calibration trains nothing, and a
+    fold block routes with a parameter-free router); else a ValueError saying which."""
+    if router_class(router).learnable:
+        raise UserError(f"router {router!r} learns its scores; a calibration trains nothing: give attention (A-MoD) "
+                        "or a control such as random")
+    return router
 
 
 def _validate_images(model: nn.Module, images: Any) -> torch.Tensor:
@@ -169,10 +196,9 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
             no candidate reaches (naming the lowest one that does).
     """
     cost = validate_cost(cost)
-    tilts = _validate_tilts(tilts)
-    if isinstance(protects, (str, bytes)) or not isinstance(protects, Sequence) or not protects:
-        raise UserError(f"protects must be a non-empty list of shares in [0, 1), got {protects!r}")
-    protects = [validate_protect(p) for p in protects]
+    tilts = validate_tilts(tilts)
+    protects = validate_protects(protects)
+    validate_calibration_router(router)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size must be a positive integer, got {batch_size!r}")
     family = family_of(model)

@@ -88,19 +88,33 @@ def validate_protect(protect: Any) -> float:
     return float(protect)
 
 
-def validate_shape(shape: Any, depth: int) -> Optional[list[float]]:
-    """Return ``shape`` (one capacity exponent per block, or None) as a list of floats, or raise a ValueError."""
+# The largest capacity exponent of a fold block that changes anything. amod sets capacities on a grid of 0.001 steps
+# (``capacity_for_cost``), the largest below 1 being 0.999, and a fold block of t patch tokens removes at most
+# (t + 1) // 2 of them (``fold.fold_count``), all it can once it keeps a share of at most 1/3 (t = 3 needs the most):
+# 0.999 ** 1100 = 0.333, so from this exponent on a block folds all it can at every capacity of the grid below 1 (and
+# nothing at 1), and a larger one changes nothing. (``amod.calibrate``'s exponents average 1.)
+MAX_SHAPE_EXPONENT = 1100
+
+
+def validate_shape(shape: Any, depth: Optional[int] = None) -> Optional[list[float]]:
+    """Return ``shape`` (one capacity exponent per block, or None) as a list of floats, or raise a ValueError saying
+    what is allowed: numbers in [0, ``MAX_SHAPE_EXPONENT``], ``depth`` of them (None: the model is not known yet, as
+    when a method is made; its length is checked when it converts one)."""
     if shape is None:
         return None
+    blocks = "" if depth is None else f"{depth} "
     try:
         values = list(shape)
     except TypeError:
-        raise UserError(f"shape must be a list of {depth} numbers (one capacity exponent per block), "
+        raise UserError(f"shape must be a list of {blocks}numbers (one capacity exponent per block), "
                         f"got {shape!r}") from None
-    if len(values) != depth or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                   or v < 0 for v in values):
-        raise UserError(f"shape must be {depth} finite numbers >= 0 (one capacity exponent per block of this "
-                        f"model), got {shape!r}")
+    if (depth is not None and len(values) != depth) or not values or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or not 0 <= v <= MAX_SHAPE_EXPONENT for v in values):
+        raise UserError(f"shape must be {blocks}finite numbers >= 0 and at most {MAX_SHAPE_EXPONENT} (one capacity "
+                        f"exponent per block{'' if depth is None else ' of this model'}: block i keeps capacity ** "
+                        f"shape[i] of its patch tokens, and beyond {MAX_SHAPE_EXPONENT} nothing changes), got "
+                        f"{shape!r}")
     return [float(v) for v in values]
 
 
