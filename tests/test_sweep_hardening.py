@@ -235,3 +235,35 @@ def test_a_calibration_at_the_largest_tilt_runs(backbone_path):
     images = torch.randn(4, 3, 42, 42, generator=torch.Generator().manual_seed(0))
     method = parse_method(f"calibrated:tilts=[{MAX_TILT:g}],protects=[0]").at_cost(dense, 0.8, images)
     assert method.shape == (0.0, 0.0, 0.0, 4.0)
+
+
+# ---------------------------------------------------------------- a method given with a cost of its own
+
+@pytest.mark.parametrize("command", ["compare", "frontier", "dense-frontier", "study"])
+def test_a_method_with_its_own_cost_is_refused_where_every_method_is_set_to_each_cost(command, backbone_path, tmp_path,
+                                                                                       capsys):
+    """`amod compare --cost 0.5 --methods ppt:cost=0.3` ran PPT at 0.5 in a row that showed ppt:cost=0.3: each command
+    that sets its methods to its --cost values refuses such a method in one line (one shared check), before any work."""
+    out = tmp_path / "out"
+    res = cli_in_process([command, "--checkpoint", str(backbone_path), "--cost", "0.5", "0.6", "--methods", "ToMe",
+                          "ppt:cost=0.3", "--out", str(out)], capsys)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+    assert (f"--methods 'ppt:cost=0.3' gives the method its own cost (cost=0.3), and amod {command} sets every method "
+            "to each --cost (0.5 0.6): drop cost= from the spec") in res.stderr
+    assert not out.exists()
+
+
+def test_the_libraries_configurations_refuse_a_method_with_its_own_cost_too():
+    from amod.detect.dense_frontier import DenseFrontierConfig
+    from amod.experiments.arms import Arm
+    from amod.experiments.compare import CompareConfig
+    from amod.experiments.finetune_study_plan import FinetuneConfig
+    from amod.experiments.frontier import FrontierConfig
+    from amod.methods import PiToMe, TokenMerging
+
+    own = (Arm("ToMe at 0.3", TokenMerging(cost=0.3)),)
+    for config in (CompareConfig(methods=own), FrontierConfig(checkpoint="unused", methods=own),
+                   DenseFrontierConfig(checkpoint="unused", methods=own),
+                   FinetuneConfig(checkpoint="unused", arms=(Arm("p", PiToMe()), *own))):
+        with pytest.raises(UserError, match="'ToMe at 0.3' gives the method its own cost"):
+            config.validate()

@@ -181,7 +181,8 @@ def _methods_flag(p: Any, lead: str, tail: str = "; default all", default: Any =
     """``--methods`` of compare, frontier and the finetune study: which of its methods a command runs (``.only``)."""
     p.add_argument("--methods", nargs="+", default=default, metavar="NAME",
                    help=f"{lead} (names as in the report, e.g. ToMe 'A-MoD fold'), or any registered method by its "
-                        f"kind or spec (tome:cost=0.5){tail}")
+                        f"kind or spec (pitome, ppt:threshold=1e-4), each set to every --cost (a spec with a cost= of "
+                        f"its own is refused){tail}")
 
 
 def _demo_flags(p: argparse.ArgumentParser) -> None:

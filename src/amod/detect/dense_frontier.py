@@ -34,7 +34,7 @@ from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
 from ..patch_grid import patch_features
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
-from ..experiments.arms import Arm, select
+from ..experiments.arms import Arm, refuse_own_costs, select
 from ..experiments.bench import (DEVICES, IMPLAUSIBLE_NOTE, TimingRounds, resolve_device, same_setting_as,
                                   speedup_text, time_callables, timing_key)
 from ..experiments.calibrate_command import CalibrationCache
@@ -92,6 +92,7 @@ class DenseFrontierConfig:
             raise UserError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
+        refuse_own_costs(self.methods, "dense-frontier", self.costs)
         if self.test_canvases < 2:
             raise UserError(f"--test-canvases must be at least 2 (two halves), got {self.test_canvases}")
         if any(a.needs_images for a in self.methods) and self.calibration_images > self.train_canvases:

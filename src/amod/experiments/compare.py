@@ -42,7 +42,7 @@ from ..arch import set_input_size
 from ..train.models import fit_to_data
 from ..train.config import RunConfig
 from ..train.rundir import check_output_dir, run_dir_name
-from .arms import FOLD_CONTROLS, Arm, select
+from .arms import FOLD_CONTROLS, Arm, refuse_own_costs, select
 from .bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, demo_skeleton, run_in_directory, run_once, starting_checkpoint
@@ -106,6 +106,7 @@ class CompareConfig:
             raise UserError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
+        refuse_own_costs(self.methods, "compare", self.costs)
         calibrated = [a.name for a in self.methods if a.needs_images]
         if calibrated:
             raise UserError(f"--methods {calibrated[0]!r} chooses its setting on unlabeled images, which amod compare "

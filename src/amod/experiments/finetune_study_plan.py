@@ -19,7 +19,7 @@ from ..cost import misses_cost, same_cost, validate_cost
 from ..family import family_of
 from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
-from .arms import Arm, select
+from .arms import Arm, refuse_own_costs, select
 from ..errors import UserError
 from ..flags import flag, positive_int
 
@@ -125,6 +125,7 @@ class FinetuneConfig:
             raise UserError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
+        refuse_own_costs(self.arms, "study", self.costs)
         for name in ("seeds", "steps", "batch_size", "eval_images", "probe_train", "img_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

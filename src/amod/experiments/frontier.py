@@ -40,7 +40,7 @@ from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES
-from .arms import FOLD_CONTROLS, Arm, select
+from .arms import FOLD_CONTROLS, Arm, refuse_own_costs, select
 from .bench import DEVICES, IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models, warn_implausible
 from .calibrate_command import CalibrationCache, calibration_grid
 from .compare import check_inputs
@@ -114,6 +114,7 @@ class FrontierConfig:
             raise UserError("give at least one --cost")
         for cost in self.costs:
             validate_cost(cost, "--cost")
+        refuse_own_costs(self.methods, "frontier", self.costs)
         for name in ("probe_train", "speed_repeats", "forwards_per_call", "calibration_images"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
