@@ -267,3 +267,27 @@ def test_the_libraries_configurations_refuse_a_method_with_its_own_cost_too():
                    FinetuneConfig(checkpoint="unused", arms=(Arm("p", PiToMe()), *own))):
         with pytest.raises(UserError, match="'ToMe at 0.3' gives the method its own cost"):
             config.validate()
+
+
+# ---------------------------------------------------------------- messages that name what the user gave
+
+@pytest.mark.parametrize("command", [["train"], ["finetune"], ["eval", "--checkpoint", "x.safetensors"],
+                                     ["compare"], ["frontier", "--checkpoint", "x.safetensors"],
+                                     ["dense-frontier", "--checkpoint", "x.safetensors"],
+                                     ["bench"], ["calibrate", "--checkpoint", "x", "--out", "y.safetensors"]])
+def test_a_binary_config_file_is_named_in_one_line(command, tmp_path, capsys):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    res = cli_in_process([*command, "--config", str(binary)], capsys)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+    assert f"config file {binary} is not a text file; give a YAML file" in res.stderr
+
+
+def test_dense_frontier_names_its_flag_for_an_input_too_small_for_its_canvases(backbone_path, tmp_path, capsys):
+    for size, said in (("28", "--img-size must be at least 32 px (the segmentation canvases are drawn at the input "
+                               "size), got 28"),
+                       ("45", "--img-size 45 is not a multiple of the model's patch size 7")):
+        res = cli_in_process(["dense-frontier", "--checkpoint", str(backbone_path), "--img-size", size, "--out",
+                              str(tmp_path / "df")], capsys)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr[-2000:]
+        assert "CanvasSpec" not in res.stderr and not (tmp_path / "df").exists()

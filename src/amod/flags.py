@@ -300,6 +300,8 @@ def load_yaml_config(path: Union[str, os.PathLike]) -> dict[str, Any]:
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
+    except UnicodeDecodeError:  # (a binary file: the decoder's words name no file)
+        raise UserError(f"config file {path} is not a text file; give a YAML file of option: value lines") from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

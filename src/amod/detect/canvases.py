@@ -41,6 +41,7 @@ BACKGROUND = len(CLASS_NAMES)  # the pixel label of the canvas where no item sho
 # what the canvas shows of it.
 PIXEL_THRESHOLD = 0.1
 PLACEMENT_TRIES = 20  # draws (image, scale, position) per item before it is dropped for overlapping
+MIN_CANVAS_SIZE = 32  # the smallest side of a canvas, pixels (CanvasSpec.size)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ class CanvasSpec:
 
     def validate(self) -> "CanvasSpec":
         """Return the spec unchanged, or raise ValueError naming the field that makes no sense."""
-        if self.size < 32:
-            raise UserError(f"CanvasSpec.size must be at least 32 pixels, got {self.size}")
+        if self.size < MIN_CANVAS_SIZE:
+            raise UserError(f"CanvasSpec.size must be at least {MIN_CANVAS_SIZE} pixels, got {self.size}")
         if self.min_items < 1:
             raise UserError(f"CanvasSpec.min_items must be at least 1, got {self.min_items}")
         if self.min_items > self.max_items:

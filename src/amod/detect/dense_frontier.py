@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import check_dense_file, open_model
+from ..checkpoint import check_dense_file, load_weightless, open_model
 from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..errors import UserError
 from ..files import load_torch, torch_save, write_json, write_text
@@ -42,6 +42,7 @@ from ..experiments.features import features_key, finished_probe_rows
 from ..experiments.frontier import flag_implausible, readings, speedup_figure, sweep_points
 from ..experiments.plots import save_figure
 from ..experiments.presets import run_in_directory
+from .canvases import MIN_CANVAS_SIZE
 from .segmentation import (PatchProbe, SegmentationCanvases, confusion, fit_patch_probe, grid_features,
                            patch_targets, segmentation_scores)
 
@@ -102,8 +103,14 @@ class DenseFrontierConfig:
             raise UserError(f"--l2 must be >= 0, got {self.l2}")
         if not self.speedups or any(not s > 1 for s in self.speedups):
             raise UserError(f"--speedups must be numbers above 1, got {list(self.speedups)}")
+        if self.img_size < MIN_CANVAS_SIZE:
+            raise UserError(f"--img-size must be at least {MIN_CANVAS_SIZE} px (the segmentation canvases are drawn "
+                            f"at the input size), got {self.img_size}")
         resolve_device(self.device)
         check_dense_file(self.checkpoint)
+        patch = load_weightless(self.checkpoint).patch_embed.patch_size[0]
+        if self.img_size % patch:
+            raise UserError(f"--img-size {self.img_size} is not a multiple of the model's patch size {patch}")
         return self
 
 
@@ -118,9 +125,7 @@ def run_dense_frontier(cfg: DenseFrontierConfig) -> Path:
 def _run(cfg: DenseFrontierConfig, root: Path) -> Path:
     device = resolve_device(cfg.device)
     dense = open_model(cfg.checkpoint, device)
-    patch = dense.patch_embed.patch_size[0]
-    if cfg.img_size % patch:
-        raise UserError(f"--img-size {cfg.img_size} is not a multiple of the model's patch size {patch}")
+    patch = dense.patch_embed.patch_size[0]  # (--img-size is a multiple of it: validate)
     fit_to_data(dense, 3, cfg.img_size)
     dense.eval()
     train = SegmentationCanvases("train", cfg.train_canvases, cfg.img_size)
