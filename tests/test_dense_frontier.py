@@ -72,7 +72,7 @@ def test_the_probe_reads_separable_patch_features_and_scores_them_perfectly():
 def test_the_sweep_scores_times_and_reads_every_method_and_reuses_what_it_measured(backbone_path, tmp_path, capsys):
     out = tmp_path / "dense"
     argv = ["dense-frontier", "--checkpoint", str(backbone_path), "--img-size", "42", "--cost", "0.5", "0.8",
-            "--train-canvases", "12", "--test-canvases", "6", "--batch", "3", "--speed-repeats", "1",
+            "--train-canvases", "12", "--val-limit", "6", "--speed-batch", "3", "--speed-repeats", "1",
             "--speedups", "1.01", "50", "--calibration-images", "4", "--methods", "ToMe", "A-MoD (paper)",
             "calibrated, nothing protected", "--device", "cpu", "--out", str(out)]
     res = cli_in_process(argv, capsys)
@@ -101,7 +101,7 @@ def test_the_sweep_scores_times_and_reads_every_method_and_reuses_what_it_measur
 
 def test_bad_settings_are_refused_in_one_line(backbone_path, tmp_path, capsys):
     base = ["dense-frontier", "--checkpoint", str(backbone_path), "--out", str(tmp_path / "o")]
-    for extra, words in ((["--test-canvases", "1"], "--test-canvases must be at least 2"),
+    for extra, words in ((["--val-limit", "1"], "--val-limit must be at least 2"),
                          (["--train-canvases", "8", "--calibration-images", "9"], "--calibration-images (9)"),
                          (["--img-size", "45"], "not a multiple of the model's patch size 7")):
         res = cli_in_process(base + extra, capsys)

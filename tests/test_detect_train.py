@@ -133,7 +133,7 @@ def detector_files(tmp_path_factory):
     return detr, vit
 
 
-TINY_FLAGS = ["--steps", "1", "--batch-size", "4", "--train-canvases", "8", "--val-canvases", "2"]
+TINY_FLAGS = ["--steps", "1", "--batch-size", "4", "--train-canvases", "8", "--val-limit", "2"]
 REFUSED = [
     (["train", "--init", "{vit}"], "init {vit} holds a vit_tiny_patch16_224, not a DETR"),
     (["train", "--init", "{detr}", "--router", "bogus"], "unknown router 'bogus'; supported routers: "),

@@ -291,3 +291,123 @@ def test_dense_frontier_names_its_flag_for_an_input_too_small_for_its_canvases(b
                               str(tmp_path / "df")], capsys)
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr[-2000:]
         assert "CanvasSpec" not in res.stderr and not (tmp_path / "df").exists()
+
+
+# ---------------------------------------------------------------- help that says what a run does; one name per thing
+
+def _parser(command: str):
+    from amod.cli import build_parser
+
+    parser = build_parser(only=command)
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return parser, sub.choices[command]
+
+
+def _help(command: str, flag: str) -> str:
+    action = next(a for a in _parser(command)[1]._actions if flag in a.option_strings)
+    return " ".join((action.help or "").split())
+
+
+def test_a_shorthand_flag_states_the_default_a_run_without_it_runs():
+    """bench's --capacity said 0.5 (MoD's own default) while a run without it ran its --method, capacity 0.125; its
+    --layers named a --skipped flag bench does not have. Each shorthand flag of bench and calibrate now states the
+    value of the method a run without it runs."""
+    from amod.cli import COMMANDS, _config
+    from amod.flags import build
+    from amod.methods import parse_method
+
+    for command in ("bench", "calibrate"):
+        parser, _ = _parser(command)
+        entry = next(c for c in COMMANDS if c.name == command)
+        args = parser.parse_args([command] + (["--checkpoint", "c", "--out", "o.safetensors"]
+                                              if command == "calibrate" else []))
+        ran = parse_method(build(_config(entry.flags), args).method)  # (no shorthand flag given)
+        for name in entry.shorthand:
+            said = _help(command, "--" + name.replace("_", "-"))
+            value = getattr(ran, name)
+            shown = "alternate" if name == "layers" and value is None else value  # (MoD's bypass default)
+            assert f"(default {shown}: --method {ran.spec()})" in said, said
+            assert "--skipped" not in said
+    assert "(default 0.125: --method mod:capacity=0.125)" in _help("bench", "--capacity")
+
+
+def test_calibrate_offers_the_routers_it_takes_and_no_other():
+    from amod.methods import Calibrated
+    from amod.mod.routers import vit_routers
+
+    action = next(a for a in _parser("calibrate")[1]._actions if "--router" in a.option_strings)
+    taken = []
+    for router in vit_routers():
+        try:
+            Calibrated(router=router)
+            taken.append(router)
+        except UserError as e:
+            assert "learns its scores; a calibration trains nothing" in str(e)
+    assert list(action.choices) == taken and "attention" in taken and "random" in taken
+    assert "standard" not in taken and "hybrid" not in taken
+
+
+# (command, former flag, flag, a value, the configuration field both set)
+RENAMED = [("bench", "--batch-size", "--speed-batch", "4", "batch_size"),
+           ("dense-frontier", "--batch", "--speed-batch", "4", "batch"),
+           ("dense-frontier", "--test-canvases", "--val-limit", "6", "test_canvases"),
+           ("study", "--eval-images", "--val-limit", "64", "eval_images"),
+           ("detect", "--val-canvases", "--val-limit", "2", "val_canvases")]
+
+
+@pytest.mark.parametrize("command, old, new, value, field", RENAMED, ids=[f"{r[0]} {r[1]}" for r in RENAMED])
+def test_a_former_flag_name_still_works_with_a_warning_line_naming_the_new_one(command, old, new, value, field, capsys,
+                                                                            tmp_path):
+    """One name per thing (--speed-batch: the batch size timed; --val-limit: the test images measured); each former
+    name is a hidden alias that sets the same field after one warning line, so no script breaks. A --config file may
+    hold either name."""
+    from amod.cli import _config
+    from amod.detect.config import DetectConfig, DetectStudyConfig
+    from amod.experiments.finetune_study_plan import FinetuneConfig
+    from amod.flags import build, load_yaml_config
+
+    parser, sub = _parser(command)
+    lead = {"dense-frontier": ["--checkpoint", "c"], "study": ["--checkpoint", "c"], "detect": ["train"]}.get(command, [])
+    config = {"bench": _config("experiments.bench:BenchConfig"),
+              "dense-frontier": _config("detect.dense_frontier:DenseFrontierConfig"), "study": FinetuneConfig,
+              "detect": DetectConfig}[command]
+    capsys.readouterr()
+    built = {}
+    for spelling in (new, old):
+        args = parser.parse_args([command, *lead, spelling, value])
+        built[spelling] = getattr(build(config, args), field)
+        err = capsys.readouterr().err
+        if spelling == old:
+            assert err == f"amod {command}: warning: {old} is deprecated: use {new}, the same setting\n"
+        else:
+            assert err == ""
+    assert built[old] == built[new] == int(value)
+    if command == "detect":  # (its study takes the flag too)
+        args = parser.parse_args([command, "study", "--dense", "d", old, value])
+        assert build(DetectStudyConfig, args).val_canvases == int(value)
+    text = " ".join(sub.format_help().split())
+    assert new in text and f"{old} " not in text.replace(f"{old}-", "")
+    if command in ("bench", "dense-frontier"):  # a --config file by either name
+        for key in (old, new):
+            path = tmp_path / "options.yaml"
+            path.write_text(f"{key.lstrip('-')}: {value}\n")
+            cfg = build(config, parser.parse_args([command, *lead]), under=load_yaml_config(path))
+            assert getattr(cfg, field) == int(value)
+
+
+def test_one_flag_name_for_the_timed_batch_and_for_the_test_images_across_commands():
+    """Every command that times a batch calls its size --speed-batch, and every command that measures on a test set
+    calls its size --val-limit; the former names are in no command's help."""
+    from amod.cli import COMMANDS
+
+    shown = {}
+    for command in COMMANDS:
+        shown[command.name] = " ".join(_parser(command.name)[1].format_help().split())
+    for name in ("bench", "compare", "frontier", "dense-frontier"):
+        assert "--speed-batch" in shown[name], name
+    for name in ("train", "finetune", "eval", "compare", "frontier", "dense-frontier", "study", "detect"):
+        assert "--val-limit" in shown[name], name
+    for name, text in shown.items():
+        for former in ("--test-canvases", "--eval-images", "--val-canvases"):
+            assert former not in text, (name, former)
+    assert "--batch-size" not in shown["bench"] and "--batch " not in shown["dense-frontier"]

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from .files import dumps
 from .flags import (Parser, add_flags, add_parsed_flag, build, given, load_yaml_config, positive_int,
                     refuse_other_mode)
-from .methods import (SHORTHAND_NAMES, SHORTHANDS, method_from_shorthand, parse_method, parse_shorthand,
+from .methods import (SHORTHAND_NAMES, SHORTHANDS, Method, MoD, method_from_shorthand, parse_method, parse_shorthand,
                       with_shorthand)
+from .mod.modes import skipped_mode
 from .mod.config import MoDConfig
 from .errors import UserError, run_reporting_errors, setup_logging
 
@@ -28,13 +30,39 @@ if TYPE_CHECKING:
 HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.json), or hf:HUB_ID"  # (docs/cli.md)
 
 
-def shorthand_flags(g: argparse._ActionsContainer, names: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+def shorthand_flags(g: argparse._ActionsContainer, names: Optional[Sequence[str]] = None,
+                    on: Optional[Method] = None, **kwargs: Any) -> None:
     """The flags of a method's shorthand options (``amod.methods.SHORTHANDS``, ``names`` of them; default all):
-    ``--capacity 0.5`` sets MoD's capacity."""
+    ``--capacity 0.5`` sets MoD's capacity. ``on``: the method whose fields they set in this command (its default
+    ``--method``): each option's help states that method's value, and its choices are those the method takes."""
     for option in SHORTHANDS:
         if names is None or option.name in names:
-            add_parsed_flag(g, option.name, option.field and functools.partial(parse_shorthand, option), option.help,
-                            option.choices, **kwargs)
+            help, choices = option.help, option.choices
+            if on is not None and option.field is not None:
+                help, choices = _on_method(option, on)
+            add_parsed_flag(g, option.name, option.field and functools.partial(parse_shorthand, option), help,
+                            choices, **kwargs)
+
+
+def _on_method(option: Any, on: Method) -> tuple[str, Optional[Callable[[], tuple]]]:
+    """(help, choices) of shorthand ``option`` where it sets a field of ``on``, a command's default method: the default
+    it states is ``on``'s (a run without the flag runs ``on``), not the method class's, and its choices (where the
+    registry gives some) only those ``on``'s own check takes."""
+    value = getattr(on, option.field)
+    if value is None and option.field == "layers" and isinstance(on, MoD):  # (the skipped mode's)
+        value = skipped_mode(on.skipped).default_layers
+    shown = "the method's own" if value is None else ",".join(map(str, value)) if isinstance(value, tuple) else value
+    help = re.sub(r"\s*\(default[^()]*\)$", "", option.help) + f" (default {shown}: --method {on.spec()})"
+    if option.choices is None:
+        return help, None
+    taken = []
+    for choice in option.choices():
+        try:
+            dataclasses.replace(on, **{option.field: choice})
+        except ValueError:  # (the method's check refuses it: amod.UserError)
+            continue
+        taken.append(choice)
+    return help, lambda: tuple(taken)
 
 
 # ---------------------------------------------------------------- commands: flags, then the call
@@ -155,7 +183,7 @@ def _study(args: argparse.Namespace) -> int:
 
     # the flags (by dest) that only one study takes: given to the other, they are refused
     flags = {ROUTER_STUDY: ("capacity", "epochs", "train_limit", "quick"),
-             FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "eval_images", "probe_train", "amp",
+             FINETUNE_STUDY: ("cost", "img_size", "steps", "batch_size", "lr", "val_limit", "probe_train", "amp",
                               "no_fp32_check", "report_only", "leave_one_out", "loo_cost", "loo_images", "methods",
                               "teacher", "distill_logits", "distill_temperature", "distill_features")}
     mode = study_for(args.checkpoint)
@@ -257,8 +285,11 @@ class Command:
     def add_flags(self, p: argparse.ArgumentParser) -> None:
         if callable(self.flags):
             return self.flags(p)
-        add_flags(p, _config(self.flags), suppress=True)  # (flags given, laid over --config's options)
-        shorthand_flags(p, self.shorthand, default=argparse.SUPPRESS)
+        config = _config(self.flags)
+        add_flags(p, config, suppress=True)  # (flags given, laid over --config's options)
+        if self.shorthand:  # (they set the fields of its method: a run without --method runs the default one)
+            default = next(f.default for f in dataclasses.fields(config) if f.name == "method")
+            shorthand_flags(p, self.shorthand, on=parse_method(default), default=argparse.SUPPRESS)
         p.add_argument("--config", metavar="FILE", help="YAML file of these options, by their flags' names; flags "
                        "override it")
         if self.json:

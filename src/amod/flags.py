@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import io
 import os
+import sys
 import textwrap
 import tokenize
 import types
@@ -31,7 +32,7 @@ import yaml
 from .errors import UserError
 
 MISSING = dataclasses.MISSING
-META_KEYS = ("flag", "type", "choices", "metavar", "nargs", "positional", "negate", "required")
+META_KEYS = ("flag", "type", "choices", "metavar", "nargs", "positional", "negate", "required", "aliases")
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,7 +44,8 @@ class Parser(argparse.ArgumentParser):
 
 def flag(default: Any = MISSING, **meta: Any) -> Any:
     """A dataclass field with its flag's settings (``META_KEYS``): ``costs: tuple[float, ...] = flag((0.5,),
-    flag="cost")``. A list or dict default becomes a factory."""
+    flag="cost")``; ``aliases``: the flag's former names, still taken, each with a warning line naming the flag
+    (``deprecated_alias``). A list or dict default becomes a factory."""
     unknown = set(meta) - set(META_KEYS)
     if unknown:
         raise TypeError(f"unknown flag settings {sorted(unknown)}; known: {', '.join(META_KEYS)}")
@@ -96,6 +98,23 @@ def add_parsed_flag(parser: Union[argparse.ArgumentParser, argparse._ArgumentGro
     else:
         shown = {"choices": tuple(choices())} if choices else {"metavar": name.upper()}
         parser.add_argument(flag_name, type=read, help=help, **shown, **kwargs)
+
+
+def deprecated_alias(action: Optional[str], flag_name: str) -> type:
+    """The argparse action of a flag's former name: ``action``'s (None: store), after a warning line that names the
+    flag to use (``amod bench: warning: --batch-size is deprecated: use --speed-batch, the same setting``). A public
+    flag renamed keeps working under its old name, so that no script breaks."""
+    base = {None: argparse._StoreAction, "store": argparse._StoreAction,
+            "store_true": argparse._StoreTrueAction}[action]
+
+    class DeprecatedAlias(base):  # type: ignore[misc, valid-type]
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                     option_string: Optional[str] = None) -> None:
+            print(f"{parser.prog}: warning: {option_string} is deprecated: use {flag_name}, the same setting",
+                  file=sys.stderr)
+            super().__call__(parser, namespace, values, option_string)
+
+    return DeprecatedAlias
 
 
 # ---------------------------------------------------------------- reading a dataclass
@@ -236,7 +255,18 @@ def add_flags(parser: Union[argparse.ArgumentParser, argparse._ArgumentGroup], c
             kwargs["default"] = argparse.SUPPRESS
         else:
             kwargs["default"] = False if meta.get("negate") else default
-        parser.add_argument("--" + dest_of(f, prefix).replace("_", "-"), dest=dest_of(f, prefix), **kwargs)
+        name = "--" + dest_of(f, prefix).replace("_", "-")
+        parser.add_argument(name, dest=dest_of(f, prefix), **kwargs)
+        for old in meta.get("aliases", ()):  # (hidden, and never a default: the flag itself sets that)
+            parser.add_argument("--" + prefix + old, dest=dest_of(f, prefix), help=argparse.SUPPRESS,
+                                default=argparse.SUPPRESS, action=deprecated_alias(kwargs.get("action"), name),
+                                **{k: v for k, v in kwargs.items() if k in ("type", "nargs", "choices", "metavar")})
+
+
+def flag_of(config: type, name: str) -> str:
+    """The flag of ``config``'s field ``name`` (``--val-limit`` for the finetune study's ``eval_images``): what a
+    message about the field names."""
+    return "--" + dest_of(next(f for f in dataclasses.fields(config) if f.name == name)).replace("_", "-")
 
 
 def given(args: argparse.Namespace, config: type, only: Optional[Iterable[str]] = None,
@@ -264,6 +294,8 @@ def by_field_name(config: type, values: dict[str, Any], prefix: str = "") -> dic
     """``values`` (a YAML file's options) with each key that is a flag's name of ``config`` read as its field's
     (``method`` for ``method_spec``; a negated switch's ``no_x: true`` as ``x: false``); other keys as they are."""
     by_flag = {dest_of(f, prefix): f for f in dataclasses.fields(config) if f.metadata.get("flag", "") is not None}
+    by_flag.update({(prefix + old).replace("-", "_"): f for f in dataclasses.fields(config)
+                    for old in f.metadata.get("aliases", ())})  # (a flag's former names, as the command line takes)
     return {by_flag[k].name if k in by_flag else k: (not v) if k in by_flag and by_flag[k].metadata.get("negate")
             else v for k, v in values.items()}
 

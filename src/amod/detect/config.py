@@ -44,7 +44,8 @@ class DetectConfig:
     encoder_cost: float = 0.5  # share of the dense encoder's MACs the converted encoder costs (the closest capacity)
     canvas_size: int = 128
     train_canvases: int = flag(20000, type=positive_int)
-    val_canvases: int = flag(1000, type=positive_int)
+    val_canvases: int = flag(1000, type=positive_int, flag="val-limit", aliases=("val-canvases",))  # canvases
+                                                                                                    # scored (AP)
     data_seed: int = 0  # which canvases (the same for every run that compares)
     steps: int = 6000
     batch_size: int = flag(16, type=positive_int)
@@ -141,7 +142,7 @@ class DetectStudyConfig:
     lr: float = 5e-5
     batch_size: int = 16
     train_canvases: int = 20000  # the dense run's data (the same canvases: data_seed 0)
-    val_canvases: int = 1000
+    val_canvases: int = flag(1000, flag="val-limit")  # (amod detect's --val-limit, as train's)
     canvas_size: int = 128
     speed_batch: int = 32
     speed_repeats: int = 10

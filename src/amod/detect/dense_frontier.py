@@ -68,8 +68,13 @@ class DenseFrontierConfig:
     costs: tuple[float, ...] = flag(DEFAULT_DENSE_COSTS, flag="cost")  # the cost grid every method is set to, shares
                                                                        # of dense MACs (closest cost it can reach)
     train_canvases: int = flag(256, type=positive_int)  # canvases the patch probe is fitted on (dense features)
-    test_canvases: int = flag(128, type=positive_int)  # canvases each point is scored on (two halves: the error bar)
-    batch: int = flag(8, type=positive_int)  # the batch size timed (and features computed at)
+    test_canvases: int = flag(128, type=positive_int, flag="val-limit", aliases=("test-canvases",))  # test canvases
+                                                                                                     # each point is
+                                                                                                     # scored on (two
+                                                                                                     # halves: the
+                                                                                                     # error bar)
+    batch: int = flag(8, type=positive_int, flag="speed-batch", aliases=("batch",))  # the batch size timed (and
+                                                                                     # features computed at)
     speed_repeats: int = flag(5, type=positive_int)  # timed rounds (after 2 discarded warm-up rounds)
     speedups: tuple[float, ...] = (1.25, 1.5, 2.0)  # measured speed-ups at which each method's frontier is read
     calibration_images: int = flag(16, type=positive_int)  # unlabeled training canvases each calibrated method
@@ -95,7 +100,7 @@ class DenseFrontierConfig:
             validate_cost(cost, "--cost")
         refuse_own_costs(self.methods, "dense-frontier", self.costs)
         if self.test_canvases < 2:
-            raise UserError(f"--test-canvases must be at least 2 (two halves), got {self.test_canvases}")
+            raise UserError(f"--val-limit must be at least 2 (two halves), got {self.test_canvases}")
         if any(a.needs_images for a in self.methods) and self.calibration_images > self.train_canvases:
             raise UserError(f"--calibration-images ({self.calibration_images}) must be at most --train-canvases "
                             f"({self.train_canvases}): they are the first of the probe's training canvases")
@@ -218,7 +223,7 @@ def _measure(cfg: DenseFrontierConfig, root: Path, key: str, probe: PatchProbe, 
 
 def _time(cfg: DenseFrontierConfig, root: Path, models: dict[str, torch.nn.Module], same: dict[str, str],
           device: torch.device) -> dict[str, dict[str, Any]]:
-    """Each model's speed-up over dense on ``amod.patch_features`` (the forward and the unmerging) at ``--batch``,
+    """Each model's speed-up over dense on ``amod.patch_features`` (the forward and the unmerging) at ``--speed-batch``,
     all interleaved in the same rounds (``bench.time_callables`` with dense the reference); kept rounds are saved, so
     a killed timing goes on where it stopped."""
     x = torch.randn(cfg.batch, 3, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(0)).to(device)

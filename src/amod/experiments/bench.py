@@ -362,7 +362,7 @@ class BenchConfig:
     method: str = flag("mod:capacity=0.125", metavar="SPEC")  # the reduced model timed against the dense one: any
                                                               # registered method by its spec (--router, --capacity
                                                               # and --layers set an MoD spec's fields)
-    batch_size: int = flag(32, type=positive_int)
+    batch_size: int = flag(32, type=positive_int, flag="speed-batch", aliases=("batch-size",))  # the batch size timed
     img_size: Optional[int] = flag(None, type=positive_int)
     repeats: int = flag(10, type=positive_int)
     warmup: int = flag(3, type=nonnegative_int)

@@ -21,7 +21,6 @@ from ..cost import validate_cost
 from ..files import check_output_file
 from ..methods import Calibrated, MoD, parse_method
 from ..mod.calibrate import calibrate
-from ..mod.routers import router_class
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.resume import Journal
@@ -61,9 +60,6 @@ class CalibrateConfig:
         if not isinstance(method, Calibrated):
             raise UserError(f"--method {self.method}: amod calibrate makes a calibrated model; give calibrated, "
                             "calibrated:router=random, ...")
-        if router_class(method.router).learnable:
-            raise UserError(f"--router {method.router} learns its scores; calibration uses no training: give "
-                            "attention (A-MoD) or a control such as random")
         check_not_hugging_face(self.checkpoint, "--checkpoint", "calibrate", "a dense amod .safetensors file")
         check_dense_file(self.checkpoint)
         _, _, info = build_datasets(self.data, None, None, None)

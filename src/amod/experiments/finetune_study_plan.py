@@ -21,7 +21,7 @@ from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
 from ..train.distill import Distillation
 from .arms import Arm, refuse_own_costs, select
 from ..errors import UserError
-from ..flags import flag, positive_int
+from ..flags import flag, flag_of, positive_int
 
 if TYPE_CHECKING:
     from .finetune_study_rows import EvalRows
@@ -94,7 +94,9 @@ class FinetuneConfig:
     weight_decay: float = 0.05
     warmup: float = 0.1  # share of the steps
     eval_at: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)  # shares of the steps (step 0 is always evaluated)
-    eval_images: int = flag(2000, type=positive_int)  # the fixed test subset every evaluation uses
+    eval_images: int = flag(2000, type=positive_int, flag="val-limit", aliases=("eval-images",))  # the fixed test
+                                                                                                  # subset every
+                                                                                                  # evaluation uses
     probe_train: int = flag(3000, type=positive_int)  # training images the linear probe (the starting head) is fitted
                                                       # on
     # (off: bf16 autocast is ~20x slower than fp32 on a CPU without bf16 instructions, AVX2)
@@ -129,7 +131,7 @@ class FinetuneConfig:
         for name in ("seeds", "steps", "batch_size", "eval_images", "probe_train", "img_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+                raise UserError(f"{flag_of(FinetuneConfig, name)} must be a positive integer, got {value!r}")
         if not self.eval_at or any(not 0 < f <= 1 for f in self.eval_at):
             raise UserError(f"evaluation points are shares of the steps in (0, 1], got {self.eval_at}")
         if self.amp not in ("off", "bf16"):

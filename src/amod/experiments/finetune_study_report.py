@@ -216,7 +216,7 @@ def command_line(cfg: FinetuneConfig) -> str:
     checkpoint = str(cfg.checkpoint).replace(str(Path.home()), "~", 1)
     parts = ["amod study --checkpoint", checkpoint, "--data", cfg.data, "--img-size", str(cfg.img_size),
              "--cost", *[f"{c:g}" for c in cfg.costs], "--seeds", str(cfg.seeds), "--steps", str(cfg.steps),
-             "--batch-size", str(cfg.batch_size), "--lr", f"{cfg.lr:g}", "--eval-images", str(cfg.eval_images),
+             "--batch-size", str(cfg.batch_size), "--lr", f"{cfg.lr:g}", "--val-limit", str(cfg.eval_images),
              "--probe-train", str(cfg.probe_train), "--amp", cfg.amp]
     d, default = cfg.distillation, Distillation()
     if any(a.distill for a in cfg.arms):
