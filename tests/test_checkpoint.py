@@ -72,8 +72,8 @@ def test_a_newer_format_two_methods_and_a_wrong_shape_are_refused_naming_the_fil
         save_file(tensors, str(tmp_path / name), metadata=meta)
         return tmp_path / name
 
-    with pytest.raises(ValueError, match=r"newer\.safetensors is in amod file format '3'; this amod reads format 2"):
-        amod.load(variant("newer.safetensors", {**meta, "amod.format": "3"}))
+    with pytest.raises(ValueError, match=r"newer\.safetensors is in amod file format '4'; this amod reads format 3"):
+        amod.load(variant("newer.safetensors", {**meta, "amod.format": "4"}))
     both = {**meta, "amod.mod": amod.MoDConfig(layers=[1, 3]).to_json(), "amod.merge": '{"schedule": [2, 2, 2, 2]}'}
     with pytest.raises(ValueError, match=r"both\.safetensors names two methods \(amod\.mod and amod\.merge"):
         amod.load(variant("both.safetensors", both))
@@ -88,10 +88,13 @@ def test_a_newer_format_two_methods_and_a_wrong_shape_are_refused_naming_the_fil
         tome_meta, tome_tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     # ToMe's entry is "amod.tome", which no skipped mode is called; older files' "amod.merge" still loads as ToMe
     assert "amod.tome" in tome_meta and "amod.merge" not in tome_meta
-    # an amod that reads format 1 refuses a file of "amod.tome" (format 2), which it would open as a dense model;
-    # a file of a method it knows stays format 1, which it reads
-    assert (tome_meta["amod.format"], meta["amod.format"]) == ("2", "1")
-    assert amod.load(amod.save(amod.convert(make_model("vit")), tmp_path / "mod.safetensors"))  # (format 1)
+    # an amod that reads format 1 refuses a file of "amod.tome" (format 2), which it would open as a dense model, and
+    # one of MoD, which it would run by the rule before the near-tie grid; a dense or isoFLOP file stays format 1
+    mod_path = amod.save(amod.convert(make_model("vit")), tmp_path / "mod.safetensors")
+    iso_path = amod.save(amod.IsoFLOP().apply(make_model("vit")), tmp_path / "iso.safetensors")
+    formats = [amod.checkpoint.read_metadata(p)["amod.format"] for p in (good, mod_path, iso_path)]
+    assert (tome_meta["amod.format"], *formats) == ("2", "1", "2", "1")
+    assert amod.load(mod_path)
     old_tome = {**{k: v for k, v in tome_meta.items() if k not in ("amod.tome", "amod.format")},
                 "amod.merge": tome_meta["amod.tome"]}
     path = variant("old_tome.safetensors", old_tome, tome_tensors)

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import ClassVar
 
@@ -147,15 +146,16 @@ def test_a_file_of_a_method_not_registered_is_refused_naming_it(tmp_path):
 
 # ---------------------------------------------------------------- packaged: the amod.methods entry-point group
 
-def toy_package(root: Path, name: str = "amod_toy_method", target: str = "amod_toy_method:SkipLast") -> Path:
+def toy_package(root: Path, name: str = "amod_toy_method", target: str = "amod_toy_method:SkipLast",
+                source: str = "raise ImportError('this toy plugin needs a package that is not here')\n") -> Path:
     """``root``, holding what installing the toy method as a package leaves on the path: its module (this directory's
-    ``amod_toy_method.py``, or ``name``.py raising where ``name`` is not the toy's) and a dist-info with its
+    ``amod_toy_method.py``, or ``name``.py with ``source`` where ``name`` is not the toy's) and a dist-info with its
     ``amod.methods`` entry point."""
     root.mkdir()
     if name == "amod_toy_method":
         shutil.copy(Path(__file__).with_name("amod_toy_method.py"), root)
     else:
-        (root / f"{name}.py").write_text("raise ImportError('this toy plugin needs a package that is not here')\n")
+        (root / f"{name}.py").write_text(source)
     info = root / f"{name}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1\n")
@@ -258,10 +258,236 @@ def test_the_shipped_amod_command_runs_a_method_that_an_installed_package_regist
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert json.loads(exported.stdout)["method"] == "toy-skip"
     assert refused.returncode == 2 and refused.stdout == ""
-    # PPT (amod.ppt) registers through amod's own entry point: listed where amod was installed from a pyproject.toml
-    # that names it
-    ppt = ", ppt" if any(e.value == "amod.ppt" for e in entry_points(group=methods.ENTRY_POINT_GROUP)) else ""
-    assert refused.stderr.strip().splitlines() == [
+    assert refused.stderr.strip().splitlines() == [  # (PPT registers on import, as every built-in does)
         f"amod eval: error: {saved} was saved by method 'toy-skip', which is not registered in this amod: install (or "
         "import) the package that registers it (entry-point group amod.methods); registered methods: dense, mod, "
-        f"tome, pitome, isoflop, calibrated{ppt}"]
+        "tome, pitome, isoflop, calibrated, ppt"]
+
+
+# ---------------------------------------------------------------- what a plugin may not do: the matrix
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    """Install toy packages on the path (``install(name, source, target)``): the registry looks for entry points
+    again, and everything they registered and imported is let go of afterwards."""
+    methods.load_method_plugins()
+    before = dict(METHOD_CLASSES)
+    modules = []
+
+    def install(name: str, source: str, target: str) -> None:
+        monkeypatch.setitem(methods._plugins, "loaded", False)
+        monkeypatch.syspath_prepend(str(toy_package(tmp_path / name, name, target, source)))
+        modules.append(name)
+
+    yield install
+    METHOD_CLASSES.clear()
+    METHOD_CLASSES.update(before)
+    for name in modules:
+        sys.modules.pop(name, None)
+    methods._plugins["loaded"] = False
+
+
+def twin(kind: str, name: str = "Twin", body: str = "") -> str:
+    """The source of a module that registers a copy of the toy method under ``kind`` on import."""
+    return (f"from dataclasses import dataclass\nfrom typing import ClassVar\nfrom amod.methods import register_method\n"
+            f"from amod_toy_method import SkipLast\n\n@register_method\n@dataclass(frozen=True)\nclass {name}(SkipLast):"
+            f"\n    kind: ClassVar[str] = {kind!r}\n    metadata_key: ClassVar[str] = 'amod.{name.lower()}'\n{body}")
+
+
+def one_line_of(res) -> str:
+    """The one line a refused command printed (exit status 2, nothing else on stderr)."""
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_package_may_not_take_a_kind_that_a_built_in_or_another_package_has(plugins, tmp_path, capsys):
+    """A kind names one method: a package's class that takes a built-in's kind, or the kind of another installed
+    package's, is refused in one line naming both, and the built-in stays; a class registered in this process may
+    not take one either (registering the same class again is nothing)."""
+    plugins("amod_toy_fake", twin("tome", "FakeToMe"), "amod_toy_fake")
+    refused = (r"^the amod\.methods entry point toy = amod_toy_fake of amod-toy-fake 0\.1: amod_toy_fake\.FakeToMe "
+               r"\(package amod-toy-fake 0\.1\) registers the method kind 'tome', which is amod's built-in "
+               r"TokenMerging's already: a kind names one method, so that a spec and a file mean one model; give "
+               r"FakeToMe another kind$")
+    with pytest.raises(ValueError, match=refused):
+        methods.method_kinds()
+    res = cli_in_process(["flops", "vit_tiny_patch16_224", "--method", "tome:cost=0.5"], capsys)
+    assert "registers the method kind 'tome', which is amod's built-in TokenMerging's" in one_line_of(res)
+    assert METHOD_CLASSES["tome"] is amod.TokenMerging
+
+    @dataclass(frozen=True)
+    class NotDense(SkipLast):
+        kind: ClassVar[str] = "dense"
+        metadata_key: ClassVar[str] = "amod.not-dense"
+
+    with pytest.raises(ValueError, match=r"registers the method kind 'dense', which is amod's built-in Dense's already"):
+        register_method(NotDense)
+    assert METHOD_CLASSES["dense"] is amod.Dense
+    register_method(SkipLast)
+    assert register_method(SkipLast) is SkipLast  # (the same class again)
+    del METHOD_CLASSES["toy-skip"]
+
+
+def test_two_packages_with_one_kind_are_refused_and_a_file_opens_only_under_the_package_that_wrote_it(plugins,
+                                                                                                       tmp_path):
+    plugins("amod_toy_a", twin("toy-twin"), "amod_toy_a")
+    methods.load_method_plugins()
+    model = parse_method("toy-twin:blocks=1").apply(make_model("vit"))
+    path = amod.save(model, tmp_path / "twin.safetensors")
+    meta = amod.checkpoint.read_metadata(path)
+    assert (meta["amod.method"], meta["amod.method.provider"], meta["amod.method.behaviour"]) == \
+        ("toy-twin", "amod-toy-a 0.1", "1")
+    plugins("amod_toy_b", twin("toy-twin"), "amod_toy_b")  # another package, the same kind
+    with pytest.raises(ValueError, match=r"^the amod\.methods entry point toy = amod_toy_b of amod-toy-b 0\.1: "
+                                         r"amod_toy_b\.Twin \(package amod-toy-b 0\.1\) registers the method kind "
+                                         r"'toy-twin', which is amod_toy_a\.Twin \(package amod-toy-a 0\.1\)'s already"):
+        methods.method_kinds()
+    # package B alone (A uninstalled): A's file is refused, never opened as B's model
+    del METHOD_CLASSES["toy-twin"]
+    sys.modules.pop("amod_toy_a")
+    sys.path.remove(str(tmp_path / "amod_toy_a"))
+    methods._plugins["loaded"] = False
+    methods.load_method_plugins()
+    assert METHOD_CLASSES["toy-twin"].__module__ == "amod_toy_b"
+    with pytest.raises(ValueError, match=r"twin\.safetensors was saved by the toy-twin method of amod-toy-a 0\.1; here "
+                                         r"'toy-twin' is amod_toy_b\.Twin \(package amod-toy-b 0\.1\), another method: "
+                                         r"open it where amod-toy-a is installed instead$"):
+        amod.load(path)
+
+
+def test_a_method_must_find_itself_in_a_model_and_read_every_field_from_a_spec():
+    """Without ``of_model``, ``amod.save`` would write a model of the method as the dense one: refused where the
+    class registers. A field's type hint must be one a spec sets; a bare tuple reads items of any plain type."""
+
+    @dataclass(frozen=True)
+    class NoOf(Method):
+        kind: ClassVar[str] = "toy-noof"
+        metadata_key: ClassVar[str] = "amod.toy-noof"
+
+        def apply(self, model):
+            return SkipLast(1).apply(model)
+
+    with pytest.raises(ValueError, match=r"^NoOf \(kind 'toy-noof'\): a method must define of_model\(model\), how "
+                                         r"amod\.method_of finds it in a model its apply made: without it amod\.save "
+                                         r"would write that model as the dense one$"):
+        register_method(NoOf)
+
+    @dataclass(frozen=True)
+    class Mapping(SkipLast):
+        kind: ClassVar[str] = "toy-map"
+        metadata_key: ClassVar[str] = "amod.toy-map"
+        weights: dict = None
+
+    with pytest.raises(ValueError, match=r"field weights's type <class 'dict'> is not one a spec can set"):
+        register_method(Mapping)
+
+    @dataclass(frozen=True)
+    class Bare(SkipLast):
+        kind: ClassVar[str] = "toy-bare"
+        metadata_key: ClassVar[str] = "amod.toy-bare"
+        weights: tuple = (1, 2)
+
+    register_method(Bare)
+    try:
+        assert parse_method("toy-bare:weights=[1,2.5,true,a]").weights == (1, 2.5, True, "a")
+        assert parse_method(Bare(weights=(3, 0.5)).spec()) == Bare(weights=(3, 0.5))
+        with pytest.raises(ValueError, match=r"toy-bare: weights must be a list \[\.\.\.\], got '3'"):
+            parse_method("toy-bare:weights=3")
+    finally:
+        del METHOD_CLASSES["toy-bare"]
+    assert "toy-noof" not in METHOD_CLASSES and "toy-map" not in METHOD_CLASSES
+
+
+class DroppingBlock(Block):
+    """A plugin's block that hands on only its first two patch tokens (and its prefix), pricing itself or not."""
+
+    def forward(self, x, *args, **kwargs):
+        return super().forward(x)[:, :3]
+
+
+class PricedDroppingBlock(DroppingBlock):
+    def amod_price(self, tokens, num_prefix, capacity=None):
+        from amod.cost import BlockPrice, dense_block_macs
+
+        return BlockPrice(dense_block_macs(self, tokens), tokens, min(tokens, 3))
+
+
+class Wrapper(nn.Module):
+    """A plugin's block that wraps a timm block (no ``attn`` of its own)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@dataclass(frozen=True)
+class DropLast(Method):
+    """A toy plugin method: its last block drops all but two patch tokens (``priced``: with ``amod_price``), or
+    (``wrapped``) its blocks are wrapped."""
+
+    kind: ClassVar[str] = "toy-drop"
+    metadata_key: ClassVar[str] = "amod.toy-drop"
+    priced: bool = False
+    wrapped: bool = False
+
+    def apply(self, model):
+        if self.wrapped:
+            model.blocks = nn.Sequential(*(Wrapper(b) for b in model.blocks))
+        else:
+            model.blocks[-1].__class__ = PricedDroppingBlock if self.priced else DroppingBlock
+        return model
+
+    @classmethod
+    def of_model(cls, model):
+        last = model.blocks[-1]
+        if isinstance(last, Wrapper):
+            return cls(wrapped=True)
+        return cls(priced=isinstance(last, PricedDroppingBlock)) if isinstance(last, DroppingBlock) else None
+
+
+def test_a_block_that_does_not_price_itself_is_refused_and_a_patch_grid_it_cannot_lay_back_too(tmp_path, capsys):
+    """A plugin block without ``amod_price`` would be priced as dense (1.000 for a block that drops most tokens): the
+    cost and every command that prices are refused in one line, as is a wrapped block (no ``attn``); priced, it is
+    priced by its own price. ``amod.patch_features`` of a model that dropped tokens without saying where refuses
+    in one line instead of a reshape error."""
+    register_method(DropLast)
+    try:
+        dropping = DropLast().apply(make_model("vit"))
+        with pytest.raises(ValueError, match=r"^block 3 is a DroppingBlock \(test_method_seam\) whose forward is not "
+                                             r"timm's or transformers' and which does not price itself: a method's "
+                                             r"blocks define amod_price\(tokens, num_prefix, capacity\) -> "
+                                             r"amod\.cost\.BlockPrice"):
+            amod.flops(dropping)
+        for spec in ("toy-drop", "toy-drop:wrapped=true"):
+            res = cli_in_process(["flops", "vit_tiny_patch16_224", "--method", spec], capsys)
+            assert "does not price itself" in one_line_of(res), spec
+        priced = DropLast(priced=True).apply(make_model("vit"))
+        assert amod.flops(priced).blocks[-1].tokens == 17 and amod.flops(priced).ratio == 1.0  # (its own price)
+        x = images(dropping, 2)
+        with pytest.raises(ValueError, match=r"^block 3 hands on 2 patch tokens where the grid has 4 x 4 = 16, and the "
+                                             r"model does not say where the others went"):
+            amod.patch_features(dropping, x)
+        assert amod.patch_features(dropping, x, layers=2).shape == (2, 192, 4, 4)  # (before the drop: whole)
+    finally:
+        del METHOD_CLASSES["toy-drop"]
+
+
+def test_a_bug_in_a_package_s_method_is_named_as_that_package_s_and_an_entry_point_must_name_a_method(plugins,
+                                                                                                      capsys):
+    body = "\n    def apply(self, model):\n        return 1 / 0\n"
+    plugins("amod_toy_raise", twin("toy-raise", "Raises", body), "amod_toy_raise")
+    res = cli_in_process(["flops", "vit_tiny_patch16_224", "--method", "toy-raise"], capsys)
+    assert res.returncode == 1 and "Traceback" in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "amod flops: internal error (ZeroDivisionError) in the toy-raise method of package amod-toy-raise 0.1 "
+        "(amod_toy_raise.py, line 13): this is a bug in that package, not in amod or in what it was given; please "
+        "report it to its authors with the traceback above")
+    plugins("amod_toy_number", "VALUE = 3\n", "amod_toy_number:VALUE")
+    with pytest.raises(ValueError, match=r"^the amod\.methods entry point toy = amod_toy_number:VALUE of "
+                                         r"amod-toy-number 0\.1: it names 3, which is neither an amod Method class nor "
+                                         r"a module that registers one$"):
+        methods.method_kinds()

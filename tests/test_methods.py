@@ -12,10 +12,9 @@ import torch
 from conftest import images, make_model
 
 import amod
-import amod.ppt  # registers PPT (an installed amod finds it through its amod.methods entry point)
 from amod.methods import (METHOD_CLASSES, Calibrated, Dense, IsoFLOP, MoD, PiToMe, TokenMerging, metadata_keys,
-                          SHORTHAND_NAMES, method_classes, method_from_metadata, method_from_shorthand, method_of,
-                          parse_method, setting_text_of)
+                          SHORTHAND_NAMES, file_metadata, method_classes, method_from_metadata, method_from_shorthand,
+                          method_of, parse_method, setting_text_of)
 from amod.ppt import PPT
 from amod.train.config import RunConfig, resolve_run_config
 
@@ -69,13 +68,16 @@ def test_each_method_names_its_checkpoint_metadata():
     assert method_classes() == (MoD, TokenMerging, PiToMe, IsoFLOP, Calibrated, PPT, Dense)  # lookup order, Dense last
     assert set(MoD(layers=(1, 3)).metadata()) == {"amod.mod"}
     assert TokenMerging(r=(1, 2)).metadata() == {"amod.tome": '{"schedule": [1, 2]}'}
-    assert method_from_metadata(TokenMerging(r=(1, 2)).metadata()) == TokenMerging(r=(1, 2))
-    assert method_from_metadata({"amod.merge": '{"schedule": [1, 2]}'}) == TokenMerging(r=(1, 2))  # an older file's
+    assert method_from_metadata(file_metadata(TokenMerging(r=(1, 2)))) == TokenMerging(r=(1, 2))
+    # an older file's key (read, never written): a file that names its method reads as it
+    assert method_from_metadata({"amod.method": "tome", "amod.merge": '{"schedule": [1, 2]}'}) == TokenMerging(r=(1, 2))
+    assert TokenMerging.from_metadata({"amod.merge": '{"schedule": [1, 2]}'}) == TokenMerging(r=(1, 2))
     assert PiToMe(keep=0.9).metadata() == {"amod.pitome": '{"keep": 0.9}'}
-    assert method_from_metadata(PiToMe(keep=0.9).metadata()) == PiToMe(keep=0.9)
+    assert method_from_metadata(file_metadata(PiToMe(keep=0.9))) == PiToMe(keep=0.9)
     resolved = MoD(layers=(1, 3), scale_output=False)  # as a converted model holds it
-    assert method_from_metadata(resolved.metadata()) == resolved
-    assert method_from_metadata({}) == Dense() and Dense().metadata() == {}
+    assert method_from_metadata(file_metadata(resolved)) == resolved
+    assert method_from_metadata({}) == Dense() and Dense().metadata() == {} and file_metadata(Dense()) == {
+        "amod.method": "dense"}
 
 
 # One example of every registered method (a new method: one line here; Calibrated runs once set to a cost), each
@@ -98,8 +100,12 @@ def test_every_registered_method_has_an_example():
 def test_every_method_reads_back_as_itself_from_its_metadata_a_run_and_its_spec(method):
     meta = method.metadata()  # set by a cost or not yet resolved: its fields as given, never an error
     assert set(meta) == ({method.metadata_key} if method.metadata_key else set())
-    assert method_from_metadata(meta) == method  # (never Dense for another method)
-    assert method_from_metadata(json.loads(json.dumps(meta))) == method
+    assert type(method).from_metadata(meta) in (method, None if isinstance(method, Dense) else method)
+    in_file = file_metadata(method)  # what a file holds: the kind, the settings, the behaviour and amod's version
+    assert set(in_file) == {"amod.method", *meta} | (set() if isinstance(method, Dense) else {
+        "amod.method.behaviour", "amod.method.provider"})
+    assert method_from_metadata(in_file) == method  # (never Dense for another method)
+    assert method_from_metadata(json.loads(json.dumps(in_file))) == method
     assert RunConfig(method_spec=method.spec()).method() == method  # no field dropped on the way into a run
     assert setting_text_of(method.spec()) == method.setting_text()  # a report row's setting
     assert parse_method(method.spec()) == method
@@ -123,7 +129,7 @@ def test_a_model_of_every_method_saves_loads_and_its_run_builds_it_again(method,
     running = method_of(model)
     assert running.kind == ("mod" if isinstance(method, Calibrated) else method.kind)
     if not isinstance(method, (TokenMerging, PiToMe, Calibrated)):  # (those resolve a cost to their setting)
-        assert method_from_metadata(running.metadata()) == running
+        assert method_from_metadata(file_metadata(running)) == running
     loaded = amod.load(amod.save(model, tmp_path / "m.safetensors"))
     assert method_of(loaded) == running and amod.flops(loaded).macs == amod.flops(model).macs
     x = images(model, 2)
@@ -151,7 +157,12 @@ def test_files_written_before_read_as_they_did(tmp_path):
     assert method_of(old) == Dense() and len(old.blocks) == len(iso.blocks) == 3
     for old_mod in ({**json.loads(mod.amod_config.to_json()), "protect": 0.1},  # a protect that bypass ignored
                     {k: v for k, v in json.loads(mod.amod_config.to_json()).items() if k not in ("protect", "shape")}):
-        assert method_from_metadata({"amod.mod": json.dumps(old_mod)}) == method_of(mod)
+        assert MoD.from_metadata({"amod.mod": json.dumps(old_mod)}) == method_of(mod)  # (its settings read as they did)
+        # but a file of it is refused: its MoD ran before or after the near-tie grid, which cannot be told
+        with pytest.raises(ValueError, match=r"^the file holds a mod model from before files recorded a method's "
+                                             r"behaviour \(no amod\.method entry\), when mod ran more than one rule "
+                                             r"\(version 2: every choice made on scores rounded to a grid"):
+            method_from_metadata({"amod.mod": json.dumps(old_mod)})
 
 
 def test_a_run_from_an_isoflop_file_keeps_and_records_its_method(dense, tmp_path):

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from conftest import cli_in_process, images, make_model
 
 import amod
-import amod.ppt  # registers the method (an installed amod finds it through its amod.methods entry point)
 from amod.cost import COST_TOLERANCE
 from amod.deploy import flat_region_images
 from amod.methods import method_of, parse_method
@@ -239,3 +238,21 @@ def test_compare_and_the_finetune_study_take_the_method_by_its_kind(backbone_pat
     steps = sorted({r["step"] for r in evals if r["method"] == "ppt"})
     assert steps[0] == 0 and steps[-1] == 4  # zero-training and finetuned
     assert "| 0.6 | ppt | r = [7, 6, 6] at blocks [1, 2, 3], threshold 7e-05 |" in (out / "finetune.md").read_text()
+
+
+def test_ppt_registers_when_amod_is_imported_without_any_installed_metadata(tmp_path, monkeypatch):
+    """A built-in registers on import, as every built-in does: from a source tree (no installed distribution, so no
+    entry point) a PPT file amod saved opens and ``ppt:`` specs parse; amod declares no entry point of its own."""
+    import importlib.metadata
+    from pathlib import Path
+
+    from amod import methods
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert "entry-points" not in pyproject  # (the amod.methods group is for other packages)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kwargs: iter(()))
+    monkeypatch.setitem(methods._plugins, "loaded", False)
+    assert methods.method_kinds()[-1] == "ppt" and parse_method("ppt:r=2") == PPT(r=2)
+    model = amod.ppt.apply(make_model("vit"), r=2)
+    loaded = amod.load(amod.save(model, tmp_path / "ppt.safetensors"))
+    assert method_of(loaded) == method_of(model) and isinstance(loaded.blocks[1], PPTBlock)

@@ -28,6 +28,7 @@ from .errors import UserError
 from .fast import compile
 from .methods import Dense, IsoFLOP, Method, MoD, PiToMe, TokenMerging, method_of
 from .tome import pitome
+from . import ppt  # PPT's method registers on import, as every built-in's does
 from .mod.config import MoDConfig
 from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
                            set_recording)
@@ -40,6 +41,7 @@ __all__ = [
     "MoDConfig", "CostReport", "convert", "set_capacity", "set_recording", "get_config", "mod_blocks",
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "PiToMe", "pitome",
+    "ppt",
     "method_of", "calibrate",
     "export", "compile", "hf", "families", "UserError", "patch_features",
 ]

@@ -24,16 +24,30 @@ from torch import nn
 from . import files
 from .family import Family, family_for, family_of
 from .hf.loading import hf_source, load_hf_model, load_hf_source
-from .methods import (METHOD_ENTRY, file_metadata, method_entries, method_from_metadata, method_of,
-                      unregistered_method, unregistered_method_error)
+from .methods import (METHOD_ENTRY, Dense, Method, check_method_file, file_metadata, method_entries,
+                      method_from_metadata, method_of)
 from .errors import UserError
 
 PathLike = Union[str, os.PathLike]
-FORMAT_VERSION = "2"  # the newest file format this amod reads (and writes)
-# Format 2 is a file whose method an amod reading format 1 would not find (ToMe's "amod.tome", any method of an
-# installed package): such an amod would open it as a dense model, so it is told the format and refuses it. Files of
-# the methods format 1 names (these entries, or none: dense) stay format 1, which every amod reads.
-FORMAT_1_ENTRIES = ("amod.mod", "amod.pitome", "amod.isoflop")
+FORMAT_VERSION = "3"  # the newest file format this amod reads (and writes)
+# A file is written in the oldest format whose every reader rebuilds the model that was saved; a reader refuses a
+# newer format than its own ("upgrade amod"), so an older amod never opens a file as another model:
+# - format 1, what every amod reads: a dense model, or a method whose files format-1 readers found (``amod.mod``,
+#   ``amod.pitome``, ``amod.isoflop``) and ran as today (``FORMAT_1_BEHAVIOURS``);
+# - format 2: a method a format-1 reader would not find (ToMe's ``amod.tome``, any installed package's method: it
+#   would open as a dense model) or would run by an older rule (MoD and PiToMe changed on the near-tie grid);
+# - format 3: a method whose behaviour is newer than the one files recorded no version of (``amod.method.behaviour``
+#   is read from this format on; a format-2 reader would run such a file by its older rule).
+FORMAT_1_BEHAVIOURS = {"isoflop": 1}  # kind -> the behaviour every format-1 reader ran
+
+
+def file_format(method: Method) -> str:
+    """The file format of a model running ``method`` (see ``FORMAT_VERSION``)."""
+    cls = type(method)
+    if isinstance(method, Dense) or FORMAT_1_BEHAVIOURS.get(cls.kind) == cls.behaviour:
+        return "1"
+    unrecorded = cls.unrecorded_behaviour[0]
+    return "2" if unrecorded is not None and cls.behaviour <= unrecorded else "3"
 
 
 def save(
@@ -67,9 +81,8 @@ def to_bytes(
     """The content ``save`` writes (arguments as there), for writing it together with other files
     (``amod.files.write_together``)."""
     info = family_of(model).describe(model, arch=arch, model_args=model_args)  # (a family's own description)
-    method = file_metadata(method_of(model))
-    known = all(k in FORMAT_1_ENTRIES for k in method if k != METHOD_ENTRY)
-    meta = {"amod.format": "1" if known else FORMAT_VERSION, "amod.model": json.dumps(info), **method}
+    method = method_of(model)
+    meta = {"amod.format": file_format(method), "amod.model": json.dumps(info), **file_metadata(method)}
     meta.update(metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return safetensors_bytes(tensors, metadata=meta)
@@ -99,9 +112,7 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     if len(methods) > 1:
         raise UserError(f"{path} names two methods ({' and '.join(methods)} metadata); an amod checkpoint holds one "
                         "model, so one method's entry at most")
-    unknown = unregistered_method(meta)
-    if unknown is not None:
-        raise unregistered_method_error(unknown, str(path))
+    check_method_file(meta, str(path))  # (a method not registered, another package's, another behaviour)
     return meta
 
 

@@ -118,9 +118,44 @@ def attention_macs(tokens: int, attn: nn.Module) -> int:
     return 2 * tokens * tokens * attn.num_heads * attn.head_dim
 
 
+def _attention_of(blk: nn.Module) -> nn.Module:
+    """The attention of a block: its ``attn``, or (a block that wraps one) the one module inside it with
+    ``num_heads`` and ``head_dim``; refuses a block without exactly one."""
+    if hasattr(blk, "attn"):
+        return blk.attn
+    found = [m for m in blk.modules() if hasattr(m, "num_heads") and hasattr(m, "head_dim")]
+    if len(found) != 1:
+        raise UserError(f"a {type(blk).__name__} ({type(blk).__module__}) has {len(found)} attention modules (ones "
+                        "with num_heads and head_dim), so amod cannot price it as a dense block; a block of a method "
+                        "prices itself with amod_price(tokens, num_prefix, capacity) -> amod.cost.BlockPrice")
+    return found[0]
+
+
 def dense_block_macs(blk: nn.Module, tokens: int) -> int:
-    """A timm Block on ``tokens`` tokens."""
-    return tokens * linear_macs_per_token(blk) + attention_macs(tokens, blk.attn)
+    """A timm Block (or a block that wraps one) on ``tokens`` tokens."""
+    return tokens * linear_macs_per_token(blk) + attention_macs(tokens, _attention_of(blk))
+
+
+# the packages whose blocks compute what their weights say (a dense block): a block of any other class changes the
+# work (a method's) and must price itself
+_ECOSYSTEM_MODULES = ("timm.", "transformers.", "torch.")
+
+
+def block_price(blk: nn.Module, index: int, tokens: int, num_prefix: int, capacity: Optional[float]) -> BlockPrice:
+    """What block ``index`` costs on ``tokens`` tokens: its own ``amod_price``, or, for a block whose forward is
+    timm's or transformers' own, a dense block's. A block of any other forward (a method's) without
+    ``amod_price`` is refused in one line: amod could not say what it costs, and pricing it as dense would be
+    silently wrong."""
+    if hasattr(blk, "amod_price"):
+        return blk.amod_price(tokens, num_prefix, capacity)
+    # (a class whose forward runs another class's, a Hugging Face layer in timm's Block role, names it)
+    forward = getattr(getattr(type(blk), "amod_forward_of", type(blk)), "forward", None)
+    if not getattr(forward, "__module__", "").startswith(_ECOSYSTEM_MODULES):
+        raise UserError(f"block {index} is a {type(blk).__name__} ({type(blk).__module__}) whose forward is not "
+                        "timm's or transformers' and which does not price itself: a method's blocks define "
+                        "amod_price(tokens, num_prefix, capacity) -> amod.cost.BlockPrice (docs/architecture.md), or "
+                        "amod cannot say what the model costs")
+    return BlockPrice(dense_block_macs(blk, tokens), tokens, tokens)
 
 
 def img_size_of(model: nn.Module, img_size: ImgSize) -> tuple[int, int]:
@@ -181,8 +216,7 @@ def vit_flops(model: nn.Module, img_size: ImgSize, capacity: Optional[float], ou
     blocks, dense_blocks = [], 0
     tokens = N  # falls where tokens merge or fold
     for i, blk in enumerate(model.blocks):
-        price = blk.amod_price(tokens, p, capacity) if hasattr(blk, "amod_price") else \
-            BlockPrice(dense_block_macs(blk, tokens), tokens, tokens)
+        price = block_price(blk, i, tokens, p, capacity)
         blocks.append(BlockCost(i, price.tokens, price.macs))
         tokens = price.tokens_after
         dense_blocks += dense_block_macs(blk, N)

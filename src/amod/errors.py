@@ -17,7 +17,7 @@ import sys
 import traceback
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from safetensors import SafetensorError
 from yaml import YAMLError
@@ -90,6 +90,13 @@ def _refused_on_every_process(e: BaseException) -> bool:
     return engine is not None and isinstance(e, engine.RefusedOnEveryProcess)
 
 
+def _method_package_at_fault(e: BaseException) -> Optional[str]:
+    """The method of another package whose code raised ``e`` (``amod.methods.package_at_fault``; only a command that
+    consulted the method registry can have run one)."""
+    methods = sys.modules.get("amod.methods")
+    return None if methods is None else methods.package_at_fault(e.__traceback__)
+
+
 def run_reporting_errors(command: str, run: Callable[[], int], debug: bool = False) -> int:
     """``run()``'s exit status as the ``amod`` command ``command`` reports it: an error in ``USER_ERRORS`` as one line
     and status 2; any other error, a bug in amod, as its traceback and status 1 (``debug``: the traceback of
@@ -110,8 +117,14 @@ def run_reporting_errors(command: str, run: Callable[[], int], debug: bool = Fal
             return 0
         if debug:  # the traceback of either kind, from Python (exit status 1)
             raise
-        if not isinstance(e, USER_ERRORS):  # a bug in amod: its traceback, for the report
+        if not isinstance(e, USER_ERRORS):  # a bug in amod, or in a method another package registered
             traceback.print_exc()
+            plugin = _method_package_at_fault(e)
+            if plugin is not None:
+                print(f"amod {command}: internal error ({type(e).__name__}) in {plugin}: this is a bug in that "
+                      "package, not in amod or in what it was given; please report it to its authors with the "
+                      "traceback above", file=sys.stderr)
+                return 1
             print(f"amod {command}: internal error ({type(e).__name__}): this is a bug in amod, not in what it was "
                   "given; please report it with the traceback above", file=sys.stderr)
             return 1

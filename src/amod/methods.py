@@ -23,9 +23,13 @@ import dataclasses
 import importlib.metadata
 import json
 import math
+import os
+import sys
+import traceback
+import types
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -57,6 +61,28 @@ def _as_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def _is_union(origin: Any) -> bool:
+    return origin is Union or (sys.version_info >= (3, 10) and origin is types.UnionType)
+
+
+# the items of a bare ``tuple`` or ``list`` field: each read as the first of these it parses as
+_ANY_ITEM = Union[int, float, bool, str]
+
+
+def _settable(tp: Any) -> bool:
+    """Whether a spec string can set a field of type hint ``tp`` (``_parse_value`` reads it)."""
+    if tp in (int, float, bool, str, type(None), tuple, list):
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_union(origin):
+        return all(_settable(a) for a in args)
+    if origin in (tuple, list):
+        items = [a for a in args if a is not Ellipsis]
+        return len(items) == 1 and items[0] not in (tuple, list) and _settable(items[0])
+    return False
+
+
+
 class Method:
     """Base class of the methods; subclasses are frozen dataclasses registered with ``@register_method``. Their
     fields are the method's settings: a spec string sets them by name (``parse_method``), so give each a type hint
@@ -72,12 +98,25 @@ class Method:
     # metadata entries older files name this method by: read (``from_metadata``), never written
     former_metadata_keys: ClassVar[tuple[str, ...]] = ()
 
+    # The version of what the method computes from the same weights and setting. A change of its outputs bumps it
+    # (tests/test_method_versions.py keeps a reference output of each built-in per version and fails where one moves
+    # without a bump), and says what changed in ``behaviour_changes``. A file records the version that wrote it
+    # (``BEHAVIOUR_ENTRY``); one of another version is refused in one line (``check_method_file``), never run by
+    # another rule than the one it was measured with.
+    behaviour: ClassVar[int] = 1
+    behaviour_changes: ClassVar[dict[int, str]] = {}  # version -> what it changed (named when an older file is refused)
+    # The version of a file that records none: (one that names its method in ``METHOD_ENTRY``, one from before that
+    # entry). None: files of that age were written by more than one version, which cannot be told apart (refused).
+    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (1, 1)
+
     def __post_init__(self) -> None:
         self.check()
 
     def check(self) -> None:
-        """Refuse fields that conflict (a ValueError, one line naming both): run when the method is made, so a spec
-        (``parse_method``), ``--method``, ``--methods`` and the library refuse them alike."""
+        """Refuse bad or conflicting fields with an ``amod.UserError`` (one line naming them: the command prints it as
+        the user's mistake, where any other exception is reported as a bug in the method's package): run when the
+        method is made, so a spec (``parse_method``), ``--method``, ``--methods`` and the library refuse them
+        alike."""
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Turn the dense timm ViT ``model`` into this method (in place where possible); returns the model."""
@@ -143,7 +182,9 @@ class Method:
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["Method"]:
-        """This method as ``model`` runs it, if it does."""
+        """This method as ``model`` runs it, if it does; None for any other model. Every method but ``Dense`` defines
+        it (``register_method`` refuses one without): it is how ``method_of`` finds the method, and so what
+        ``amod.save`` writes; without it a model of the method would be saved as the dense model."""
         return None
 
     def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "Method":
@@ -163,27 +204,102 @@ class Method:
 METHOD_CLASSES: dict[str, type[Method]] = {}
 
 # the entry-point group through which an installed package registers methods: ``NAME = module`` (importing the module
-# registers them with ``@register_method``) or ``NAME = module:Class`` (that class, registered if it is not yet)
+# registers them with ``@register_method``) or ``NAME = module:Class`` (that class, registered if it is not yet).
+# amod's own methods register when amod is imported; the group is for other packages.
 ENTRY_POINT_GROUP = "amod.methods"
 # a file's metadata entry naming the kind of the method that wrote it (files written before it name a method only by
 # its ``metadata_key`` entry)
 METHOD_ENTRY = "amod.method"
+# the version of the method's behaviour that wrote a file (``Method.behaviour``), and the package (distribution and
+# version) whose method it is: amod's own, or the package that registered it
+BEHAVIOUR_ENTRY = "amod.method.behaviour"
+PROVIDER_ENTRY = "amod.method.provider"
 # the metadata entries of a file that are not a method's
 _FILE_ENTRIES = ("amod.format", "amod.model", METHOD_ENTRY)
 
 _plugins = {"loaded": False, "loading": False}
 
 
+@dataclass(frozen=True)
+class Provider:
+    """The package a method class comes from: its distribution's name and version (``amod`` for the built-ins)."""
+
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Provider":
+        name, _, version = text.strip().partition(" ")
+        return cls(name, version.strip())
+
+    def same_package(self, other: "Provider") -> bool:
+        return _normalized(self.name) == _normalized(other.name)
+
+
+def _normalized(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503)."""
+    return "-".join(name.replace("_", "-").replace(".", "-").lower().split("-"))
+
+
+# the provider of each class an installed package's entry point registered (the others are looked up)
+_ENTRY_PROVIDERS: dict[type, Provider] = {}
+_loading_provider: list[Provider] = []  # the package whose entry point is being loaded (its module's registrations)
+
+
+def method_provider(cls: type[Method]) -> Optional[Provider]:
+    """The package ``cls`` comes from: ``amod`` for amod's own methods; for another's, the distribution whose
+    entry point registered it, or that installed its top-level module; None for a class of code no installed package
+    holds (a script, a test)."""
+    if cls in _ENTRY_PROVIDERS:
+        return _ENTRY_PROVIDERS[cls]
+    top = cls.__module__.partition(".")[0]
+    if top == __name__.partition(".")[0]:
+        return Provider("amod", getattr(sys.modules.get(top), "__version__", "unknown"))
+    dists = importlib.metadata.packages_distributions().get(top, [])
+    if len(set(map(_normalized, dists))) == 1:
+        try:
+            return Provider(dists[0], importlib.metadata.version(dists[0]))
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return None
+
+
+def _described(cls: type[Method]) -> str:
+    """A method class as a refusal names it: its module and name, and its package."""
+    provider = method_provider(cls)
+    if provider is not None and provider.name == "amod":
+        return f"amod's built-in {cls.__name__}"
+    package = f"package {provider}" if provider is not None else "no installed package"
+    return f"{cls.__module__}.{cls.__qualname__} ({package})"
+
+
+def _same_class(a: type, b: type) -> bool:
+    """Whether ``a`` and ``b`` are one class (or one class's definition run again: a module reloaded)."""
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
 def register_method(cls: type[Method]) -> type[Method]:
-    """Class decorator: register a ``Method`` subclass under its ``kind`` (replacing one of the same kind), so that
-    ``method_of``, ``method_from_metadata``, checkpoint loading, ``RunConfig.method()``, ``parse_method`` and the
-    experiments' ``--methods`` find it. The class must name its ``metadata_key``, the checkpoint metadata entry it
-    writes (e.g. ``"amod.random-drop"``; unique among the registered methods): without one a file of it would read
-    back as a dense model."""
+    """Class decorator: register a ``Method`` subclass under its ``kind``, so that ``method_of``,
+    ``method_from_metadata``, checkpoint loading, ``RunConfig.method()``, ``parse_method`` and the experiments'
+    ``--methods`` find it. A kind names one method: a class may not take a kind that another class (a built-in or
+    another package's) has already (registering the same class again does nothing). The class must name its
+    ``metadata_key``, the checkpoint metadata entry it writes (e.g. ``"amod.random-drop"``; unique among the
+    registered methods), and define ``of_model``: without either a model of it would be saved as the dense model.
+    Each field needs a type hint that a spec string can set (``parse_method``). Refusals are one-line UserErrors."""
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind or any(c in kind for c in ":,= "):
         raise UserError(f"{cls.__name__}: a method's kind must be a non-empty name without ':', ',', '=' or spaces, "
                         f"got {kind!r}")
+    if _loading_provider and cls not in _ENTRY_PROVIDERS and cls.__module__.partition(".")[0] != "amod":
+        _ENTRY_PROVIDERS[cls] = _loading_provider[-1]  # (registered while its package's entry point loads)
+    existing = METHOD_CLASSES.get(kind)
+    if existing is not None and not _same_class(existing, cls):
+        raise UserError(f"{_described(cls)} registers the method kind {kind!r}, which is {_described(existing)}'s "
+                        f"already: a kind names one method, so that a spec and a file mean one model; give "
+                        f"{cls.__name__} another kind")
     key = getattr(cls, "metadata_key", None)
     if not isinstance(key, str) or not key.strip() or key in _FILE_ENTRIES:
         raise UserError(f"{cls.__name__} (kind {kind!r}): a method must set metadata_key, the checkpoint metadata "
@@ -194,28 +310,113 @@ def register_method(cls: type[Method]) -> type[Method]:
     if taken:
         raise UserError(f"{cls.__name__} (kind {kind!r}): metadata_key {key!r} is the {taken[0]} method's already; "
                         "give another")
+    if getattr(cls.of_model, "__func__", None) is Method.of_model.__func__:
+        raise UserError(f"{cls.__name__} (kind {kind!r}): a method must define of_model(model), how amod.method_of "
+                        "finds it in a model its apply made: without it amod.save would write that model as the "
+                        "dense one")
+    behaviour = getattr(cls, "behaviour", None)
+    if isinstance(behaviour, bool) or not isinstance(behaviour, int) or behaviour < 1:
+        raise UserError(f"{cls.__name__} (kind {kind!r}): behaviour must be an integer >= 1 (the version of what the "
+                        f"method computes), got {behaviour!r}")
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception as e:  # (a hint naming what its module does not define)
+        raise UserError(f"{cls.__name__} (kind {kind!r}): its type hints cannot be read ({type(e).__name__}: {e})") \
+            from None
+    for f in dataclasses.fields(cls):
+        if not _settable(hints.get(f.name)):
+            raise UserError(f"{cls.__name__} (kind {kind!r}): field {f.name}'s type {hints.get(f.name)!r} is not "
+                            "one a spec can set: int, float, bool, str, None, their Optional and Union, tuple[X, "
+                            "...], list[X] or a bare tuple or list")
     METHOD_CLASSES[kind] = cls
     return cls
 
 
+def package_at_fault(tb: Optional[types.TracebackType]) -> Optional[str]:
+    """Which registered method of another package than amod raised in a traceback, in words (``the toy-skip method
+    of amod-toy-method 0.1``): the innermost frame that is in amod's code or in a module of such a method's package
+    decides; None where it is amod's, or no such method's code is in the traceback."""
+    amod_root = os.path.dirname(os.path.abspath(__file__))
+    roots: dict[str, type[Method]] = {}
+    for cls in METHOD_CLASSES.values():
+        module = sys.modules.get(cls.__module__.partition(".")[0])
+        file = getattr(module, "__file__", None)
+        if file and not os.path.abspath(file).startswith(amod_root + os.sep):
+            file = os.path.abspath(file)
+            roots[os.path.dirname(file) if os.path.basename(file) == "__init__.py" else file] = cls
+    if not roots:
+        return None
+    for frame, _ in reversed(list(traceback.walk_tb(tb))):
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if filename.startswith(amod_root + os.sep):
+            return None
+        for root, cls in roots.items():
+            if filename == root or filename.startswith(root + os.sep):
+                provider = method_provider(cls)
+                package = f"package {provider}" if provider is not None else f"module {cls.__module__}"
+                return f"the {cls.kind} method of {package} ({os.path.basename(filename)}, line {frame.f_lineno})"
+    return None
+
+
+def _method_entry_points() -> Iterator[importlib.metadata.EntryPoint]:
+    """The ``amod.methods`` entry points of every installed distribution but amod (whose methods register on
+    import), one distribution of each name (the first on the path, the one Python imports); each keeps its
+    distribution (``entry.dist``)."""
+    seen = set()
+    for dist in importlib.metadata.distributions():
+        name = _normalized(dist.metadata["Name"] or "")
+        if name in seen or name == "amod":
+            continue
+        seen.add(name)
+        for entry in dist.entry_points:
+            if entry.group == ENTRY_POINT_GROUP:
+                yield entry
+
+
+def _entry_point_text(entry: importlib.metadata.EntryPoint) -> str:
+    package = f" of {entry.dist.name} {entry.dist.version}" if getattr(entry, "dist", None) is not None else ""
+    return f"the {ENTRY_POINT_GROUP} entry point {entry.name} = {entry.value}{package}"
+
+
 def load_method_plugins() -> None:
     """Register the methods of the installed packages' ``amod.methods`` entry points (once; the registry's lookups
-    call it). An entry point that fails to load raises a ValueError, in one line, naming it (and it is tried again
-    at the next lookup)."""
+    call it). An entry point that fails to load, names something that is not a method class or a module that
+    registers one, or registers a kind another class has (a built-in's, or another package's) raises a UserError in
+    one line naming it (and it is tried again at the next lookup)."""
     if _plugins["loaded"] or _plugins["loading"]:
         return
     _plugins["loading"] = True  # a plugin's module may consult the registry while it is imported
     try:
-        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        for entry in _method_entry_points():
+            dist = getattr(entry, "dist", None)
+            provider = Provider(dist.name, dist.version) if dist is not None else None
             try:
-                loaded = entry.load()
-                if isinstance(loaded, type) and issubclass(loaded, Method) and \
-                        METHOD_CLASSES.get(getattr(loaded, "kind", None)) is not loaded:
+                _loading_provider.extend([provider] if provider is not None else [])
+                try:
+                    loaded = entry.load()
+                finally:
+                    del _loading_provider[len(_loading_provider) - (provider is not None):]
+                if isinstance(loaded, type) and issubclass(loaded, Method):
+                    if provider is not None:
+                        _ENTRY_PROVIDERS.setdefault(loaded, provider)
                     register_method(loaded)
+                elif isinstance(loaded, types.ModuleType):
+                    mine = [c for c in METHOD_CLASSES.values()
+                            if c.__module__ == loaded.__name__ or c.__module__.startswith(loaded.__name__ + ".")]
+                    if not mine:
+                        raise UserError(f"module {loaded.__name__} registers no method (a module named there "
+                                        "registers its classes with @amod.methods.register_method when imported)")
+                    for c in mine:
+                        if provider is not None:
+                            _ENTRY_PROVIDERS.setdefault(c, provider)
+                else:
+                    raise UserError(f"it names {loaded!r}, which is neither an amod Method class nor a module that "
+                                    "registers one")
+            except UserError as e:
+                raise UserError(f"{_entry_point_text(entry)}: {' '.join(str(e).split())}") from e
             except Exception as e:
-                package = f" of {entry.dist.name} {entry.dist.version}" if entry.dist is not None else ""
-                raise UserError(f"the {ENTRY_POINT_GROUP} entry point {entry.name} = {entry.value}{package} failed to "
-                                f"load ({type(e).__name__}: {' '.join(str(e).split())})") from e
+                raise UserError(f"{_entry_point_text(entry)} failed to load "
+                                f"({type(e).__name__}: {' '.join(str(e).split())})") from e
         _plugins["loaded"] = True
     finally:
         _plugins["loading"] = False
@@ -242,9 +443,16 @@ def metadata_keys() -> tuple[str, ...]:
 
 
 def file_metadata(method: "Method") -> dict[str, str]:
-    """The metadata entries a file of a model running ``method`` holds for it: its kind under ``METHOD_ENTRY`` and
-    its own ``metadata()``."""
-    return {METHOD_ENTRY: method.kind, **method.metadata()}
+    """The metadata entries a file of a model running ``method`` holds for it: its kind under ``METHOD_ENTRY``, its
+    own ``metadata()``, and (any method but dense) the version of its behaviour (``BEHAVIOUR_ENTRY``) and the package
+    it comes from (``PROVIDER_ENTRY``, where one is installed)."""
+    entries = {METHOD_ENTRY: method.kind, **method.metadata()}
+    if not isinstance(method, Dense):
+        entries[BEHAVIOUR_ENTRY] = str(type(method).behaviour)
+        provider = method_provider(type(method))
+        if provider is not None:
+            entries[PROVIDER_ENTRY] = str(provider)
+    return entries
 
 
 def method_entries(meta: dict[str, str]) -> list[str]:
@@ -275,6 +483,65 @@ def unregistered_method_error(what: str, source: str) -> UserError:
                      f"{', '.join(method_kinds())}")
 
 
+def file_method_class(meta: dict[str, str]) -> Optional[type[Method]]:
+    """The registered class of the method a file's metadata ``meta`` names (its ``METHOD_ENTRY`` kind, or in a file
+    from before that entry the class whose metadata entry it holds); None where it names none (dense) or one not
+    registered."""
+    kind = meta.get(METHOD_ENTRY)
+    if kind is not None:
+        return registered_method(kind)
+    return next((c for c in method_classes() if c.metadata_key is not None
+                 and any(k in meta for k in (c.metadata_key, *c.former_metadata_keys))), None)
+
+
+def file_behaviour(cls: type[Method], meta: dict[str, str], source: str) -> Optional[int]:
+    """The version of ``cls``'s behaviour that wrote a file (``BEHAVIOUR_ENTRY``, or where it records none the class's
+    ``unrecorded_behaviour`` for a file of its age); None where that cannot be told."""
+    text = meta.get(BEHAVIOUR_ENTRY)
+    if text is None:
+        return cls.unrecorded_behaviour[0 if METHOD_ENTRY in meta else 1]
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UserError(f"{source}: its {BEHAVIOUR_ENTRY} entry must be a version number >= 1, got {text!r}")
+    return int(text)
+
+
+def _changes(cls: type[Method], since: int) -> str:
+    return "; ".join(f"version {v}: {cls.behaviour_changes.get(v, 'not described')}"
+                     for v in range(since + 1, cls.behaviour + 1))
+
+
+def check_method_file(meta: dict[str, str], source: str) -> None:
+    """Refuse, in one line naming ``source``, a file (its metadata ``meta``) that this amod would not rebuild into the
+    model that was saved: its method is not registered, is another package's than the one registered under its kind
+    (``PROVIDER_ENTRY``), or was written by another version of the method's behaviour (``BEHAVIOUR_ENTRY``; an older
+    one cannot be run by the rule it was measured with, a newer one is unknown here)."""
+    what = unregistered_method(meta)
+    if what is not None:
+        raise unregistered_method_error(what, source)
+    cls = file_method_class(meta)
+    if cls is None or cls is Dense:
+        return
+    recorded, provider = meta.get(PROVIDER_ENTRY), method_provider(cls)
+    if recorded and provider is not None and not Provider.parse(recorded).same_package(provider):
+        raise UserError(f"{source} was saved by the {cls.kind} method of {recorded}; here {cls.kind!r} is "
+                        f"{_described(cls)}, another method: open it where {Provider.parse(recorded).name} is "
+                        "installed instead")
+    version = file_behaviour(cls, meta, source)
+    again = "make the model again with this amod, or open the file with the amod that wrote it"
+    if version is None:
+        raise UserError(f"{source} holds a {cls.kind} model from before files recorded a method's behaviour (no "
+                        f"{METHOD_ENTRY} entry), when {cls.kind} ran more than one rule ({_changes(cls, 1)}); which "
+                        f"one wrote it cannot be told, and this amod runs version {cls.behaviour}: {again}")
+    if version < cls.behaviour:
+        raise UserError(f"{source} holds a {cls.kind} model of behaviour version {version}; this amod runs version "
+                        f"{cls.behaviour} ({_changes(cls, version)}), which would not compute the model that was "
+                        f"saved: {again}")
+    if version > cls.behaviour:
+        owner = provider.name if provider is not None else "the package that registers it"
+        raise UserError(f"{source} holds a {cls.kind} model of behaviour version {version}, newer than this amod's "
+                        f"{cls.kind} (version {cls.behaviour}): upgrade {owner} to open it")
+
+
 @dataclass(frozen=True)
 class Dense(Method):
     """The dense model as it is: no settings, no metadata entry of its own (a file of it names ``dense``)."""
@@ -295,6 +562,10 @@ class Dense(Method):
 
 METHOD_CLASSES[Dense.kind] = Dense  # the one method without settings or a metadata entry (register_method asks one)
 
+# what the near-tie grid changed, in every method that chooses tokens on scores
+NEAR_TIE_GRID = ("every choice made on scores rounded to a grid, near-ties broken by position "
+                 "(amod.tokens.decision_key, amod 52c60d6)")
+
 
 @register_method
 @dataclass(frozen=True)
@@ -303,6 +574,9 @@ class MoD(Method):
 
     kind: ClassVar[str] = "mod"
     metadata_key: ClassVar[Optional[str]] = "amod.mod"
+    behaviour: ClassVar[int] = 2
+    behaviour_changes: ClassVar[dict[int, str]] = {2: NEAR_TIE_GRID}
+    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (2, None)
     router: str = MoDConfig.router
     capacity: float = MoDConfig.capacity
     layers: Layers = None  # None: the skipped mode's default_layers ("all" for fold, "alternate" otherwise)
@@ -414,6 +688,9 @@ class TokenMerging(Method):
     metadata_key: ClassVar[Optional[str]] = "amod.tome"
     # older files name ToMe "amod.merge", which is also the name of a skipped mode: read, never written
     former_metadata_keys: ClassVar[tuple[str, ...]] = ("amod.merge",)
+    behaviour: ClassVar[int] = 2
+    behaviour_changes: ClassVar[dict[int, str]] = {2: NEAR_TIE_GRID}
+    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (2, None)
     r: Optional[Union[int, tuple[int, ...]]] = None
     cost: Optional[float] = None
 
@@ -463,6 +740,12 @@ class PiToMe(Method):
 
     kind: ClassVar[str] = "pitome"
     metadata_key: ClassVar[Optional[str]] = "amod.pitome"
+    behaviour: ClassVar[int] = 3
+    behaviour_changes: ClassVar[dict[int, str]] = {
+        2: "the public algorithm's schedule: the first half of the blocks match every token, margin 0.75 - 0.75 l/L "
+           "(amod 838defc)",
+        3: NEAR_TIE_GRID}
+    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (3, None)
     keep: Optional[float] = None
     cost: Optional[float] = None
 
@@ -562,6 +845,10 @@ class Calibrated(Method):
         validate_protects(self.protects)
         validate_tilts(self.tilts)
 
+    @classmethod
+    def of_model(cls, model: nn.Module) -> None:
+        return None  # a model it makes runs an MoD, which method_of finds (and its file names)
+
     def apply(self, model: nn.Module) -> nn.Module:
         raise UserError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
                         "(at_cost with images; amod calibrate saves a calibrated model to start from)")
@@ -600,9 +887,7 @@ def method_from_metadata(meta: dict[str, str]) -> Method:
     """The method a checkpoint's metadata names: its ``METHOD_ENTRY`` kind read by that class, or (a file from before
     that entry) the registered method whose ``metadata_key`` entry it holds; ``Dense`` when it names none. Metadata
     that names a method not registered raises a ValueError naming it (never a dense model)."""
-    what = unregistered_method(meta)
-    if what is not None:
-        raise unregistered_method_error(what, "the file")
+    check_method_file(meta, "the file")
     kind = meta.get(METHOD_ENTRY)
     if kind is not None:
         cls = registered_method(kind)
@@ -774,8 +1059,10 @@ def _type_name(tp: Any) -> str:
     names = {int: "an integer", float: "a number", str: "a name", bool: "true or false", type(None): "none"}
     if tp in names:
         return names[tp]
+    if tp in (tuple, list):
+        return "a list [...]"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union:
+    if _is_union(origin):
         return " or ".join(_type_name(a) for a in args)
     if origin in (list, tuple):
         return f"a list [{_type_name(args[0])}, ...]"
@@ -799,7 +1086,9 @@ def _parse_value(text: str, tp: Any) -> Any:
     """``text`` as a value of the type hint ``tp``; raises ValueError where it is not one."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     text = text.strip()
-    if origin is Union:
+    if tp in (tuple, list):  # a bare tuple or list: items of any plain type
+        origin, args = tp, (_ANY_ITEM,)
+    if _is_union(origin):
         for option in sorted(args, key=lambda a: a is str):  # a name last: "[1,3]" is a list, not a name
             try:
                 return _parse_value(text, option)

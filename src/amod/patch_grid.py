@@ -90,7 +90,8 @@ class PatchGridViT:
                 x, indices=indices, return_prefix_tokens=True, norm=norm, stop_early=stop_early, output_fmt="NLC",
                 intermediates_only=intermediates_only, output_dict=True, **kwargs)
             final_source = None if sizes is None else sizes.source
-            sources = _block_sources(self, sorted(set(int(i) for i in taken)))
+            taken_sorted = sorted(set(int(i) for i in taken))
+            sources = _block_sources(self, taken_sorted)
         hw = self.patch_embed.dynamic_feat_size(x.shape[-2:])  # type: ignore[attr-defined]
         p = self.num_prefix_tokens
         patches, prefixes = out["image_intermediates"], out.get("image_intermediates_prefix")
@@ -99,7 +100,7 @@ class PatchGridViT:
             full = y if prefixes is None else torch.cat([prefixes[k], y], dim=1)
             full = lay_back(full, source)
             prefix_out.append(full[:, :p])
-            grids.append(_as_grid(full[:, p:], hw, output_fmt))
+            grids.append(_as_grid(full[:, p:], hw, output_fmt, block=int(taken_sorted[k])))
         features = out.get("image_features")
         if features is not None:
             features = lay_back(features, final_source)
@@ -121,9 +122,16 @@ def _check_fmt(output_fmt: str) -> None:
         raise UserError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
 
 
-def _as_grid(y: torch.Tensor, hw: Sequence[int], output_fmt: str) -> torch.Tensor:
+def _as_grid(y: torch.Tensor, hw: Sequence[int], output_fmt: str, block: Optional[int] = None) -> torch.Tensor:
     """(B, n, D) patch tokens in grid order -> NCHW (B, D, H, W) for a grid of ``hw`` patches or, for NLC, as they
-    are."""
+    are. Refuses, in one line, a layer (``block``) that holds another number of patch tokens than the grid: tokens a
+    model's blocks removed without saying where they went (blocks that are not amod's reduction blocks,
+    ``amod.reduce.SizedTokensBlock``) cannot be laid back."""
+    if y.shape[1] != hw[0] * hw[1]:
+        where = "" if block is None else f"block {block} hands on "
+        raise UserError(f"{where}{y.shape[1]} patch tokens where the grid has {hw[0]} x {hw[1]} = {hw[0] * hw[1]}, "
+                        "and the model does not say where the others went (only amod's reduction blocks track it): "
+                        "its patch features cannot be laid back on the grid")
     if output_fmt == "NLC":
         return y
     return y.reshape(y.shape[0], *hw, -1).permute(0, 3, 1, 2).contiguous()
@@ -180,9 +188,10 @@ def patch_features(model: nn.Module, x: torch.Tensor, layers: Union[int, Sequenc
             raise UserError(f"layers must be block indices in [-{depth}, {depth - 1}], got {i!r}")
         blocks.append(i % depth)
     taken = sorted(set(blocks))
-    if family is None:
-        grids = model.forward_intermediates(x, indices=taken, norm=norm, output_fmt=output_fmt,
-                                            intermediates_only=True)
+    if family is None:  # (as rows, laid on the grid here: a model that dropped tokens is refused in one line)
+        rows = model.forward_intermediates(x, indices=taken, norm=norm, output_fmt="NLC", intermediates_only=True)
+        hw = model.patch_embed.dynamic_feat_size(x.shape[-2:])
+        grids = [_as_grid(y, hw, output_fmt, block=i) for i, y in zip(taken, rows)]
     else:
         grids = _hidden_state_grids(model, family, x, taken, norm, output_fmt)
     by_block = dict(zip(taken, grids))
@@ -202,5 +211,5 @@ def _hidden_state_grids(model: nn.Module, family: Family, x: torch.Tensor, taken
     grids = []
     for i, source in zip(taken, sources):
         y = states[i + 1] if final is None else final(states[i + 1])  # (normed before laying back: fewer tokens)
-        grids.append(_as_grid(lay_back(y, source)[:, p:], hw, output_fmt))
+        grids.append(_as_grid(lay_back(y, source)[:, p:], hw, output_fmt, block=i))
     return grids

@@ -211,6 +211,7 @@ def role_class(views: Optional[type], amod_cls: Optional[type], hf_cls: type, la
         cls_name = role_name(amod_cls) + name  # e.g. MoDViTLayer, ScoringDinov2Attention
         if layer and views is not None:
             namespace["forward"] = _layer_forward(amod_cls)
+            namespace["amod_forward_of"] = amod_cls  # (what the forward runs: how amod.flops tells a dense layer)
     cls = type(cls_name, bases, namespace)
     _CLASSES[key] = cls
     return cls
