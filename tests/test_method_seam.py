@@ -356,9 +356,11 @@ def test_two_packages_with_one_kind_are_refused_and_a_file_opens_only_under_the_
         amod.load(path)
 
 
-def test_a_method_must_find_itself_in_a_model_and_read_every_field_from_a_spec():
+def test_a_method_must_find_itself_in_a_model_and_read_every_field_from_a_spec(tmp_path, capsys):
     """Without ``of_model``, ``amod.save`` would write a model of the method as the dense one: refused where the
-    class registers. A field's type hint must be one a spec sets; a bare tuple reads items of any plain type."""
+    class registers, and a run refuses one whose ``of_model`` misses the model its ``apply`` made (a file of it would
+    name the dense model) before it writes anything. A field's type hint must be one a spec sets; a bare tuple reads
+    items of any plain type."""
 
     @dataclass(frozen=True)
     class NoOf(Method):
@@ -372,6 +374,28 @@ def test_a_method_must_find_itself_in_a_model_and_read_every_field_from_a_spec()
                                          r"amod\.method_of finds it in a model its apply made: without it amod\.save "
                                          r"would write that model as the dense one$"):
         register_method(NoOf)
+
+    @dataclass(frozen=True)
+    class Misses(SkipLast):
+        kind: ClassVar[str] = "toy-miss"
+        metadata_key: ClassVar[str] = "amod.toy-miss"
+
+        @classmethod
+        def of_model(cls, model):
+            return None
+
+    register_method(Misses)
+    try:
+        run = tmp_path / "run"
+        res = cli_in_process(["train", "--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "3",
+                              "--embed-dim", "32", "--num-heads", "2", "--train-limit", "32", "--val-limit", "32",
+                              "--epochs", "1", "--method", "toy-miss", "--out", str(run)], capsys)
+        assert one_line_of(res) == (
+            "amod train: error: toy-miss: amod.method_of finds dense in the model its apply made, so a file of it would "
+            "be saved as dense: its class Misses's of_model must find it")
+        assert not run.exists()
+    finally:
+        del METHOD_CLASSES["toy-miss"]
 
     @dataclass(frozen=True)
     class Mapping(SkipLast):

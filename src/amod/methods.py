@@ -883,6 +883,19 @@ def method_of(model: nn.Module) -> Method:
     return Dense()
 
 
+def apply_found(method: Method, model: nn.Module) -> nn.Module:
+    """``method.apply(model)``, checked to make a model that ``method_of`` finds running ``method``'s kind, so that a
+    file of it names that method (a method whose ``of_model`` misses its own models would be saved as another, or
+    as the dense model); refused in one line otherwise."""
+    model = method.apply(model)
+    found = method_of(model)
+    if found.kind != method.kind:
+        raise UserError(f"{method.spec()}: amod.method_of finds {found.spec()} in the model its apply made, so a file "
+                        f"of it would be saved as {found.kind}: its class {type(method).__name__}'s of_model must "
+                        "find it")
+    return model
+
+
 def method_from_metadata(meta: dict[str, str]) -> Method:
     """The method a checkpoint's metadata names: its ``METHOD_ENTRY`` kind read by that class, or (a file from before
     that entry) the registered method whose ``metadata_key`` entry it holds; ``Dense`` when it names none. Metadata

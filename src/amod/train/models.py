@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import files
 from ..families import claimed, family_of
-from ..methods import Dense, Method, MoD, method_from_metadata, method_of, parse_method
+from ..methods import Dense, Method, MoD, apply_found, method_from_metadata, method_of, parse_method
 from ..arch import set_input_size
 from ..mod.convert import set_capacity
 from ..checkpoint import load as load_amod, load_weightless, read_metadata
@@ -289,7 +289,7 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
         dial = " (--capacity alone sets its capacity)" if isinstance(running, MoD) else ""
         raise UserError(f"the checkpoint already runs {running.label()}; drop the method options "
                         f"(--router, --tome-cost, ...) to keep it{dial}")
-    return method.apply(model)
+    return apply_found(method, model)  # (what the run's files will name)
 
 
 def build_teacher(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.Module:
