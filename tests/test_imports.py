@@ -17,10 +17,12 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "amod"
 LIBRARY = ("amod.mod", "amod.tome", "amod.ops", "amod.cost", "amod.tokens", "amod.checkpoint", "amod.weights",
            "amod.kernels", "amod.methods", "amod.arch", "amod.files", "amod.deploy", "amod.hf", "amod.families",
-           "amod.family", "amod.reduce", "amod.patch_grid", "amod.analysis", "amod.stats", "amod.static", "amod.fast", "amod.errors")
+           "amod.family", "amod.reduce", "amod.patch_grid", "amod.analysis", "amod.stats", "amod.static", "amod.fast", "amod.errors",
+           "amod.provenance")
 APPLICATION = ("amod.train", "amod.experiments", "amod.detect", "amod.cli")
 # the bottom of the package: imports nothing of amod but amod.errors, so every module may use it
-BOTTOM = ("amod.errors", "amod.flags", "amod.files", "amod.arch", "amod.kernels", "amod.hf.common", "amod.family")
+BOTTOM = ("amod.errors", "amod.flags", "amod.files", "amod.arch", "amod.kernels", "amod.hf.common", "amod.family",
+          "amod.provenance")
 
 
 def module_name(path: Path) -> str:

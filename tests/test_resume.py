@@ -8,7 +8,10 @@ import logging
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
+
+import amod
 
 from amod.methods import MoD
 from amod.train import engine
@@ -41,6 +44,24 @@ def test_a_journal_keeps_the_last_row_of_a_key_and_only_its_own_settings(tmp_pat
     assert list(again) == ["x", "y"] and again.get("x")["value"] == 3 and again.get("z") is None
     assert Journal(path, key, fingerprint="b").get("x")["value"] == 2
     assert len(Journal(path, key)) == 2  # no fingerprint: the file's name binds its rows, every row is used
+    # every row names the amod that wrote it: its version and a digest of its source, the same for the same code
+    from amod import provenance as prov
+
+    assert {json.dumps(r["amod"]) for r in lines} == {json.dumps(prov.provenance())}
+    assert prov.provenance() == {"version": amod.__version__, "source": prov.source_digest()}
+    source = tmp_path / "source"
+    (source / "sub").mkdir(parents=True)
+    (source / "sub" / "a.py").write_text("x = 1\n")
+    digests = []
+    for change in ("", "x = 2\n"):
+        if change:
+            (source / "sub" / "a.py").write_text(change)
+        prov.source_digest.cache_clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(prov, "PACKAGE", source)
+            digests.append(prov.source_digest())
+        prov.source_digest.cache_clear()
+    assert len(digests[0]) == 12 and digests[0] != digests[1]  # (a change of the source is a new digest)
 
 
 def test_a_torn_last_line_is_dropped_with_a_warning_and_the_next_row_starts_a_line(tmp_path, caplog):
@@ -115,7 +136,7 @@ def test_a_finetune_study_run_killed_by_the_former_version_resumes_with_the_same
     (tmp_path / "whole").mkdir()
     whole = EvalRows(tmp_path / "whole" / "evals.jsonl", "tiny")
     finetune_run(*tiny_run(whole, tmp_path / "whole"))
-    strip = ("train_images_per_s",)  # (a speed)
+    strip = ("train_images_per_s", "amod")  # (a speed; the amod that wrote the row, which the fixture's predate)
     assert {k: {f: v for f, v in r.items() if f not in strip} for k, r in EvalRows(killed / "evals.jsonl", "tiny")
             .rows.items()} == {k: {f: v for f, v in r.items() if f not in strip} for k, r in whole.rows.items()}
     assert len((killed / "evals.jsonl").read_text().splitlines()) == 2  # step 1 was not evaluated again

@@ -27,6 +27,7 @@ from torch import nn
 from .. import files
 from ..errors import UserError
 from ..mod.routers import SeededDraws
+from ..provenance import provenance
 
 log = logging.getLogger("amod")
 
@@ -79,9 +80,11 @@ class Journal:
         return self.rows.get(key)
 
     def add(self, row: Row) -> Row:
-        """Append ``row`` (with the journal's fingerprint) and keep it; returns the row as kept. The line is flushed
-        before this returns, so that work finished before a kill is not done again."""
+        """Append ``row`` (with the journal's fingerprint, and the amod that wrote it: ``amod.provenance``) and keep
+        it; returns the row as kept. The line is flushed before this returns, so that work finished before a kill is
+        not done again."""
         row = {"fingerprint": self.fingerprint, **row} if self.fingerprint is not None else dict(row)
+        row.setdefault("amod", provenance())
         with files.naming_a_full_disk(self.path), open(self.path, "a") as f:
             f.write(("\n" if self._torn_tail else "") + files.dumps(row) + "\n")
             f.flush()
