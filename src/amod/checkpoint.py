@@ -4,8 +4,11 @@ The file's metadata holds ``amod.model`` (the model family's description of the 
 architecture name and creation kwargs; ``amod.families``), ``amod.method`` (the kind of the model's method,
 ``amod.methods``) and what that method writes under its ``metadata_key``: ``amod.mod`` (an MoD model's
 ``MoDConfig``), ``amod.tome`` (a token-merging model's schedule; ``amod.merge`` in older files, which still load) or
-another registered method's, so ``amod.load(path)`` needs nothing else. A file whose method is not registered (a
-package's method, the package not installed) is refused, never opened as a dense model.
+another registered method's, so ``amod.load(path)`` needs nothing else; and for any method but dense the version of
+its behaviour (``amod.method.behaviour``) and its package (``amod.method.provider``). A file whose method is not
+registered (a package's method, the package not installed), is another package's than the one registered under its
+kind, or was written by another version of its method's behaviour is refused in one line, never opened as another
+model (``amod.methods.check_method_file``).
 """
 from __future__ import annotations
 
