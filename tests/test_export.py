@@ -172,6 +172,39 @@ def test_a_failed_check_leaves_no_file(tmp_path, monkeypatch):
     assert (tmp_path / "m.onnx").read_bytes() == b"previous"  # the old file is kept
 
 
+def test_the_check_reports_its_flip_rate_and_refuses_an_export_that_differs_on_many_images(tmp_path, monkeypatch):
+    """An image whose discrete choice flipped within rounding noise differs by more than the tolerance; the check
+    counts such images and says the rate (the report prints it), and refuses an export that differs on more than a
+    quarter of them (it computes something else), or changes a top-1 elsewhere."""
+    import amod.deploy as deploy
+
+    real = deploy.run_session
+    moved: list[int] = []
+
+    def perturbed(session, x):
+        out = real(session, x).clone()
+        out[[i for i in moved if i < out.shape[0]], 0] += 0.5
+        return out
+
+    monkeypatch.setattr(deploy, "run_session", perturbed)
+    model = make_model("vit", depth=1)
+    moved[:] = [2]  # one image of the first batch (8) and one of the second (3)
+    check = amod.export(model, tmp_path / "m.onnx")["check"]
+    assert (check["flipped"], check["images"], check["flip_rate"], check["same_top1"]) == (2, 11, 2 / 11, True)
+    assert check["max_abs_diff"] == pytest.approx(0.5, abs=1e-4)
+    from amod.experiments.export_command import format_export
+
+    line = format_export({"path": "m.onnx", "bytes": 1, "method": "dense", "img_size": (32, 32), "batch": "dynamic",
+                          "opset": 18, "exporter": "dynamo", "ops": {}, "check": {**check, "inputs": "flat-region"}})
+    assert ("max abs logit difference 0.5 (allowed 0.0001); 2 of 11 images (18.2%) beyond it, each a discrete choice "
+            "flipped within rounding noise (docs/export.md); same top-1 on the others") in line
+    moved[:] = [0, 1, 2]  # 3 + 3 of 11: more than a quarter
+    with pytest.raises(RuntimeError, match=r"max abs logit difference 0\.5 \(allowed 0\.0001\) on 6 of 11 images "
+                                           r"\(a flip of a discrete choice moves at most 25% of them\)"):
+        amod.export(model, tmp_path / "n.onnx")
+    assert not (tmp_path / "n.onnx").exists()
+
+
 def test_cli_exports_a_checkpoint_and_says_which_exporter(tmp_path, capsys):
     fold = amod.convert(make_model("vit", depth=2), router="attention", capacity=0.5, skipped="fold",
                         shape=tilt_shape(-1.0, 2))  # a calibrated fold's per-block schedule, read from the file

