@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ..analysis import kept_positions  # noqa: E402
+from ..errors import UserError  # noqa: E402
 
 
 Series = dict[str, tuple[Sequence[float], Sequence[float]]]
@@ -51,7 +52,7 @@ def series_styles(names: Sequence[str], variants: Optional[dict[str, tuple[str, 
         else:
             pairs = [(c, s) for s in LINE_STYLES for c in colours if (c, s) not in out.values()]
             if not pairs:
-                raise ValueError(f"{len(names)} series in one axes: at most {len(colours) * len(LINE_STYLES)} can "
+                raise UserError(f"{len(names)} series in one axes: at most {len(colours) * len(LINE_STYLES)} can "
                                  "be told apart")
             out[name] = pairs[0]
     return out
