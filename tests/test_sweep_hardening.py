@@ -411,3 +411,89 @@ def test_one_flag_name_for_the_timed_batch_and_for_the_test_images_across_comman
         for former in ("--test-canvases", "--eval-images", "--val-canvases"):
             assert former not in text, (name, former)
     assert "--batch-size" not in shown["bench"] and "--batch " not in shown["dense-frontier"]
+
+
+# ---------------------------------------------------------------- a line before every slow step
+
+# each sweep's slow steps (module, function) and the line a user sees before each; its checks, which say nothing
+# unless they refuse (in one line), show a progress bar on a terminal
+SLOW_STEPS = {
+    "frontier": [("amod.experiments.frontier", "open_model", "loading the dense model"),
+                 ("amod.experiments.features", "features", "dense features of"),
+                 ("amod.experiments.probe", "fit_probe", "fitting the linear probe"),
+                 ("amod.methods", "calibrate", "calibrating calibrated:tilts=[0] at cost"),
+                 ("amod.experiments.frontier", "time_models", "timing ")],
+    "compare": [("amod.experiments.compare", "open_model", "loading the dense model"),
+                ("amod.experiments.features", "features", "dense features of"),
+                ("amod.experiments.probe", "fit_probe", "fitting the linear probe"),
+                ("amod.experiments.compare", "time_models", "timing ")],
+    "dense-frontier": [("amod.detect.dense_frontier", "open_model", "loading the dense model"),
+                       ("amod.detect.dense_frontier", "SegmentationCanvases", "drawing 12 training and 6 test canvases"),
+                       ("amod.detect.dense_frontier", "grid_features", "dense patch features of 12 training"),
+                       ("amod.detect.dense_frontier", "fit_patch_probe", "fitting the patch probe"),
+                       ("amod.methods", "calibrate", "calibrating calibrated:tilts=[0] at cost"),
+                       ("amod.detect.dense_frontier", "time_callables", "timing ")],
+}
+SWEEPS = {
+    "frontier": ["--img-size", "28", "--probe-train", "20", "--val-limit", "8", "--speed-batch", "2",
+                 "--calibration-images", "4", "--methods", "ToMe", "calibrated:tilts=[0]"],
+    "compare": ["--img-size", "28", "--probe-train", "20", "--val-limit", "8", "--speed-batch", "2",
+                "--methods", "ToMe"],
+    "dense-frontier": ["--img-size", "42", "--train-canvases", "12", "--val-limit", "6", "--speed-batch", "3",
+                       "--calibration-images", "4", "--methods", "ToMe", "calibrated:tilts=[0]"],
+}
+BARS = {"frontier": {"checking every method at each cost", "dense training features", "dense test features"},
+        "compare": {"checking every method at each cost", "dense training features", "dense test features"},
+        "dense-frontier": {"dense training features", "dense test features"}}
+
+
+@pytest.mark.parametrize("command", list(SWEEPS))
+def test_each_slow_set_up_step_is_announced_by_a_log_line_before_it_starts(command, backbone_path, tmp_path, capsys,
+                                                                           monkeypatch):
+    """`amod frontier` printed nothing for over a minute at its start (the dense model, the dense features, the
+    probe, each calibration): every slow step of the sweeps' set-up now comes after a log line that says what it does,
+    its batches (and the checks before any work) under a progress bar on a terminal. The log lines, the bars and the
+    steps are recorded in the order they happen; the run is stopped at its timing."""
+    import importlib
+
+    events = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            events.append(("log", record.getMessage()))
+
+    for module, name, _ in SLOW_STEPS[command]:
+        target = importlib.import_module(module)
+        original = getattr(target, name)
+
+        def step(*args, _original=original, _name=name, **kwargs):
+            events.append(("step", _name))
+            if _name in ("time_models", "time_callables"):  # the last step: the test stops there (no report)
+                raise UserError("stopped by the test")
+            if _name in ("fit_probe", "fit_patch_probe"):
+                kwargs["steps"] = 5  # (L-BFGS's full fit: seconds the test does not need)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(target, name, step)
+    for module in ("amod.train.engine", "amod.detect.segmentation"):
+        monkeypatch.setattr(f"{module}.progress_bar",
+                            lambda iterable, total, desc, enabled=True: events.append(("bar", desc)) or iterable)
+    recorder = Recorder()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr("amod.cli.setup_logging", lambda: None)  # (the test's handler stays: main would clear it)
+            amod_log = logging.getLogger("amod")
+            amod_log.addHandler(recorder)
+            m.setattr(amod_log, "level", logging.INFO)
+            res = cli_in_process([command, "--checkpoint", str(backbone_path), "--cost", "0.6", "--speed-repeats", "1",
+                                  *SWEEPS[command], "--out", str(tmp_path / "out")], capsys)
+    finally:
+        logging.getLogger("amod").removeHandler(recorder)
+    assert res.returncode == 2 and "stopped by the test" in res.stderr, res.stderr[-3000:]
+    first_line = next(i for i, e in enumerate(events) if e[0] == "log")
+    assert all(kind == "bar" for kind, _ in events[:first_line])  # (before it, only the checks' bar)
+    assert BARS[command] <= {desc for kind, desc in events if kind == "bar"}
+    for _, name, said in SLOW_STEPS[command]:
+        first = next(i for i, e in enumerate(events) if e == ("step", name))
+        before = [msg for kind, msg in events[:first] if kind == "log"]
+        assert before and before[-1].startswith(said), (name, before[-1:])

@@ -129,10 +129,13 @@ def run_dense_frontier(cfg: DenseFrontierConfig) -> Path:
 
 def _run(cfg: DenseFrontierConfig, root: Path) -> Path:
     device = resolve_device(cfg.device)
+    log.info("loading the dense model %s", cfg.checkpoint)
     dense = open_model(cfg.checkpoint, device)
     patch = dense.patch_embed.patch_size[0]  # (--img-size is a multiple of it: validate)
     fit_to_data(dense, 3, cfg.img_size)
     dense.eval()
+    log.info("drawing %d training and %d test canvases at %d px", cfg.train_canvases, cfg.test_canvases,
+             cfg.img_size)
     train = SegmentationCanvases("train", cfg.train_canvases, cfg.img_size)
     test = SegmentationCanvases("val", cfg.test_canvases, cfg.img_size)
     key = features_key(f"segmentation canvases, l2 {cfg.l2:g}", dense, Path(cfg.checkpoint), train, test)
@@ -168,7 +171,7 @@ def _dense_probe(root: Path, key: str, dense: torch.nn.Module, train: Segmentati
         log.info("patch probe reused from %s", path)
         return PatchProbe(**load_torch(path))
     log.info("dense patch features of %d training canvases at %d px", len(train), cfg.img_size)
-    feats = grid_features(dense, train, cfg.batch, device)
+    feats = grid_features(dense, train, cfg.batch, device, "dense training features")
     targets = patch_targets(torch.stack([train[i][1] for i in range(len(train))]), dense.patch_embed.patch_size[0])
     log.info("fitting the patch probe on %d patches", feats.shape[0] * feats.shape[1])
     probe = fit_patch_probe(feats, targets, cfg.l2)
@@ -185,7 +188,8 @@ def _dense_test_features(root: Path, key: str, dense: torch.nn.Module, test: Seg
         if isinstance(feats, torch.Tensor) and len(feats) == len(test):
             return feats
         log.warning("%s does not hold %d canvases' features; computing them again", path, len(test))
-    feats = grid_features(dense, test, cfg.batch, device)
+    log.info("dense patch features of %d test canvases at %d px", len(test), cfg.img_size)
+    feats = grid_features(dense, test, cfg.batch, device, "dense test features")
     torch_save(feats, path)
     return feats
 

@@ -13,8 +13,9 @@ features.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from torch.utils.data import Dataset
 from .canvases import BACKGROUND, CanvasSpec, DetectionCanvases
 from ..patch_grid import patch_features
 from ..train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
+from ..train.engine import progress_bar
 
 log = logging.getLogger("amod")
 
@@ -69,10 +71,11 @@ def patch_targets(masks: torch.Tensor, patch: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def grid_features(model: torch.nn.Module, data: SegmentationCanvases, batch_size: int,
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, desc: Optional[str] = None) -> torch.Tensor:
     """Every canvas's patch features on the dense grid (``amod.patch_features``, the final norm applied):
-    (images, n, D) float32 on the CPU."""
-    out = [patch_features(model, x.to(device), output_fmt="NLC").float().cpu() for x, _ in data.batches(batch_size)]
+    (images, n, D) float32 on the CPU. ``desc``: a progress bar of that name on a terminal."""
+    batches = progress_bar(data.batches(batch_size), math.ceil(len(data) / batch_size), desc or "", desc is not None)
+    out = [patch_features(model, x.to(device), output_fmt="NLC").float().cpu() for x, _ in batches]
     return torch.cat(out)
 
 

@@ -156,6 +156,7 @@ class CalibrationCache:
         if row is None:
             row = self.older.get(key)
             if row is None:
+                log.info("calibrating %s at cost %g on unlabeled images", name, cost)
                 if self.images is None:
                     self.images = self._images()
                 method, report = make(self.images)

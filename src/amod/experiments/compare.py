@@ -124,7 +124,7 @@ def run_compare(cfg: CompareConfig) -> Path:
     cfg = cfg.as_quick() if cfg.quick else cfg
     cfg.validate()
     check_output_dir(cfg.out)
-    native = check_inputs(cfg)
+    native = check_inputs(cfg)  # (silent: a refused command says one line; on a terminal, a progress bar)
     return run_in_directory(cfg.out, cfg.data, lambda root: _run_compare(cfg, root, native.img_size))
 
 
@@ -189,19 +189,18 @@ def check_costs_reachable(cfg: Any, model: nn.Module) -> None:
     it runs at; a weightless model on the meta device will do): ``Method.at_cost`` raises where the closest setting is
     too far off, e.g. token merging on a model with few tokens. A method that chooses its setting on images takes its
     closest."""
-    for cost in cfg.costs:
-        for arm in cfg.methods:
-            if arm.needs_images:
-                continue
-            try:
-                arm.at_cost(model, cost)
-            except ValueError as e:
-                raise UserError(f"--cost {cost:g} ({arm.name}): {e}") from None
+    settings = [(cost, arm) for cost in cfg.costs for arm in cfg.methods if not arm.needs_images]
+    for cost, arm in engine.progress_bar(settings, len(settings), "checking every method at each cost"):
+        try:
+            arm.at_cost(model, cost)
+        except ValueError as e:
+            raise UserError(f"--cost {cost:g} ({arm.name}): {e}") from None
 
 
 def _run_compare(cfg: CompareConfig, root: Path, native_size: int) -> Path:
     pretrained = starting_checkpoint(cfg, root)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    log.info("loading the dense model %s and %s", pretrained, cfg.data)
     dense = open_model(pretrained, device)
     family = family_of(dense)
     img_size = cfg.img_size or dense.patch_embed.img_size[0]

@@ -59,8 +59,11 @@ def dense_features(root: Path, key: str, dense: torch.nn.Module, train, val,
     log.info("dense features of %d training and %d test images (cached in %s)", len(train), len(val), path)
     dist = engine.Dist(device=device)
     model = feature_model(dense)
-    train_f, train_y = features(model, engine.image_batches(engine.make_loader(train, 128, False, 0, 0, dist)), device)
-    test_f, test_y = features(model, engine.image_batches(engine.make_loader(val, 128, False, 0, 0, dist)), device)
+    loaders = [engine.make_loader(images, 128, False, 0, 0, dist) for images in (train, val)]
+    train_f, train_y = features(model, engine.progress_bar(engine.image_batches(loaders[0]), len(loaders[0]),
+                                                           "dense training features"), device)
+    test_f, test_y = features(model, engine.progress_bar(engine.image_batches(loaders[1]), len(loaders[1]),
+                                                         "dense test features"), device)
     cached = {"train": train_f, "train_labels": train_y, "test": test_f, "test_labels": test_y}
     torch_save(cached, path)
     return cached

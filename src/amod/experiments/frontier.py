@@ -140,7 +140,7 @@ def run_frontier(cfg: FrontierConfig) -> Path:
     """Measure every (method, cost) point (reusing finished ones), time them all, and write the report."""
     cfg.validate()
     check_output_dir(cfg.out)
-    check_inputs(cfg)
+    check_inputs(cfg)  # (silent: a refused command says one line; on a terminal, a progress bar)
     check_data_size(cfg)
     return run_in_directory(cfg.out, cfg.data, lambda root: _run(cfg, root))
 
@@ -190,6 +190,7 @@ def accuracy_at(points: Sequence[tuple[float, float]], speedup: float) -> Option
 
 def _run(cfg: FrontierConfig, root: Path) -> Path:
     device = resolve_device(cfg.device)
+    log.info("loading the dense model %s and %s", cfg.checkpoint, cfg.data)
     dense = open_model(cfg.checkpoint, device)
     img_size = cfg.img_size or dense.patch_embed.img_size[0]
     train, val, info = build_datasets(cfg.data, img_size, cfg.probe_train, cfg.val_limit)

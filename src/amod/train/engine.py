@@ -177,7 +177,8 @@ def image_batches(loader: Iterable, bad_images: Optional[BadImages] = None) -> I
             yield x, y
 
 
-def _progress(iterable: Iterable, total: int, desc: str, enabled: bool):
+def progress_bar(iterable: Iterable, total: int, desc: str, enabled: bool = True):
+    """``iterable`` with a progress bar named ``desc`` where stderr is a terminal (a log file gets the log lines)."""
     if enabled and sys.stderr.isatty():
         return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
     return iterable
@@ -195,7 +196,7 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, amp: str 
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # the loss, top-1 hits, top-5 hits
     n = 0
     model_time = 0.0
-    batches = _progress(image_batches(loader, bad_images), len(loader), "eval", progress and dist_info.main)
+    batches = progress_bar(image_batches(loader, bad_images), len(loader), "eval", progress and dist_info.main)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if device.type == "cuda":  # (the timing of the forward alone waits for it)
@@ -446,8 +447,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, optimizer: torch.optim.O
     steps = steps_per_epoch(len(loader), cfg.grad_accum)
     loss_sum = correct = n = 0.0
     start = time.perf_counter()
-    batches = _progress(image_batches(loader, bad_images), steps * cfg.grad_accum, f"epoch {epoch}/{cfg.epochs}",
-                        dist_info.main)
+    batches = progress_bar(image_batches(loader, bad_images), steps * cfg.grad_accum, f"epoch {epoch}/{cfg.epochs}",
+                            dist_info.main)
     log_every = max(1, steps // 4)
 
     def on_report(done: int, report: Report) -> None:
