@@ -239,17 +239,21 @@ def test_a_calibration_at_the_largest_tilt_runs(backbone_path):
 
 # ---------------------------------------------------------------- a method given with a cost of its own
 
-@pytest.mark.parametrize("command", ["compare", "frontier", "dense-frontier", "study"])
-def test_a_method_with_its_own_cost_is_refused_where_every_method_is_set_to_each_cost(command, backbone_path, tmp_path,
-                                                                                       capsys):
+@pytest.mark.parametrize("command, spec, given", [
+    ("compare", "ppt:cost=0.3", "cost=0.3"), ("frontier", "tome:r=2", "r=2"),
+    ("dense-frontier", "mod:capacity=0.25,skipped=fold", "capacity=0.25"), ("study", "pitome:keep=0.8", "keep=0.8")])
+def test_a_method_with_its_own_cost_is_refused_where_every_method_is_set_to_each_cost(command, spec, given,
+                                                                                       backbone_path, tmp_path, capsys):
     """`amod compare --cost 0.5 --methods ppt:cost=0.3` ran PPT at 0.5 in a row that showed ppt:cost=0.3: each command
-    that sets its methods to its --cost values refuses such a method in one line (one shared check), before any work."""
+    that sets its methods to its --cost values refuses such a method in one line (one shared check), before any work;
+    so it does any field a method's at_cost sets (its setting_fields: ToMe's r, PiToMe's keep, MoD's capacity)."""
     out = tmp_path / "out"
     res = cli_in_process([command, "--checkpoint", str(backbone_path), "--cost", "0.5", "0.6", "--methods", "ToMe",
-                          "ppt:cost=0.3", "--out", str(out)], capsys)
+                          spec, "--out", str(out)], capsys)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
-    assert (f"--methods 'ppt:cost=0.3' gives the method its own cost (cost=0.3), and amod {command} sets every method "
-            "to each --cost (0.5 0.6): drop cost= from the spec") in res.stderr
+    name = given.partition("=")[0]
+    assert (f"--methods {spec!r} gives the method its own setting ({given}), and amod {command} sets every method "
+            f"to each --cost (0.5 0.6): drop {name}= from the spec") in res.stderr
     assert not out.exists()
 
 
@@ -265,7 +269,7 @@ def test_the_libraries_configurations_refuse_a_method_with_its_own_cost_too():
     for config in (CompareConfig(methods=own), FrontierConfig(checkpoint="unused", methods=own),
                    DenseFrontierConfig(checkpoint="unused", methods=own),
                    FinetuneConfig(checkpoint="unused", arms=(Arm("p", PiToMe()), *own))):
-        with pytest.raises(UserError, match="'ToMe at 0.3' gives the method its own cost"):
+        with pytest.raises(UserError, match=r"'ToMe at 0\.3' gives the method its own setting \(cost=0\.3\)"):
             config.validate()
 
 

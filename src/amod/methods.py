@@ -94,6 +94,9 @@ class Method:
     metadata_key: ClassVar[Optional[str]]
     # whether ``at_cost`` chooses the setting on unlabeled images (callers pass them as ``images``)
     needs_images: ClassVar[bool] = False
+    # the fields ``at_cost`` sets (the method's setting for a cost): a spec that gives them to a command that sets
+    # every method to its costs is refused (``given_setting``), as a field named ``cost`` always is
+    setting_fields: ClassVar[tuple[str, ...]] = ()
 
     # metadata entries older files name this method by: read (``from_metadata``), never written
     former_metadata_keys: ClassVar[tuple[str, ...]] = ()
@@ -191,6 +194,13 @@ class Method:
         """A copy set to the cost closest to ``cost`` x the dense model's MACs (priced on a weightless copy);
         ``images``: unlabeled images of the data, for a method that ``needs_images`` to choose its setting."""
         return self
+
+    def given_setting(self) -> list[str]:
+        """The fields of its setting for a cost (``setting_fields``, and ``cost``) that this method gives other than
+        their defaults, as ``name=value``: what ``at_cost`` would replace."""
+        names = dict.fromkeys((*self.setting_fields, "cost"))
+        return [f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                if f.name in names and getattr(self, f.name) != f.default]
 
     def seeded(self, seed: int) -> "Method":
         """This method as a run seeded with ``seed`` runs it: a method that draws (a random router) and leaves its
@@ -483,6 +493,12 @@ def unregistered_method_error(what: str, source: str) -> UserError:
                      f"{', '.join(method_kinds())}")
 
 
+def behaviour_versions() -> dict[str, int]:
+    """The behaviour version of every registered method but dense, by kind: what a documented measurement records
+    it was measured with (tests/test_docs_measured.py says which documented numbers a bump makes stale)."""
+    return {kind: cls.behaviour for kind, cls in METHOD_CLASSES.items() if cls is not Dense}
+
+
 def file_method_class(meta: dict[str, str]) -> Optional[type[Method]]:
     """The registered class of the method a file's metadata ``meta`` names (its ``METHOD_ENTRY`` kind, or in a file
     from before that entry the class whose metadata entry it holds); None where it names none (dense) or one not
@@ -573,6 +589,7 @@ class MoD(Method):
     """Mixture-of-Depths: ``amod.convert`` with these arguments (and its defaults, ``MoDConfig``'s)."""
 
     kind: ClassVar[str] = "mod"
+    setting_fields: ClassVar[tuple[str, ...]] = ("capacity",)
     metadata_key: ClassVar[Optional[str]] = "amod.mod"
     behaviour: ClassVar[int] = 2
     behaviour_changes: ClassVar[dict[int, str]] = {2: NEAR_TIE_GRID}
@@ -685,6 +702,7 @@ class TokenMerging(Method):
     """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
 
     kind: ClassVar[str] = "tome"
+    setting_fields: ClassVar[tuple[str, ...]] = ("r", "cost")
     metadata_key: ClassVar[Optional[str]] = "amod.tome"
     # older files name ToMe "amod.merge", which is also the name of a skipped mode: read, never written
     former_metadata_keys: ClassVar[tuple[str, ...]] = ("amod.merge",)
@@ -739,6 +757,7 @@ class PiToMe(Method):
     """PiToMe (``amod.pitome``): every block keeps the share ``keep`` of its patch tokens, or ``cost``."""
 
     kind: ClassVar[str] = "pitome"
+    setting_fields: ClassVar[tuple[str, ...]] = ("keep", "cost")
     metadata_key: ClassVar[Optional[str]] = "amod.pitome"
     behaviour: ClassVar[int] = 3
     behaviour_changes: ClassVar[dict[int, str]] = {

@@ -367,6 +367,7 @@ class PPT(Method):
     quarter, half and three quarters of the depth)."""
 
     kind: ClassVar[str] = "ppt"
+    setting_fields: ClassVar[tuple[str, ...]] = ("r", "cost")
     metadata_key: ClassVar[Optional[str]] = "amod.ppt"
     r: Optional[Union[int, tuple[int, ...]]] = None
     cost: Optional[float] = None

@@ -91,14 +91,16 @@ def select(arms: tuple[Arm, ...], names: Optional[Iterable[str]], keep: Iterable
 
 
 def refuse_own_costs(arms: Iterable[Arm], command: str, costs: Iterable[float]) -> None:
-    """Refuse, in one line, a method given with a cost of its own (its ``cost`` field set, as in ``ppt:cost=0.3``) in
-    amod ``command``, which sets every method to each of its ``--cost`` values (``Arm.at_cost``): the spec's cost would
+    """Refuse, in one line, a method given with a setting of its own for a cost (its ``cost``, or a field its
+    ``at_cost`` sets: ``ppt:cost=0.3``, ``tome:r=8``, ``mod:capacity=0.5``; ``Method.given_setting``) in amod
+    ``command``, which sets every method to each of its ``--cost`` values (``Arm.at_cost``): the spec's setting would
     be replaced without a word, and its row show it beside the cost that ran. The one check of compare, frontier,
     dense-frontier and the finetune study. Raises UserError."""
     for arm in arms:
-        own = getattr(arm.method, "cost", None)
-        if own is not None:
+        own = arm.method.given_setting()
+        if own:
             each = " ".join(f"{c:g}" for c in costs)
-            raise UserError(f"--methods {arm.name!r} gives the method its own cost (cost={own:g}), and amod {command} "
-                            f"sets every method to each --cost ({each}): drop cost= from the spec, and give the cost "
-                            "with --cost")
+            names = " and ".join(f"{o.partition('=')[0]}=" for o in own)
+            raise UserError(f"--methods {arm.name!r} gives the method its own setting ({', '.join(own)}), and amod "
+                            f"{command} sets every method to each --cost ({each}): drop {names} from the spec, and "
+                            "give the cost with --cost")
