@@ -27,7 +27,7 @@ from amod.methods import Dense, MoD
 
 def study_argv(path, out, *extra):
     return ["study", "--checkpoint", str(path), "--img-size", "28", "--cost", "0.4", "--seeds", "1",
-            "--steps", "8", "--eval-images", "64", "--probe-train", "100", "--out", str(out), *extra]
+            "--steps", "8", "--val-limit", "64", "--probe-train", "100", "--out", str(out), *extra]
 
 
 def final_rows(out):

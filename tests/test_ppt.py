@@ -231,7 +231,7 @@ def test_compare_and_the_finetune_study_take_the_method_by_its_kind(backbone_pat
     assert abs(ppt_rows[0]["cost"] - 0.6) < 0.03
 
     out = tmp_path / "study"
-    res = cli_in_process(["study", *common, "--seeds", "1", "--steps", "4", "--eval-images", "32", "--out", str(out)],
+    res = cli_in_process(["study", *common, "--seeds", "1", "--steps", "4", "--val-limit", "32", "--out", str(out)],
                          capsys)
     assert res.returncode == 0, res.stderr[-3000:]
     evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]

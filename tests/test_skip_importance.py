@@ -151,7 +151,7 @@ def test_the_study_judges_its_finetuned_models_and_resumes(backbone_path, tmp_pa
     # four of LOO_ARMS, in its order (standard MoD comes as the hybrid's counterpart), and dense
     judged = ["A-MoD (paper)", "standard MoD", "hybrid unscaled (STE)", "random"]
     argv = ["study", "--checkpoint", str(backbone_path), "--img-size", "28", "--cost", "0.4", "--seeds", "1",
-            "--steps", "2", "--eval-images", "32", "--probe-train", "100", "--out", str(out),
+            "--steps", "2", "--val-limit", "32", "--probe-train", "100", "--out", str(out),
             "--methods", *judged[2:]]
     assert amod_main(argv) == 0  # the study alone keeps the seed-0 models of the LOO arms
     kept = sorted(out.glob("models/seed0/cost0.4/*.safetensors"))

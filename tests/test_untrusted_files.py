@@ -111,7 +111,7 @@ def test_detection_runs_refuse_a_crafted_checkpoint(crafted, tmp_path, capsys):
     pytest.importorskip("transformers")
     from amod.detect.models import small_detr
 
-    tiny = ["--steps", "1", "--batch-size", "4", "--train-canvases", "8", "--val-canvases", "2"]
+    tiny = ["--steps", "1", "--batch-size", "4", "--train-canvases", "8", "--val-limit", "2"]
     ckpt = crafted(tmp_path / "det" / "checkpoint.pt")
     _refused(*run_in_process(["detect", "train", "--out", str(tmp_path / "det"), *tiny], capsys), ckpt)
     assert sorted(p.name for p in (tmp_path / "det").iterdir()) == ["checkpoint.pt"]  # nothing added

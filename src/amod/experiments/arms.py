@@ -97,7 +97,7 @@ def refuse_own_costs(arms: Iterable[Arm], command: str, costs: Iterable[float]) 
     be replaced without a word, and its row show it beside the cost that ran. The one check of compare, frontier,
     dense-frontier and the finetune study. Raises UserError."""
     for arm in arms:
-        own = arm.method.given_setting()
+        own = [] if arm.method is None else arm.method.given_setting()  # (None: the dense arm)
         if own:
             each = " ".join(f"{c:g}" for c in costs)
             names = " and ".join(f"{o.partition('=')[0]}=" for o in own)
