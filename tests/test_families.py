@@ -244,3 +244,79 @@ def test_the_new_families_export_to_onnx_and_match_onnx_runtime(name, tmp_path):
     model = convert(dense(name, depth=2), "attention", "fold", 0.8)
     report = amod.export(model, tmp_path / "m.onnx", check_images=4)
     assert report["check"]["max_abs_diff"] <= 1e-4 and report["check"]["batches"] == [4, 3]
+
+
+# ---------------------------------------------------------------- proportional attention without a mask
+
+class _SDPACalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records, for each fused attention kernel a forward dispatches, whether an ``attn_mask`` reached it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "scaled_dot_product" in func.overloadpacket.__name__:
+            names = [a.name for a in func._schema.arguments]
+            given = {**dict(zip(names, args)), **kwargs}
+            self.masks.append(given.get("attn_mask") is not None)
+        return func(*args, **kwargs)
+
+
+# every method whose tokens carry sizes after a reduction (their attention adds log(size): amod.ops.KeyBias)
+BIASED = [(name, router, mode) for name in VITS for router, mode in
+          (("-", "tome"), ("-", "pitome"), ("-", "ppt"), ("attention", "fold"), ("attention", "merge"))]
+
+
+@pytest.mark.parametrize("name, router, mode", BIASED, ids=[f"{n}-{r}-{m}" for n, r, m in BIASED])
+def test_proportional_attention_runs_maskless_and_equals_the_masked_kernel(name, router, mode):
+    """On CUDA a float mask rules out FlashAttention: there the proportional-attention bias rides in more head
+    channels instead (``amod.ops.KeyBias``), and no mask reaches a fused kernel; the outputs equal the masked
+    kernel's (the CPU's path) to 1e-5 in fp32, and the gradients too. ``key_bias_path`` takes either path here."""
+    from amod.ops import key_bias_path
+
+    model = convert(dense(name), router, mode, 0.8 if mode == "fold" else 0.5)
+    x = images(name)
+    with torch.no_grad(), key_bias_path("mask"):
+        masked = output(name, model, x)
+    calls = _SDPACalls()
+    with torch.no_grad(), key_bias_path("maskless"), calls:
+        maskless = output(name, model, x)
+    assert calls.masks and not any(calls.masks), calls.masks  # fused kernels ran, none with a mask
+    assert (maskless - masked).abs().max().item() <= 1e-5
+    grads = {}
+    for path in ("mask", "maskless"):
+        m = copy.deepcopy(model).train()
+        with key_bias_path(path):
+            output(name, m, x).square().mean().backward()
+        grads[path] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    for n in grads["mask"]:
+        assert torch.allclose(grads["mask"][n], grads["maskless"][n], atol=1e-5, rtol=1e-4), n
+
+
+@pytest.mark.cuda
+def test_on_cuda_no_mask_reaches_a_fused_kernel_by_default():
+    model = convert(dense("timm-vit"), "-", "tome", 0.5).cuda()
+    calls = _SDPACalls()
+    with torch.no_grad(), calls:
+        output("timm-vit", model, images("timm-vit").cuda())
+    assert calls.masks and not any(calls.masks)
+
+
+@pytest.mark.parametrize("name", MERGED_ON)
+def test_the_maskless_path_compiles_without_a_graph_break(name):
+    """The path CUDA takes, traced: one graph (aot_eager, fullgraph), equal to eager."""
+    import torch._dynamo
+
+    from amod.ops import key_bias_path
+
+    model = convert(dense(name, depth=2), "-", "tome", 0.5)
+    x = images(name, 4)
+    torch._dynamo.reset()
+    with torch.no_grad(), key_bias_path("maskless"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = output(name, model, x)
+        got = torch.compile(lambda v: output(name, model, v), backend="aot_eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert (got - expected).abs().max() < 1e-5

@@ -15,7 +15,8 @@ ops whose shapes follow the batch (the CPU path's tiles are planned in Python fr
 """
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,101 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, bias: Option
     if bias is not None:
         logits = logits + bias.float()
     return logits.softmax(dim=-1)
+
+
+def key_channel_count(head_dim: int) -> int:
+    """The head channels a per-key bias adds to a maskless attention (``KeyBias``): one for the bias, then zeros up to
+    a multiple of 8, the granularity FlashAttention takes head dims in (64 -> 72)."""
+    return 8 - head_dim % 8
+
+
+# How ``KeyBias.attention`` passes the bias to the fused kernel: None, by device (maskless on CUDA, where a mask
+# rules out FlashAttention; a mask on the CPU, whose fused kernel takes one at no cost: docs/performance.md); or
+# "maskless" / "mask" everywhere, as ``key_bias_path`` sets it to measure or test one path on any device.
+_KEY_BIAS_PATH: list[Optional[str]] = [None]
+
+
+@contextmanager
+def key_bias_path(path: Optional[str]) -> Iterator[None]:
+    """Within this context every ``KeyBias.attention`` takes ``path``: ``"maskless"`` (the bias in more head
+    channels, as on CUDA), ``"mask"`` (a float ``attn_mask``, as on the CPU) or None (by device, the default): to
+    test and time either path on any device."""
+    if path not in (None, "maskless", "mask"):
+        raise UserError(f"path must be 'maskless', 'mask' or None, got {path!r}")
+    _KEY_BIAS_PATH.append(path)
+    try:
+        yield
+    finally:
+        _KEY_BIAS_PATH.pop()
+
+
+class KeyBias:
+    """A per-key additive bias of attention logits, ``tensor`` (B, 1, 1, N): proportional attention's log(size) of
+    the tokens a reduction merged (``amod.tokens.TokenSizes``), the same for every query and head.
+
+    ``attention`` computes ``softmax(q k^T scale + bias) v`` with the fused kernel. On CUDA it passes no mask, so that
+    FlashAttention runs as on the dense model (a float ``attn_mask`` rules it out: PyTorch falls back to the
+    memory-efficient kernel): the bias rides in the product instead. Each query gets ``key_channel_count`` more
+    channels of ones, each key the bias / scale in the first of its own and zeros after, each value zeros, so
+    q'.k' scale = q.k scale + bias; the output's extra channels are zero and cut off. The keys' channels are made once
+    per heads, head dim, scale, dtype and device, and shared by every block that reads this bias (one per
+    reduction); a block adds two pads, a concatenation and a slice. On the CPU the bias goes in as the mask, which
+    the fused CPU kernel takes as it is (``key_bias_path`` chooses either path on any device).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._channels: dict[tuple, torch.Tensor] = {}
+
+    def key_channels(self, k: torch.Tensor, scale: float) -> torch.Tensor:
+        """(B, H, N, c) channels for the keys ``k`` (B, H, N, D): bias / scale, then zeros."""
+        B, H, N, D = k.shape
+        key = (H, D, float(scale), k.dtype, k.device)
+        made = self._channels.get(key)
+        if made is None:
+            c = key_channel_count(D)
+            column = (self.tensor.reshape(B, 1, N, 1) * (1.0 / scale)).to(k.dtype)
+            made = self._channels[key] = F.pad(column, (0, c - 1)).expand(B, H, N, c)
+        return made
+
+    def maskless(self, q: torch.Tensor) -> bool:
+        """Whether ``attention`` on ``q`` passes the bias in head channels rather than as a mask."""
+        path = _KEY_BIAS_PATH[-1]
+        return q.is_cuda if path is None else path == "maskless"
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  dropout_p: float = 0.0) -> torch.Tensor:
+        """``F.scaled_dot_product_attention(q, k, v, attn_mask=self.tensor, scale=scale)`` (q, k, v (B, H, N, D));
+        maskless on CUDA (see the class docstring), equal to the masked call to float rounding."""
+        if not self.maskless(q):  # (timm's own call: its default scale is attn.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.tensor, dropout_p=dropout_p)
+        D = q.shape[-1]
+        c = key_channel_count(D)
+        o = F.scaled_dot_product_attention(F.pad(q, (0, c), value=1.0), torch.cat([k, self.key_channels(k, scale)], -1),
+                                           F.pad(v, (0, c)), dropout_p=dropout_p, scale=scale)
+        return o[..., :D]
+
+    def __repr__(self) -> str:
+        return f"KeyBias(tokens={self.tensor.shape[-1]})"
+
+
+def key_biased_attention(attn, x: torch.Tensor, bias: Optional[KeyBias]) -> torch.Tensor:
+    """timm ``Attention``'s forward on ``x`` (B, N, C) with the per-key ``bias`` added to its logits (None: none):
+    the fused kernel with no mask (``KeyBias.attention``) where ``attn.fused_attn``, else the explicit softmax."""
+    q, k, v, gate = attention_inputs(attn, x)  # (B, H, N, hd) each
+    return attention_output(attn, biased_attention(attn, q, k, v, bias), gate)
+
+
+def biased_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[KeyBias]) -> torch.Tensor:
+    """The attention kernel of timm ``Attention`` ``attn`` on its q, k, v (B, H, N, hd) with the per-key ``bias``
+    (None: none): fused and maskless where ``attn.fused_attn``, else the explicit softmax with the bias added."""
+    dropout = attn.attn_drop.p if attn.training else 0.0
+    if attn.fused_attn:
+        if bias is None:  # (timm's own call: its default scale, hd ** -0.5, is attn.scale)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+        return bias.attention(q, k, v, attn.scale, dropout)
+    probs = attention_probs(q * attn.scale, k, 1.0, None if bias is None else bias.tensor)
+    return attn.attn_drop(probs.to(v.dtype)) @ v
 
 
 def attention_output(attn, o: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:

@@ -10,8 +10,9 @@ each averaged into a token that stays; the tokens left go on through every later
 - where a forward asks for the patch grid (``amod.patch_grid.tracking``), ``_reduce`` also says where
   each token went, so that timm's ``forward_intermediates`` and ``amod.patch_features`` lay the reduced
   sequence back on the dense grid; otherwise none of that runs;
-- proportional attention: log s enters timm's attention as an additive mask (``proportional_bias``),
-  so a token counts as many times as the patches it holds, and the fused attention path stays on;
+- proportional attention: log s enters every later block's attention logits (``proportional_bias``), so a token
+  counts as many times as the patches it holds; it rides in one more head channel of the keys, not in a mask
+  (``amod.ops.KeyBias``), so the fused kernel runs maskless, FlashAttention on CUDA as on the dense model;
 - ``SizedAttention`` keeps what the reduction is decided on: the keys' mean over heads (the
   similarity metric) and, where asked, the attention of the class tokens' rows (the importance);
 - gradient checkpointing's recompute (``amod.ops.recomputing``) replays the sizes, and whatever else
@@ -29,13 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, ContextManager, Optional
 
 import torch
-import torch.nn.functional as F
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
 from torch import nn
 
 from .cost import BlockPrice, attention_macs, linear_macs_per_token
-from .ops import attention_inputs, attention_output, attention_probs, recomputing
+from .ops import KeyBias, attention_inputs, attention_output, attention_probs, biased_attention, recomputing
 from .tokens import ForwardMemo, TokenSizes, proportional_bias
 
 
@@ -67,7 +67,8 @@ class SizedAttention(Attention):
     (``amod_importance``: the attention each token receives from the class tokens; with ``ALL_ROWS``, from every
     token, A-MoD's own score, for a model without a class token).
 
-    The output is timm's attention, fused or explicit, with the proportional-attention bias as its mask. The
+    The output is timm's attention, fused (maskless: the proportional-attention bias rides in the keys,
+    ``amod.ops.KeyBias``) or explicit (the bias added to the logits). The
     importance is computed again on its own rows, under no_grad: with class tokens their rows only, (B, H, rows, N)
     in float32 (rows x N products), so the fused path forms no N x N matrix; with ``ALL_ROWS`` (a model without a
     class token, e.g. SigLIP) that is the whole (B, H, N, N) attention matrix in float32, beside the fused output
@@ -81,17 +82,15 @@ class SizedAttention(Attention):
     amod_importance: Optional[torch.Tensor]
     amod_role_name = "Sized"  # what a Hugging Face attention in this role is called: SizedViTAttention
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                is_causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[KeyBias] = None, is_causal: bool = False) -> torch.Tensor:
+        if is_causal or not (attn_mask is None or isinstance(attn_mask, KeyBias)):
+            raise NotImplementedError("a token-reduction block's attention takes the proportional-attention bias of "
+                                      "its tokens' sizes only (amod.ops.KeyBias), no other mask")
         q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
-        if self.fused_attn:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            o = self.attn_drop(attention_probs(q * self.scale, k, 1.0, attn_mask).to(v.dtype)) @ v
+        o = biased_attention(self, q, k, v, attn_mask)  # (fused and maskless: FlashAttention stays on)
         if self.amod_want:
             with torch.no_grad():  # what is merged, and what protected, is a discrete choice: no gradient through it
-                self.amod_keep(q, k, v, attn_mask)
+                self.amod_keep(q, k, v, None if attn_mask is None else attn_mask.tensor)
         return attention_output(self, o, gate)
 
     def amod_keep(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> None:
@@ -172,7 +171,7 @@ class SizedTokensBlock(Block):
         replay = recomputing()
         if replay:
             size, state = settings.memo.recall(x, self.amod_kind)
-            bias = proportional_bias(size)
+            bias = proportional_bias(size)  # (the recompute's own: the shared one has moved on)
         else:
             if settings.first:
                 sizes.set(None)  # a new forward: every token stands for itself

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .ops import tracing
+from .ops import KeyBias, tracing
 
 
 def flat_index(index: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -105,8 +105,8 @@ def best_match(scores: torch.Tensor, unit: float = 1.0) -> tuple[torch.Tensor, t
 class TokenSizes:
     """The state of one forward that every block of a model that reduces tokens (fold, ToMe, PiToMe, PPT:
     ``amod.reduce``) shares: the token sizes (B, N, 1), the patches each token stands for, and the
-    proportional-attention bias made of them, log(size) as (B, 1, 1, N) (``proportional_bias``); both None while
-    every size is 1.
+    proportional-attention bias made of them, log(size) as a per-key bias (B, 1, 1, N) (``proportional_bias``, a
+    ``KeyBias``); both None while every size is 1.
 
     While ``track`` is set (``amod.patch_grid.tracking``: a forward asked for the patch grid), it also keeps
     ``source`` (B, N0): for each of the N0 tokens the model started with (prefix, then patches in grid order),
@@ -134,10 +134,11 @@ class TokenSizes:
         return f"TokenSizes(tokens={None if self.size is None else self.size.shape[1]})"
 
 
-def proportional_bias(size: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Proportional attention as an additive mask: log(size) (B, N, 1) -> (B, 1, 1, N); None while every token
-    stands for itself. A token then counts in every query's softmax as many times as the patches it holds."""
-    return None if size is None else size.log().view(size.shape[0], 1, 1, size.shape[1])
+def proportional_bias(size: Optional[torch.Tensor]) -> Optional[KeyBias]:
+    """Proportional attention: log(size) (B, N, 1) as a per-key bias of the attention logits, (B, 1, 1, N)
+    (``amod.ops.KeyBias``: added in one more head channel of the keys, no mask); None while every token stands for
+    itself. A token then counts in every query's softmax as many times as the patches it holds."""
+    return None if size is None else KeyBias(size.log().view(size.shape[0], 1, 1, size.shape[1]))
 
 
 def with_sizes(x: torch.Tensor, size: Optional[torch.Tensor]) -> torch.Tensor:

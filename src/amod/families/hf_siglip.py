@@ -19,9 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..family import register_family
+from ..ops import KeyBias
 from ..reduce import SizedTokensBlock
 from ..tokens import TokenSizes
 from .hf_base import HFFamily, PatchEmbedView, set_view
@@ -36,14 +38,26 @@ class SizedPoolingHead:
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
         bias = self.amod_sizes.bias  # log(size) (B, 1, 1, N) from the last reduction; None while every size is 1
-        mask = None
-        if bias is not None:
-            heads = self.attention.num_heads
-            mask = bias.squeeze(1).to(hidden_state.dtype).repeat_interleave(heads, 0)  # (B * heads, 1, N)
         probe = self.probe.repeat(hidden_state.shape[0], 1, 1)
-        out = self.attention(probe, hidden_state, hidden_state, attn_mask=mask, need_weights=False)[0]
+        if bias is None:
+            out = self.attention(probe, hidden_state, hidden_state, need_weights=False)[0]
+        else:
+            out = _biased_multihead(self.attention, probe, hidden_state, bias)
         out = out + self.mlp(self.layernorm(out))
         return out[:, 0]
+
+
+def _biased_multihead(mha: nn.MultiheadAttention, query: torch.Tensor, tokens: torch.Tensor, bias: KeyBias
+                      ) -> torch.Tensor:
+    """``mha(query, tokens, tokens)`` (batch first, its own projections) with the per-key ``bias`` added to the
+    logits, maskless (``KeyBias.attention``): nn.MultiheadAttention would pass it to the fused kernel as a mask."""
+    (B, Lq, E), N, H = query.shape, tokens.shape[1], mha.num_heads
+    weights = mha.in_proj_weight.chunk(3)
+    biases = (None,) * 3 if mha.in_proj_bias is None else mha.in_proj_bias.chunk(3)
+    q, k, v = (F.linear(t, w, b).view(B, t.shape[1], H, E // H).transpose(1, 2)  # (B, H, L, E / H)
+               for t, w, b in zip((query, tokens, tokens), weights, biases))
+    o = bias.attention(q, k, v, (E // H) ** -0.5, mha.dropout if mha.training else 0.0)
+    return mha.out_proj(o.transpose(1, 2).reshape(B, Lq, E))
 
 
 class HFSiglipFamily(HFFamily):

@@ -37,7 +37,8 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from ..cost import BlockPrice, attention_macs, linear_macs_per_token
-from ..ops import attention_inputs, attention_output, attention_scores_explicit, attention_with_scores, recomputing
+from ..ops import (KeyBias, attention_inputs, attention_output, attention_scores_explicit, attention_with_scores,
+                   key_biased_attention, recomputing)
 from ..tokens import ForwardMemo, best_match, flat_index, gather_tokens, scatter_tokens
 from .config import MoDConfig
 from .modes import MODES, SkippedMode, register_skipped_mode
@@ -79,12 +80,13 @@ class ScoringAttention(Attention):
     def forward(
         self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
     ) -> torch.Tensor:
-        if is_causal or (attn_mask is not None and not attn_mask.is_floating_point()):
-            raise NotImplementedError("amod's scoring attention supports additive float masks only")
+        if is_causal or not (attn_mask is None or isinstance(attn_mask, KeyBias)):
+            raise NotImplementedError("amod's scoring attention takes a per-key bias (the merge mode's proportional "
+                                      "attention: amod.ops.KeyBias) only, no other mask")
         q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
         dropout = self.attn_drop.p if self.training else 0.0
         if attn_mask is not None:  # proportional attention of the merge mode: small gathered sets
-            x, scores = attention_scores_explicit(q, k, v, self.scale, dropout, bias=attn_mask)
+            x, scores = attention_scores_explicit(q, k, v, self.scale, dropout, bias=attn_mask.tensor)
         elif self.fused_attn:
             x, scores = attention_with_scores(q, k, v, self.scale, dropout_p=dropout,
                                               scores_need_grad=self.amod_scores_need_grad and torch.is_grad_enabled())
@@ -196,9 +198,18 @@ class MoDBlock(RoutedForward, Block):
     amod: MoDSettings
     amod_role_name = "MoD"  # what a Hugging Face layer in this role is called: MoDViTLayer
 
-    def block_output(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """timm's block on the tokens ``x`` (B, M, D): attention, then MLP, each with its residual."""
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask)))
+    def block_output(self, x: torch.Tensor, bias: Optional[KeyBias] = None) -> torch.Tensor:
+        """timm's block on the tokens ``x`` (B, M, D): attention, then MLP, each with its residual; ``bias``: a
+        per-key bias of the attention logits (the merge mode's proportional attention), carried maskless where the
+        attention is timm's fused one (``amod.ops.key_biased_attention``)."""
+        h = self.norm1(x)
+        if bias is None:
+            a = self.attn(h)
+        elif isinstance(self.attn, ScoringAttention) or not self.attn.fused_attn:
+            a = self.attn(h, attn_mask=bias)  # (amod's own attention classes take a KeyBias)
+        else:
+            a = key_biased_attention(self.attn, h, bias)
+        x = x + self.drop_path1(self.ls1(a))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
     def forward(
@@ -310,7 +321,7 @@ class MergeMode(MoDMode):
         p = block.amod.num_prefix
         skip_idx, skipped, partner, merged, bias = self.merge_skipped(block, x, xs, patch_idx)
         # every kept token keeps its own residual and takes the update computed on its merged group
-        ys = block.gate_updates(xs + (block.block_output(merged, attn_mask=bias) - merged), xs, patch_idx,
+        ys = block.gate_updates(xs + (block.block_output(merged, bias=bias) - merged), xs, patch_idx,
                                 patch_scores)
         skipped_out = skipped + gather_tokens(ys[:, p:] - xs[:, p:], partner)
         # kept, prefix and skipped tokens cover the sequence: fill a new tensor, no copy of x first
@@ -328,7 +339,7 @@ class MergeMode(MoDMode):
         Returns the skipped tokens' patch indices (B, n - k), the skipped tokens (B, n - k, D), each
         one's partner among the kept patches (B, n - k), the gathered tokens with every kept patch replaced
         by the size-weighted average of its group (B, p + k, D), and the proportional-attention bias
-        log(size) (B, 1, 1, p + k).
+        log(size) (B, 1, 1, p + k), as a ``KeyBias``.
         """
         p = block.amod.num_prefix
         B, N, D = x.shape
@@ -346,7 +357,7 @@ class MergeMode(MoDMode):
             0, flat_partner, torch.ones(flat_partner.shape[0], dtype=x.dtype, device=x.device)).view(B, k)
         summed = kept.reshape(B * k, D).index_add(0, flat_partner, skipped.reshape(-1, D)).view(B, k, D)
         merged = torch.cat([xs[:, :p], summed / size.unsqueeze(-1)], dim=1)
-        bias = torch.cat([size.new_zeros(B, p), size.log()], dim=1)[:, None, None, :]
+        bias = KeyBias(torch.cat([size.new_zeros(B, p), size.log()], dim=1)[:, None, None, :])
         return skip_idx, skipped, partner, merged, bias
 
 
