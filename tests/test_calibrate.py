@@ -66,6 +66,38 @@ def test_calibrate_keeps_the_most_faithful_schedule_at_the_cost_and_saves_it(din
         amod.calibrate(copy.deepcopy(dinov2), x[0])
 
 
+def test_a_stage_schedule_folds_in_its_stages_alone_and_is_searched_in_two_steps(dinov2, tmp_path):
+    """``stages=3``: the tokens fold in three blocks only, every other block keeps what it gets, at any capacity the
+    dial is turned to; the search tries every placement at tilt 0 and the first protect, then every tilt and protect
+    at the placement kept closest, and keeps the most faithful; the spec ``calibrated:stages=3`` is that call."""
+    from amod.methods import Calibrated, parse_method
+    from amod.mod.calibrate import stage_placements
+
+    x = torch.randn(8, 3, 112, 112, generator=torch.Generator().manual_seed(0))
+    placements = stage_placements(12, 3)
+    assert placements[0] == (1, 2, 3) and (3, 6, 9) in placements and all(b[-1] <= 10 for b in placements)
+    model = amod.calibrate(copy.deepcopy(dinov2), x, cost=0.5, tilts=(0.0, 1.0), protects=(0.0, 0.1), stages=3)
+    report = model.amod_calibration
+    first = [c for c in report.candidates if (c.tilt, c.protect) == (0.0, 0.0)]
+    assert [c.blocks for c in first] == [b for b in placements if b in {c.blocks for c in first}] and len(first) > 3
+    placement = max(first, key=lambda c: c.fidelity).blocks
+    assert {c.blocks for c in report.candidates[len(first):]} == {placement}  # the second step: the best placement
+    assert report.best.fidelity == max(c.fidelity for c in report.candidates)
+    assert abs(amod.flops(model).ratio - 0.5) <= COST_TOLERANCE * 0.5
+    for capacity in (report.best.capacity, 0.3):
+        amod.set_capacity(model, capacity)
+        with torch.no_grad():
+            model(x[:1])
+        lefts = [blk.amod_last_tokens for blk in model.blocks]
+        changed = [i for i in range(12) if lefts[i] != (lefts[i - 1] if i else 65)]
+        assert set(changed) <= set(report.best.blocks) and changed, (capacity, lefts)
+    assert parse_method("calibrated:stages=3").stages == 3 and Calibrated(stages=3).spec() == "calibrated:stages=3"
+    with pytest.raises(ValueError, match=r"stages=12: the model has 12 blocks"):
+        amod.calibrate(copy.deepcopy(dinov2), x, stages=12)
+    with pytest.raises(ValueError, match=r"stages must be a whole number >= 1"):
+        parse_method("calibrated:stages=0")
+
+
 def test_the_dial_turns_along_the_shape_and_bad_shapes_are_refused_in_one_line():
     shape = tilt_shape(-2.0, 4)
     assert sum(shape) == pytest.approx(4, abs=1e-3) and shape == sorted(shape, reverse=True)  # more folds early

@@ -89,7 +89,8 @@ def test_a_file_of_another_behaviour_version_is_refused_naming_both():
 REFERENCE_SPECS = ("dense", "mod", "mod:router=standard", "mod:router=random,seed=3", "mod:router=hybrid",
                    "mod:router=shuffled-attention,seed=3", "mod:router=inverse-attention", "mod:skipped=merge",
                    "mod:skipped=kv", "mod:capacity=0.8,skipped=fold", "tome:r=2", "pitome:keep=0.8", "isoflop",
-                   "calibrated:protects=[0.0,0.25],tilts=[0.0,1.0]", "ppt:r=2")
+                   "calibrated:protects=[0.0,0.25],tilts=[0.0,1.0]", "calibrated:protects=[0.0],tilts=[0.0],stages=1",
+                   "ppt:r=2")
 CALIBRATION_COST = 0.8
 
 

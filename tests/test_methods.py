@@ -88,6 +88,7 @@ EXAMPLES = [Dense(), MoD(), MoD(router="standard", capacity=0.25, layers=(1, 3),
             IsoFLOP(router="standard", layers=(1, 2, 3)), TokenMerging(cost=0.7), TokenMerging(r=(2, 2, 1, 1)),
             TokenMerging(r=3), PiToMe(cost=0.6), PiToMe(keep=0.8), Calibrated(router="random", protects=(0.0,),
                                                                               tilts=(0.0,)),
+            Calibrated(protects=(0.0,), tilts=(0.0,), stages=2),
             PPT(cost=0.7), PPT(r=(3, 2), blocks=(1, 2), threshold=1e-5)]
 ROUND_TRIPPED = EXAMPLES + [cls() for cls in method_classes() if cls() not in EXAMPLES]
 

@@ -37,7 +37,7 @@ from torch import nn
 from .family import weightless_copy
 from .cost import flops, validate_cost
 from .mod.calibrate import (DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate, validate_calibration_router, validate_protects,
-                             validate_tilts)
+                             validate_stages, validate_tilts)
 from .mod.config import (LAYER_PRESETS, MoDConfig, validate_capacity, validate_protect, validate_router, validate_shape,
                           validate_skipped)
 from .mod.modes import skipped_mode, skipped_mode_names
@@ -848,7 +848,8 @@ class IsoFLOP(Method):
 class Calibrated(Method):
     """A-MoD fold on the per-block schedule (and protection) that ``amod.calibrate`` chooses at a cost on unlabeled
     images: ``at_cost(dense, cost, images)`` is the calibrated ``MoD`` (with its ``shape``). It runs only once set to
-    a cost; its ``router`` decides what is protected (``"random"``: the control). A model it makes runs that ``MoD``
+    a cost; its ``router`` decides what is protected (``"random"``: the control); ``stages``: the tokens fold in that
+    many blocks only (``amod.calibrate``'s stage schedules), None: in every block. A model it makes runs that ``MoD``
     (``method_of``), which its file names; this method's own metadata (its fields) reads back as itself, and a file
     of it is refused as ``apply`` is."""
 
@@ -858,11 +859,18 @@ class Calibrated(Method):
     router: str = MoDConfig.router
     protects: tuple[float, ...] = DEFAULT_PROTECTS
     tilts: tuple[float, ...] = DEFAULT_TILTS
+    stages: Optional[int] = None
 
     def check(self) -> None:
         validate_calibration_router(self.router)
         validate_protects(self.protects)
         validate_tilts(self.tilts)
+        validate_stages(self.stages)
+
+    def __repr__(self) -> str:
+        # stages is named only when set: the calibrations measured before it are keyed by the repr of before
+        shown = [f for f in dataclasses.fields(self) if f.name != "stages" or self.stages is not None]
+        return f"Calibrated({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     @classmethod
     def of_model(cls, model: nn.Module) -> None:
@@ -884,7 +892,7 @@ class Calibrated(Method):
         if images is None:
             raise UserError(f"{self.spec()} is set to a cost on unlabeled images; give images")
         model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
-                          protects=self.protects, closest=closest)
+                          protects=self.protects, closest=closest, stages=self.stages)
         return MoD.of_model(model), model.amod_calibration.report()
 
 

@@ -102,7 +102,8 @@ def _calibrate_and_save(cfg: CalibrateConfig) -> Path:
     images = torch.stack([train[i][0] for i in range(min(cfg.images, len(train)))])
     images = images.expand(-1, chans, -1, -1).contiguous()  # gray images as gray RGB for an RGB model
     method = parse_method(cfg.method)
-    model = calibrate(dense, images, cfg.cost, router=method.router, tilts=method.tilts, protects=method.protects)
+    model = calibrate(dense, images, cfg.cost, router=method.router, tilts=method.tilts, protects=method.protects,
+                      stages=method.stages)
     report = model.amod_calibration
     print(f"calibrated {cfg.checkpoint} at {img_size} px, cost {cfg.cost:g}, on {len(images)} {info.name} images "
           f"in {report.seconds:.1f} s:")
@@ -119,8 +120,10 @@ def _calibrate_and_save(cfg: CalibrateConfig) -> Path:
 # ---------------------------------------------------------------- the calibrations a sweep keeps
 
 def calibration_grid(method: Calibrated) -> str:
-    """The candidates ``method`` chooses among (its router, protects and tilts), as a cache row names them."""
-    return repr((method.router, tuple(method.protects), tuple(method.tilts)))
+    """The candidates ``method`` chooses among (its router, protects and tilts, and its stages where set), as a cache
+    row names them (a grid of every block: as rows were named before stages)."""
+    grid = (method.router, tuple(method.protects), tuple(method.tilts))
+    return repr(grid if method.stages is None else (*grid, method.stages))
 
 
 class CalibrationCache:

@@ -10,6 +10,12 @@ stay closest to the dense model's on those images.
   tilt is set to the cost by its capacity (``capacity_for_cost``), so the candidates cost the same MACs.
 - With each tilt, A-MoD's protection is tried too (``protects``: the share of each block's patch tokens the
   attention router keeps from folding; 0 folds by similarity alone).
+- ``stages=S``: the tokens fold in S blocks only (as PPT and ALGM reduce in two or three), every other block's
+  exponent 0 (it keeps all it gets). A forward then sorts, gathers and scatters S times instead of once per block: on a
+  GPU, where each of those operations costs a launch, fewer stages run faster at the same MACs. The S blocks are
+  placed evenly, from block 1, 2 or 3, every 1, 2 or 3 blocks (``stage_placements``); the tilt spreads the folding
+  over them as it does over every block. The search runs in two steps: every placement at tilt 0 and the first
+  protect, then every tilt and protect at the placement that kept the features closest.
 - Fidelity: the mean cosine similarity between the candidate's and the dense model's features (the class token
   after the final norm, what a head or a linear probe reads) on the images. Only candidates whose cost comes within
   2 % of the target (``amod.cost.COST_TOLERANCE``) are run; the most faithful wins, ties going to the earlier one.
@@ -29,7 +35,7 @@ import math
 import time
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +54,15 @@ DEFAULT_TILTS = (-2.0, -1.0, 0.0, 1.0)
 DEFAULT_PROTECTS = (0.0, 0.1, 0.25)
 
 
-def tilt_shape(tilt: float, depth: int) -> list[float]:
-    """The capacity exponents of a tilt: w_i ∝ exp(tilt · (i / (depth − 1) − ½)), scaled to mean 1."""
+def tilt_shape(tilt: float, depth: int, blocks: Optional[Sequence[int]] = None) -> list[float]:
+    """The capacity exponents of a tilt: w_i ∝ exp(tilt · (i / (depth − 1) − ½)), scaled to mean 1; with ``blocks``
+    (a stage schedule), the same over those blocks in their order and 0 (nothing folds) in every other block."""
+    if blocks is not None:
+        weights = tilt_shape(tilt, len(blocks))
+        shape = [0.0] * depth
+        for b, w in zip(blocks, weights):
+            shape[b] = w
+        return shape
     if depth < 2:
         return [1.0] * depth
     raw = [math.exp(tilt * (i / (depth - 1) - 0.5)) for i in range(depth)]
@@ -57,15 +70,39 @@ def tilt_shape(tilt: float, depth: int) -> list[float]:
     return [round(w / mean, 4) for w in raw]
 
 
+def stage_placements(depth: int, stages: int) -> list[tuple[int, ...]]:
+    """Where ``stages`` folding blocks sit among ``depth`` blocks (``calibrate(..., stages=...)``): evenly spaced,
+    starting at block 1, 2 or 3 (block 0's attention has not mixed the tokens yet) and every 1, 2 or 3 blocks, the
+    last at least one block before the end; on a model too shallow for any of them, blocks 1 to ``stages``."""
+    placements = []
+    for start in (1, 2, 3):
+        for gap in (1, 2, 3):
+            blocks = tuple(start + gap * i for i in range(stages))
+            if blocks[-1] <= depth - 2 and blocks not in placements:
+                placements.append(blocks)
+    return placements or [tuple(range(1, min(stages, depth - 1) + 1))]
+
+
+def validate_stages(stages: Any) -> Optional[int]:
+    """``stages`` (how many blocks a calibrated schedule folds in; None: every block) as an int, or a ValueError."""
+    if stages is None:
+        return None
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise UserError(f"stages must be a whole number >= 1 (the blocks the tokens fold in), got {stages!r}")
+    return stages
+
+
 @dataclass
 class Candidate:
-    """One schedule tried: its tilt and protect, the capacity that sets it to the cost, that cost, its fidelity."""
+    """One schedule tried: its tilt and protect, the capacity that sets it to the cost, that cost, its fidelity, and
+    (a stage schedule) the blocks it folds in."""
 
     tilt: float
     protect: float
     capacity: float
     cost: float
     fidelity: float  # mean cosine similarity to the dense features on the calibration images
+    blocks: Optional[tuple[int, ...]] = None  # the blocks that fold (``stages``); None: every block
 
 
 @dataclass
@@ -84,9 +121,9 @@ class Calibration:
 
     def table(self) -> list[str]:
         """Every candidate, as the lines of a Markdown table, the chosen one marked."""
-        return ["| tilt | protect | capacity | cost | fidelity | |", "|---|---|---|---|---|---|"] + [
-            f"| {c.tilt:+g} | {c.protect:g} | {c.capacity:.3f} | {c.cost:.3f} | {c.fidelity:.5f} | "
-            f"{'chosen' if i == self.chosen else ''} |" for i, c in enumerate(self.candidates)]
+        return ["| blocks | tilt | protect | capacity | cost | fidelity | |", "|---|---|---|---|---|---|---|"] + [
+            f"| {blocks_text(c.blocks)} | {c.tilt:+g} | {c.protect:g} | {c.capacity:.3f} | {c.cost:.3f} | "
+            f"{c.fidelity:.5f} | {'chosen' if i == self.chosen else ''} |" for i, c in enumerate(self.candidates)]
 
     def report(self) -> dict[str, Any]:
         """What a sweep keeps of it (JSON): seconds, images, the chosen candidate's index and every candidate."""
@@ -94,17 +131,22 @@ class Calibration:
                 "candidates": [dataclasses.asdict(c) for c in self.candidates]}
 
 
+def blocks_text(blocks: Optional[Sequence[int]]) -> str:
+    """The blocks a schedule folds in, as a report writes them: ``all``, or ``1, 4, 7``."""
+    return "all" if blocks is None else ", ".join(map(str, blocks))
+
+
 # the columns of ``chosen_cells``: a report's table of the candidate each calibration chose
-CHOSEN_COLUMNS = ("tilt", "protect", "capacity", "fidelity", "runner-up fidelity")
+CHOSEN_COLUMNS = ("blocks", "tilt", "protect", "capacity", "fidelity", "runner-up fidelity")
 
 
 def chosen_cells(report: dict[str, Any]) -> list[str]:
-    """A ``Calibration.report``'s chosen candidate (``CHOSEN_COLUMNS``: its tilt, protect, capacity and fidelity) and
-    the fidelity of the best of the others ("–" where there is none), as table cells."""
+    """A ``Calibration.report``'s chosen candidate (``CHOSEN_COLUMNS``: the blocks it folds in, its tilt, protect,
+    capacity and fidelity) and the fidelity of the best of the others ("–" where there is none), as table cells."""
     best = report["candidates"][report["chosen"]]
     runner = max((c["fidelity"] for c in report["candidates"] if c is not best), default=None)
-    return [f"{best['tilt']:+g}", f"{best['protect']:g}", f"{best['capacity']:.3f}", f"{best['fidelity']:.4f}",
-            "–" if runner is None else f"{runner:.4f}"]
+    return [blocks_text(best.get("blocks")), f"{best['tilt']:+g}", f"{best['protect']:g}", f"{best['capacity']:.3f}",
+            f"{best['fidelity']:.4f}", "–" if runner is None else f"{runner:.4f}"]
 
 
 @torch.no_grad()
@@ -172,7 +214,7 @@ def _validate_images(model: nn.Module, images: Any) -> torch.Tensor:
 
 def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router: str = MoDConfig.router,
               tilts: Sequence[float] = DEFAULT_TILTS, protects: Sequence[float] = DEFAULT_PROTECTS,
-              batch_size: int = 64, closest: bool = False) -> nn.Module:
+              batch_size: int = 64, closest: bool = False, stages: Optional[int] = None) -> nn.Module:
     """Turn the dense ``model`` into A-MoD fold with the schedule that keeps its features closest on ``images``.
 
     Args:
@@ -187,6 +229,8 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
         batch_size: images per forward.
         closest: where no candidate comes within the tolerance, run those whose cost is closest instead of refusing
             (a sweep over a grid of costs, whose report flags the miss).
+        stages: fold in this many blocks only (``stage_placements`` says where; the module docstring how they are
+            chosen); None: in every block.
 
     Returns:
         ``model``, converted, with ``model.amod_calibration`` (a ``Calibration``).
@@ -198,6 +242,7 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
     cost = validate_cost(cost)
     tilts = validate_tilts(tilts)
     protects = validate_protects(protects)
+    stages = validate_stages(stages)
     validate_calibration_router(router)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -208,31 +253,47 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
                         "a converted model's dial)")
     start = time.perf_counter()
     depth = family.layers_count(model)
+    if stages is not None and stages >= depth:
+        raise UserError(f"stages={stages}: the model has {depth} blocks, so fewer stages than that, or none (every "
+                        "block folds)")
     # the trial model refuses what cannot fold (a router, a family) before any work
     trial = convert(copy.deepcopy(model), router=router, capacity=1.0, skipped="fold", protect=protects[0],
                     shape=tilt_shape(0.0, depth))
     images = _validate_images(model, images)
     config = get_config(trial)
-    settings = []  # (tilt, protect, capacity, cost) of every candidate, priced analytically
-    for tilt in tilts:
-        for protect in protects:
-            config.shape, config.protect, config.capacity = tilt_shape(tilt, depth), protect, 1.0
+
+    def priced(grid: list[tuple[float, float, Optional[tuple[int, ...]]]]) -> list[tuple]:
+        """(tilt, protect, blocks, capacity, cost) of each schedule of ``grid``, set to the cost analytically."""
+        settings = []
+        for tilt, protect, blocks in grid:
+            config.shape, config.protect, config.capacity = tilt_shape(tilt, depth, blocks), protect, 1.0
             config.capacity = capacity_for_cost(trial, cost)
-            settings.append((tilt, protect, config.capacity, flops(trial).ratio))
-    reachable = [s for s in settings if not misses_cost(s[3], cost)]
-    if not reachable and closest:
-        miss = min(abs(s[3] - cost) for s in settings)
-        reachable = [s for s in settings if abs(s[3] - cost) == miss]
-    if not reachable:
-        low = min(settings, key=lambda s: s[3])
+            settings.append((tilt, protect, blocks, config.capacity, flops(trial).ratio))
+        return settings
+
+    def reachable(settings: list[tuple]) -> list[tuple]:
+        """The settings that come within the tolerance of the cost (or, with ``closest``, the closest)."""
+        near = [s for s in settings if not misses_cost(s[4], cost)]
+        if not near and closest:
+            miss = min(abs(s[4] - cost) for s in settings)
+            near = [s for s in settings if abs(s[4] - cost) == miss]
+        for s in settings:
+            if s not in near:
+                log.info("calibrate: %s cannot reach cost %g (closest %.3f): not tried", _candidate_text(*s[:3]),
+                         cost, s[4])
+        return near
+
+    if stages is None:
+        first = priced([(tilt, protect, None) for tilt in tilts for protect in protects])
+    else:  # two steps: the placement at tilt 0 and the first protect, then every tilt and protect at the best one
+        first = priced([(0.0, protects[0], blocks) for blocks in stage_placements(depth, stages)])
+    tried = reachable(first)
+    if not tried:
+        low = min(first, key=lambda s: s[4])
         h, w = model.patch_embed.img_size
         raise UserError(f"no schedule tried reaches cost {cost:g} (within {tolerance_text()}) on this model at "
-                        f"{h}x{w} px: the lowest is {low[3]:.3f} (tilt {low[0]:+g}, protect {low[1]:g}); ask for a "
-                        "cost of at least that" + (", or a lower protect" if low[1] > 0 else ""))
-    for tilt, protect, capacity, matched in settings:
-        if (tilt, protect, capacity, matched) not in reachable:
-            log.info("calibrate: tilt %+g, protect %g cannot reach cost %g (closest %.3f): not tried", tilt, protect,
-                     cost, matched)
+                        f"{h}x{w} px: the lowest is {low[4]:.3f} ({_candidate_text(*low[:3])}); ask for a cost of at "
+                        "least that" + (", or a lower protect" if low[1] > 0 else ""))
     was_training = model.training
     model.eval()
     reference = _features(model, images, batch_size)
@@ -240,20 +301,36 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
         raise UserError("the dense model's features on these images are not finite (NaN or inf): check its weights "
                         "and the images' preprocessing")
     report = Calibration(cost_target=cost, images=len(images), seconds=0.0)
-    for tilt, protect, capacity, matched in reachable:
-        config.shape, config.protect, config.capacity = tilt_shape(tilt, depth), protect, capacity
-        fidelity = F.cosine_similarity(_features(trial, images, batch_size), reference, dim=1).mean().item()
-        report.candidates.append(Candidate(tilt, protect, capacity, matched, fidelity))
-        log.info("calibrate: tilt %+g, protect %g: capacity %.3f, cost %.3f, fidelity %.5f", tilt, protect,
-                 capacity, matched, fidelity)
+
+    def run(settings: list[tuple]) -> None:
+        for tilt, protect, blocks, capacity, matched in settings:
+            config.shape, config.protect, config.capacity = tilt_shape(tilt, depth, blocks), protect, capacity
+            fidelity = F.cosine_similarity(_features(trial, images, batch_size), reference, dim=1).mean().item()
+            report.candidates.append(Candidate(tilt, protect, capacity, matched, fidelity, blocks))
+            log.info("calibrate: %s: capacity %.3f, cost %.3f, fidelity %.5f", _candidate_text(tilt, protect, blocks),
+                     capacity, matched, fidelity)
+
+    run(tried)
+    if stages is not None:
+        placement = max(report.candidates, key=lambda c: c.fidelity).blocks
+        second = [(tilt, protect, placement) for tilt in tilts for protect in protects
+                  if (tilt, protect) != (0.0, protects[0])]
+        if second:
+            run(reachable(priced(second)))
     del trial
     report.chosen = max(range(len(report.candidates)), key=lambda i: (report.candidates[i].fidelity, -i))
     best = report.best
     convert(model, router=router, capacity=best.capacity, skipped="fold", protect=best.protect,
-            shape=tilt_shape(best.tilt, depth))
+            shape=tilt_shape(best.tilt, depth, best.blocks))
     model.train(was_training)
     report.seconds = time.perf_counter() - start
     model.amod_calibration = report
-    log.info("calibrate: chose tilt %+g, protect %g (capacity %.3f, cost %.3f, fidelity %.5f) in %.1f s on %d images",
-             best.tilt, best.protect, best.capacity, best.cost, best.fidelity, report.seconds, len(images))
+    log.info("calibrate: chose %s (capacity %.3f, cost %.3f, fidelity %.5f) in %.1f s on %d images",
+             _candidate_text(best.tilt, best.protect, best.blocks), best.capacity, best.cost, best.fidelity,
+             report.seconds, len(images))
     return model
+
+
+def _candidate_text(tilt: float, protect: float, blocks: Optional[Sequence[int]]) -> str:
+    """A candidate as the log names it: ``tilt +1, protect 0.1`` (and ``in blocks 1, 4, 7``)."""
+    return f"tilt {tilt:+g}, protect {protect:g}" + ("" if blocks is None else f", in blocks {blocks_text(blocks)}")
