@@ -79,11 +79,16 @@ def attention_inputs(attn, x: torch.Tensor, kv_x: Optional[torch.Tensor] = None
     return attn.q_norm(q), attn.k_norm(k), v, gate
 
 
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32: itself where it is already (``.float()`` would dispatch an operation that copies nothing)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def attention_probs(q: torch.Tensor, k: torch.Tensor, scale: float, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias): the explicit (B, H, Nq, Nk) attention matrix, in float32."""
-    logits = (q.float() @ k.float().transpose(-2, -1)).mul_(scale)
+    logits = (as_float32(q) @ as_float32(k).transpose(-2, -1)).mul_(scale)
     if bias is not None:
-        logits = logits + bias.float()
+        logits = logits + as_float32(bias)
     return logits.softmax(dim=-1)
 
 
@@ -230,17 +235,22 @@ def attention_scores_explicit(
     return attn.to(v.dtype) @ v, scores
 
 
+# The least working set of the CPU path's tiles (``_tile_plan``): 2 MiB holds a ViT-S's whole attention at 224 px and
+# batch 1 (6 heads of 257 x 257 float32, 1.6 MB) in one tile, a dozen operations fewer than two and as fast.
+TILE_FLOOR = 2 * 2**20
+
+
 def _tile_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: Optional[int]) -> tuple[int, int]:
     """(heads per group, query rows per tile) for the CPU path.
 
     The fp32 working set (one tile of logits, plus the fp32 copy of the group's keys for other
-    dtypes) stays within a fifth of the attention output's size (at least 1 MiB): that keeps the
+    dtypes) stays within a fifth of the attention output's size (at least ``TILE_FLOOR``, 2 MiB): that keeps the
     op's peak memory within 1.25x of ``scaled_dot_product_attention``'s, O(N) rather than O(N^2). Whole heads
     are grouped while a head's Nq x Nk tile fits (large, efficient matrix products); beyond that, one
     head at a time in blocks of query rows.
     """
     BH, Nq, Nk, D = q.shape[0] * q.shape[1], q.shape[2], k.shape[2], k.shape[-1]
-    budget = max(2**20, BH * Nq * v.shape[-1] * v.element_size() // 5)
+    budget = max(TILE_FLOOR, BH * Nq * v.shape[-1] * v.element_size() // 5)
     key_bytes = 0 if k.dtype == torch.float32 else Nk * D * 4  # per head
     if tile is not None:
         return 1, min(Nq, tile)
@@ -279,24 +289,37 @@ def _received_attention_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
 @torch.no_grad()
 def _attention_scores_onepass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                               tile: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and column sums from the same tiles of softmax(q k^T): no second pass over QK^T."""
+    """Output and column sums from the same tiles of softmax(q k^T): no second pass over QK^T. One tile (the whole
+    attention within the budget) is a dozen operations, each further tile as many again."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+    Nk, Dv = k.shape[2], v.shape[-1]
     group, rows = _tile_plan(q, k, v, tile)
-    qf, kf, vf = q.reshape(B * H, Nq, D), k.reshape(B * H, Nk, D), v.reshape(B * H, Nk, v.shape[-1])
-    out = torch.empty(B * H, Nq, v.shape[-1], dtype=v.dtype, device=q.device)
-    acc = torch.zeros(B * H, Nk, dtype=torch.float32, device=q.device)
-    buf = torch.empty(group * rows * Nk, dtype=torch.float32, device=q.device)
-    for hs, rs, p in _tiles(B * H, Nq, Nk, group, rows, buf):
-        torch.bmm(qf[hs, rs].float() * scale, kf[hs].float().transpose(-2, -1), out=p)  # (G, t, Nk) logits
-        p.sub_(p.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
-        inv_rowsum = p.sum(dim=-1).reciprocal_().unsqueeze(1)  # (G, 1, t)
-        # normalise the small results, not the tile: column sums as inv_rowsum . p, output as (p . v) / rowsum
-        acc[hs] += torch.bmm(inv_rowsum, p).squeeze(1)
-        out_tile = out[hs, rs]  # contiguous: whole heads, or a block of rows of one head
-        torch.bmm(p.to(v.dtype), vf[hs], out=out_tile)
-        out_tile.mul_(inv_rowsum.transpose(-2, -1).to(v.dtype))
-    return out.view(B, H, Nq, -1), acc.view(B, H, Nk).sum(dim=1) / (H * Nq)
+    qf, kf, vf = q.reshape(B * H, Nq, D), k.reshape(B * H, Nk, D), v.reshape(B * H, Nk, Dv)
+    if group * rows == B * H * Nq:  # one tile: no buffers, no slices
+        out, acc = _onepass_tile(qf, kf, vf, scale)
+    else:
+        out = torch.empty(B * H, Nq, Dv, dtype=v.dtype, device=q.device)
+        acc = torch.zeros(B * H, 1, Nk, dtype=torch.float32, device=q.device)
+        buf = torch.empty(group * rows * Nk, dtype=torch.float32, device=q.device)
+        for hs, rs, p in _tiles(B * H, Nq, Nk, group, rows, buf):
+            out_tile = out[hs, rs]  # contiguous: whole heads, or a block of rows of one head
+            acc[hs].add_(_onepass_tile(qf[hs, rs], kf[hs], vf[hs], scale, p, out_tile)[1])
+    return out.view(B, H, Nq, Dv), acc.view(B, H, Nk).sum(dim=1) / (H * Nq)
+
+
+def _onepass_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, logits: Optional[torch.Tensor] = None,
+                  out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile of ``_attention_scores_onepass``: q (G, t, D), k (G, Nk, D), v (G, Nk, Dv) -> softmax(q k^T scale) v
+    (G, t, Dv), in ``out`` where given, and the softmax's column sums (G, 1, Nk) float32; ``logits``: a (G, t, Nk)
+    float32 buffer for the softmax, else one is made."""
+    p = torch.bmm(as_float32(q) * scale, as_float32(k).transpose(-2, -1), out=logits)  # (G, t, Nk) logits
+    p.sub_(p.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax, in place
+    inv_rowsum = p.sum(dim=-1).reciprocal_().unsqueeze(1)  # (G, 1, t)
+    # normalise the small results, not the tile: column sums as inv_rowsum . p, output as (p . v) / rowsum
+    colsum = torch.bmm(inv_rowsum, p)  # (G, 1, Nk)
+    out = torch.bmm(p if p.dtype == v.dtype else p.to(v.dtype), v, out=out)
+    factor = inv_rowsum.transpose(-2, -1)
+    return out.mul_(factor if factor.dtype == v.dtype else factor.to(v.dtype)), colsum
 
 
 def _cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -344,7 +367,7 @@ def attention_with_scores(
         dropout_p: attention dropout on the output (the scores are taken before dropout).
         scores_need_grad: the caller backpropagates through the scores; uses the explicit path.
         tile: query rows per tile in the CPU path; default: what a memory budget of a fifth of the
-            output's size (at least 1 MiB) allows, whole heads at a time where they fit.
+            output's size (at least ``TILE_FLOOR``, 2 MiB) allows, whole heads at a time where they fit.
         method: CPU path: ``"onepass"`` (output and scores from the same tiles of the softmax; used
             when no gradient is needed) or ``"lse"`` (PyTorch's fused kernel, differentiable, then
             a second pass over QK^T from its logsumexp: paper Algorithm 1; the explicit path where

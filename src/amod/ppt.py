@@ -54,10 +54,10 @@ from .cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from .errors import UserError
 from .family import family_of, weightless_copy
 from .methods import Method, register_method
-from .ops import attention_inputs, attention_output, attention_probs, tracing
+from .ops import as_float32, attention_inputs, attention_output, attention_probs, tracing
 from .reduce import ALL_ROWS, SizedAttention, SizedSettings, SizedTokensBlock, importance_rows, reduction_macs
 from .static import StaticNumbers
-from .tokens import (DECISION_GRID, TokenSizes, bipartite_matching, decision_key, gather_tokens,
+from .tokens import (DECISION_GRID, TokenSizes, bipartite_matching, decision_key, gather_tokens, image_rows,
                      matched_destinations, merge_matched, top_indices, with_sizes, without_sizes)
 from .tome.merging import check_mergeable
 
@@ -76,7 +76,7 @@ def default_blocks(depth: int) -> tuple[int, ...]:
 def significance(importance: torch.Tensor, value_norm: torch.Tensor, num_prefix: int) -> torch.Tensor:
     """Each patch token's significance (B, n): its class-token attention ``importance`` (B, N) times its value norm
     ``value_norm`` (B, N), normalised to sum 1 over the patch tokens (the first ``num_prefix`` tokens left out)."""
-    s = importance[:, num_prefix:].float() * value_norm[:, num_prefix:].float()
+    s = as_float32(importance[:, num_prefix:]) * as_float32(value_norm[:, num_prefix:])
     return s / s.sum(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
@@ -95,7 +95,8 @@ def pools(scores: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def ppt_reduce(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, scores: torch.Tensor, r: int,
-               num_prefix: int, threshold: float, destinations: bool = False) -> tuple[torch.Tensor, ...]:
+               num_prefix: int, threshold: float, destinations: bool = False, rows: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, ...]:
     """Remove r patch tokens of every image of ``x`` (B, N, D) by PPT's rule (module docstring); prefix tokens stay.
 
     Args:
@@ -105,6 +106,7 @@ def ppt_reduce(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tens
         r: patch tokens removed, 1 <= r <= n // 2.
         threshold: an image pools where its significances' variance is below it, and prunes otherwise.
         destinations: also return where each input token went (``ppt_destinations``), for the patch grid.
+        rows: ``amod.tokens.image_rows`` of the batch, where already made (the advanced indexing's first index).
 
     Returns:
         The tokens left (B, N - r, D), their sizes (B, N - r, 1) and which images pooled (B,) bool (then, with
@@ -112,13 +114,14 @@ def ppt_reduce(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tens
         B), a pruned one's are the prefix, then its kept patch tokens from the most significant down.
     """
     p, n = num_prefix, x.shape[1] - num_prefix
+    rows = image_rows(x) if rows is None else rows  # (B, 1)
     xs = with_sizes(x, size)  # (B, N, D + 1): one gather moves features and sizes together
     with torch.no_grad():  # what is pooled or pruned is a discrete choice: no gradient through it
         order, partner = bipartite_matching(metric, p)
         kept = top_indices(scores, n - r, unit=1.0 / n)  # (B, n - r), most significant first
         pooled = pools(scores, threshold)  # (B,)
-    by_pooling = merge_matched(xs, order, partner, r, p)  # (B, N - r, D + 1)
-    by_pruning = torch.cat([xs[:, :p], gather_tokens(xs[:, p:], kept)], dim=1)  # (B, N - r, D + 1)
+    by_pooling = merge_matched(xs, order, partner, r, p, rows)  # (B, N - r, D + 1)
+    by_pruning = torch.cat([xs[:, :p], xs[:, p:][rows, kept]], dim=1)  # (B, N - r, D + 1)
     x, size = without_sizes(torch.where(pooled.view(-1, 1, 1), by_pooling, by_pruning))
     if not destinations:
         return x, size, pooled
@@ -152,7 +155,7 @@ class PPTAttention(SizedAttention):
 
     def amod_keep(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> None:
         super().amod_keep(q, k, v, attn_mask)
-        self.amod_value_norm = v.float().square().sum(dim=(1, 3)).sqrt()  # (B, N): all heads as one vector
+        self.amod_value_norm = as_float32(v).square().sum(dim=(1, 3)).sqrt()  # (B, N): all heads as one vector
 
     def amod_take_value_norm(self) -> torch.Tensor:
         """The value norms of the last forward, let go of here."""
@@ -202,7 +205,7 @@ class PPTBlock(SizedTokensBlock):
         p = self.amod.num_prefix
         scores = significance(importance, self.attn.amod_take_value_norm(), p)
         x, size, pooled, *moved = ppt_reduce(x, size, metric, scores, r, p, self.amod.static("threshold"),
-                                             destinations)
+                                             destinations, self._image_rows(x))
         if not tracing():
             self.amod_last_pooled = pooled
         return (x, size, *moved)

@@ -147,6 +147,11 @@ class SizedTokensBlock(Block):
         where each of the N tokens went (B, N) int64: the index of the token left that holds it."""
         raise NotImplementedError
 
+    def _image_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 1) image numbers of ``x``'s batch for the advanced indexing of ``_reduce`` (``amod.tokens.image_rows``),
+        made once per forward and shared by the model's blocks (``TokenSizes.image_rows``)."""
+        return self.amod.sizes.image_rows(x)
+
     def _wants_importance(self) -> bool:
         """Whether ``_reduce`` reads the importance (the attention the class tokens give), which costs its rows."""
         return False

@@ -10,34 +10,44 @@ import math
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .ops import KeyBias, tracing
+from .ops import KeyBias, as_float32, recomputing, tracing
 
 
 def flat_index(index: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """(B, M) per-image token indices -> (B * M,) row indices into the (B * N, D) flattened batch.
+    """(B, M) per-image token indices -> (B, M) row indices into the (B * N, D) flattened batch (three operations: the
+    image offsets, their column, the sum).
 
-    Whole-row copies by ``index_select``/``index_copy``/``index_add`` on the flattened batch are several
-    times faster on the CPU than ``gather``/``scatter`` with an index expanded over D.
+    Whole-row copies from the flattened batch (``gather_tokens``) are several times faster on the CPU than ``gather``
+    with an index expanded over D.
     """
-    offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1) * num_tokens
-    return (index + offsets).reshape(-1)
+    B = index.shape[0]
+    return index + torch.arange(0, B * num_tokens, num_tokens, device=index.device).unsqueeze(1)
+
+
+def image_rows(index: torch.Tensor) -> torch.Tensor:
+    """(B, 1): each image's number, the first index of an advanced indexing ``t[image_rows(i), i]`` that picks row
+    ``i[b, j]`` of image b (one operation for the gather or the write, where ``gather`` takes an index expanded over
+    the channels)."""
+    return torch.arange(index.shape[0], device=index.device).unsqueeze(1)
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(B, N, D) tokens, (B, M) indices -> (B, M, D) gathered tokens."""
+    """(B, N, D) tokens, (B, M) indices -> (B, M, D) gathered tokens: rows of the flattened batch, by
+    ``F.embedding`` (one operation, ``index_select``'s row copies)."""
     B, N, D = x.shape
-    return x.reshape(B * N, D).index_select(0, flat_index(index, N)).view(B, index.shape[1], D)
+    return F.embedding(flat_index(index, N), x.reshape(B * N, D))
 
 
 def scatter_tokens(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """A copy of x (B, N, D) with rows ``index`` (B, M) replaced by ``values`` (B, M, D).
 
-    Out of place, so autograd sees it and the untouched rows are bit-identical to x.
+    Out of place, so autograd sees it and the untouched rows are bit-identical to x. One write (``index_put``, as
+    fast as ``index_copy`` on the flattened batch, with no flat index to make).
     """
-    B, N, D = x.shape
-    return x.reshape(B * N, D).index_copy(0, flat_index(index, N), values.reshape(-1, D)).view(B, N, D)
+    return x.index_put((image_rows(index), index), values)
 
 
 # ---------------------------------------------------------------- ranking
@@ -62,9 +72,10 @@ def decision_key(scores: torch.Tensor, unit: float = 1.0) -> torch.Tensor:
     [-1, 1]), 1 / n for the attention shares of n tokens (about 1 / n each), a router's own for its scores
     (``Router.score_unit``). A multiplication and ``round`` (half to even in PyTorch, under ``torch.compile`` and
     in ONNX): the same key from the same score in every backend. (A cast to a lower precision would round too, but
-    ``torch.compile`` removes a cast there and back.)
+    ``torch.compile`` removes a cast there and back.) Scores of a lower precision are cast to float32 first; float32
+    ones are not (a cast to their own dtype is one more operation dispatched).
     """
-    return torch.round(scores.float() * (1.0 / (unit * DECISION_GRID)))
+    return torch.round(as_float32(scores) * (1.0 / (unit * DECISION_GRID)))
 
 
 def descending_order(scores: torch.Tensor, unit: float = 1.0) -> torch.Tensor:
@@ -119,6 +130,7 @@ class TokenSizes:
         self.bias: Optional[torch.Tensor] = None
         self.track = False
         self.source: Optional[torch.Tensor] = None
+        self.rows: Optional[torch.Tensor] = None  # this forward's ``image_rows``, made by the first block that asks
 
     def set(self, size: Optional[torch.Tensor], destinations: Optional[torch.Tensor] = None) -> None:
         """The sizes after a reduction, and their bias (made once here, read by every later block); ``size`` None
@@ -126,9 +138,19 @@ class TokenSizes:
         composed into ``source``."""
         self.size, self.bias = size, proportional_bias(size)
         if size is None:
-            self.source = None
+            self.source = self.rows = None
         elif destinations is not None:
             self.source = destinations if self.source is None else destinations.gather(1, self.source)
+
+    def image_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 1) image numbers of ``x``'s batch (``amod.tokens.image_rows``), made once per forward and shared by its
+        reductions (two operations fewer in each); gradient checkpointing's recompute makes its own."""
+        rows = self.rows
+        if recomputing():
+            return image_rows(x)
+        if rows is None or rows.shape[0] != x.shape[0] or rows.device != x.device:
+            rows = self.rows = image_rows(x)
+        return rows
 
     def __repr__(self) -> str:
         return f"TokenSizes(tokens={None if self.size is None else self.size.shape[1]})"
@@ -156,10 +178,10 @@ def without_sizes(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The sizes are counts, not activations: they carry no gradient (detached where the sums carry one), so the
     proportional bias made of them is not part of any block's autograd graph (gradient checkpointing recomputes it).
     """
-    size = xs[..., -1:]
+    sums, size = xs.split([xs.shape[-1] - 1, 1], dim=-1)  # (one split: two views in one operation)
     if size.requires_grad:
         size = size.detach()
-    return xs[..., :-1] / size, size
+    return sums / size, size
 
 
 def bipartite_matching(metric: torch.Tensor, num_prefix: int, protected: Optional[torch.Tensor] = None
@@ -188,17 +210,20 @@ def bipartite_matching(metric: torch.Tensor, num_prefix: int, protected: Optiona
     return order_of_keys(best), partner  # ties (protected tokens: all -inf) by position
 
 
-def merge_matched(xs: torch.Tensor, order: torch.Tensor, partner: torch.Tensor, r: int, num_prefix: int
-                  ) -> torch.Tensor:
+def merge_matched(xs: torch.Tensor, order: torch.Tensor, partner: torch.Tensor, r: int, num_prefix: int,
+                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Merge the first r A tokens of ``order`` into their partners (``bipartite_matching``) in ``with_sizes``'s
     (B, N, C) sums: (B, N - r, C), in ToMe's order: the prefix tokens, set A's unmerged tokens (in ``order``), set B.
-    A handful of operations with static shapes: one gather puts set A in order, one scatter-add merges."""
+    A handful of operations with static shapes: one gather puts set A in order (advanced indexing by ``rows``,
+    ``image_rows``, made here where not given: one operation, where ``gather`` needs its index expanded over C), one
+    scatter-add merges (each B token plus its merged A tokens in ``order``'s order)."""
     C = xs.shape[-1]
-    p = num_prefix
-    a = xs[:, p::2].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # set A in matching order: the merged first
+    p, na = num_prefix, order.shape[1]
+    rows = image_rows(order) if rows is None else rows
+    a = xs[:, p::2][rows, order]  # (B, |A|, C): set A in matching order, the merged first
+    merged, kept = a.split([r, na - r], dim=1)
     into = partner.gather(1, order[:, :r]).unsqueeze(-1).expand(-1, -1, C)  # (B, r, C): each merged one's partner
-    b = xs[:, p + 1::2].scatter_add(1, into, a[:, :r])
-    return torch.cat([xs[:, :p], a[:, r:], b], dim=1)
+    return torch.cat([xs[:, :p], kept, xs[:, p + 1::2].scatter_add(1, into, merged)], dim=1)
 
 
 def inverse_order(order: torch.Tensor) -> torch.Tensor:
@@ -236,16 +261,17 @@ def lay_back(x: torch.Tensor, source: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def reduce_weighted(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, r: int, num_prefix: int,
-                    protected: Optional[torch.Tensor] = None, destinations: bool = False) -> tuple[torch.Tensor, ...]:
+                    protected: Optional[torch.Tensor] = None, destinations: bool = False,
+                    rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """Remove r patch tokens of ``x`` (B, N, D) with sizes ``size`` (B, N, 1; None: all 1): the r best pairs of
     ``bipartite_matching`` on ``metric`` (B, N, c), each A token averaged into its B partner by size; prefix tokens
-    stay. ``protected``: see ``bipartite_matching``.
+    stay. ``protected``: see ``bipartite_matching``; ``rows``: ``image_rows`` of the batch, where already made.
 
     Returns the tokens left (B, N - r, D) in ToMe's order (prefix, set A's unmerged tokens, then set B) and their
     sizes (B, N - r, 1); with ``destinations``, also where each input token went (B, N: ``matched_destinations``).
     """
     order, partner = bipartite_matching(metric, num_prefix, protected)
-    x, size = without_sizes(merge_matched(with_sizes(x, size), order, partner, r, num_prefix))
+    x, size = without_sizes(merge_matched(with_sizes(x, size), order, partner, r, num_prefix, rows))
     if not destinations:
         return x, size
     return x, size, matched_destinations(order, partner, r, num_prefix, metric.shape[1] - num_prefix)

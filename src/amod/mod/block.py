@@ -39,7 +39,7 @@ from torch import nn
 from ..cost import BlockPrice, attention_macs, linear_macs_per_token
 from ..ops import (KeyBias, attention_inputs, attention_output, attention_scores_explicit, attention_with_scores,
                    key_biased_attention, recomputing)
-from ..tokens import ForwardMemo, best_match, flat_index, gather_tokens, scatter_tokens
+from ..tokens import ForwardMemo, best_match, flat_index, gather_tokens, image_rows, scatter_tokens
 from .config import MoDConfig
 from .modes import MODES, SkippedMode, register_skipped_mode
 from .routers import Router, build_router, router_class
@@ -95,7 +95,8 @@ class ScoringAttention(Attention):
         # in a checkpoint recompute the next block reads the scores its forward remembered: only a block that
         # passes them on takes them, to redo its forward's autograd ops, and clears them after
         if self.amod_relayed or not recomputing():
-            self.amod_handoff.scores = scores if self.amod_scores_need_grad else scores.detach()
+            detach = scores.requires_grad and not self.amod_scores_need_grad  # (no op where nothing to detach)
+            self.amod_handoff.scores = scores.detach() if detach else scores
         return attention_output(self, x, gate)
 
 
@@ -325,8 +326,8 @@ class MergeMode(MoDMode):
                                 patch_scores)
         skipped_out = skipped + gather_tokens(ys[:, p:] - xs[:, p:], partner)
         # kept, prefix and skipped tokens cover the sequence: fill a new tensor, no copy of x first
-        out = x.new_empty(B * N, D).index_copy_(0, flat_index(index, N), ys.reshape(-1, D))
-        return out.index_copy_(0, flat_index(skip_idx + p, N), skipped_out.reshape(-1, D)).view(B, N, D)
+        rows = image_rows(index)
+        return x.new_empty(B, N, D).index_put_((rows, index), ys).index_put_((rows, skip_idx + p), skipped_out)
 
     def macs(self, block: MoDBlock, tokens: int, kept: int, num_prefix: int) -> int:
         n, k = tokens - num_prefix, kept - num_prefix
@@ -352,7 +353,7 @@ class MergeMode(MoDMode):
         # cosines, on the grid of amod.tokens.decision_key: near-ties go to the first kept patch in every backend
         similarity = F.normalize(block.norm1(skipped), dim=-1) @ F.normalize(block.norm1(kept), dim=-1).transpose(1, 2)
         partner = best_match(similarity)[1]  # (B, n - k): an index into the kept patches
-        flat_partner = flat_index(partner, k)
+        flat_partner = flat_index(partner, k).reshape(-1)
         size = torch.ones(B * k, dtype=x.dtype, device=x.device).index_add_(
             0, flat_partner, torch.ones(flat_partner.shape[0], dtype=x.dtype, device=x.device)).view(B, k)
         summed = kept.reshape(B * k, D).index_add(0, flat_partner, skipped.reshape(-1, D)).view(B, k, D)

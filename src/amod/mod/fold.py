@@ -110,7 +110,8 @@ class FoldBlock(SizedTokensBlock):
             scores = self.router.score(x[:, p:], importance[:, p:])  # (B, t)
             top = top_indices(scores, q, self.router.score_unit(t))  # near-ties by position (amod.tokens)
             protected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-        return reduce_weighted(x, size, metric, r, p, protected=protected, destinations=destinations)
+        return reduce_weighted(x, size, metric, r, p, protected=protected, destinations=destinations,
+                               rows=self._image_rows(x))
 
     def _wants_importance(self) -> bool:
         return self.amod.config.static("protect") > 0  # the router ranks by it only to protect

@@ -59,7 +59,8 @@ class ToMeBlock(SizedTokensBlock):
 
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int, destinations: bool = False) -> tuple[torch.Tensor, ...]:
-        return reduce_weighted(x, size, metric, r, self.amod.num_prefix, destinations=destinations)
+        return reduce_weighted(x, size, metric, r, self.amod.num_prefix, destinations=destinations,
+                               rows=self._image_rows(x))
 
 
 def tome_block_macs(blk: nn.Module, tokens: int, r: int, num_prefix: int) -> tuple[int, int]:

@@ -48,7 +48,8 @@ from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
-from ..tokens import (TokenSizes, best_match, descending_order, matched_destinations, merge_matched, order_of_keys,
+from ..ops import as_float32
+from ..tokens import (TokenSizes, best_match, descending_order, image_rows, matched_destinations, order_of_keys,
                       reordered_destinations, with_sizes, without_sizes)
 from .merging import check_mergeable
 from ..errors import UserError
@@ -73,8 +74,8 @@ def pitome_count(keep: float, tokens: int) -> int:
 
 
 def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor, r: int, num_prefix: int,
-                 block_margin: float, match_all: bool = False, destinations: bool = False
-                 ) -> tuple[torch.Tensor, ...]:
+                 block_margin: float, match_all: bool = False, destinations: bool = False,
+                 rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """Remove r patch tokens of ``x`` (B, N, D) by PiToMe's rule (see the module docstring); prefix tokens stay.
 
     Args:
@@ -85,6 +86,7 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
         match_all: every patch token takes part in the matching and the r best-matched A tokens merge (the early
             blocks); otherwise the 2r tokens of highest energy are the candidates and the rest are protected.
         destinations: also return where each input token went (B, N), for the patch grid (``amod.patch_grid``).
+        rows: ``amod.tokens.image_rows`` of the batch, where already made (the advanced indexing's first index).
 
     Returns:
         The tokens left (B, N - r, D) and their sizes (B, N - r, 1): prefix, then with ``match_all`` set A's unmerged
@@ -92,28 +94,33 @@ def energy_merge(x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Te
         lowest last) and set B with set A merged in.
     """
     p = num_prefix
+    rows = image_rows(x) if rows is None else rows  # (B, 1)
     with torch.no_grad():  # which tokens merge is a discrete choice: no gradient through it
-        m = metric[:, p:].float()
+        m = as_float32(metric[:, p:])
         sim = torch.bmm(m, m.transpose(1, 2))  # (B, n, n) cosine similarities of the patch tokens
         energy = F.elu(sim - block_margin, alpha=ALPHA).mean(-1)  # (B, n)
         order = descending_order(energy)  # highest energy first, near-ties by position (amod.tokens)
         n = sim.shape[-1]
         split = n if match_all else 2 * r  # the tokens in energy order that alternate into A and B
-        a, b = order[:, 0:split:2], order[:, 1:split:2]
-        sim_ab = sim.gather(1, a.unsqueeze(-1).expand(-1, -1, n)).gather(2, b.unsqueeze(1).expand(-1, a.shape[1], -1))
-        key, into = best_match(sim_ab)  # (B, |A|): each A token's partner, an index into b (near-ties: the first)
+        a, b = order[:, 0:split:2], order[:, 1:split:2]  # (B, |A|), (B, |B|): patch indices
+        sim_ab = sim[rows.unsqueeze(-1), a.unsqueeze(-1), b.unsqueeze(1)]  # (B, |A|, |B|), one gather
+        key, partner = best_match(sim_ab)  # (B, |A|): each A token's partner, an index into b (near-ties: the first)
+        into = partner  # (B, r): the partner of each A token that merges
         if match_all:  # the A tokens from the most similar partner down, on the same key: the first r merge
             best = order_of_keys(key)
+            a = a.gather(1, best)  # set A's patch indices in that order
+            into = partner.gather(1, best[:, :r])
     xs = with_sizes(x, size)  # (B, N, D + 1): one gather and one scatter-add move features and sizes together
-    C = xs.shape[-1]
-    patches = xs[:, p:].gather(1, order.unsqueeze(-1).expand(-1, -1, C))  # in energy order
-    if match_all:  # set A: the even energy ranks, set B: the odd ones
-        left = without_sizes(merge_matched(torch.cat([xs[:, :p], patches], dim=1), best, into, r, p))
-        moved = matched_destinations(best, into, r, p, n) if destinations else None
-    else:
-        merged = patches[:, 1:2 * r:2].scatter_add(1, into.unsqueeze(-1).expand(-1, -1, C), patches[:, 0:2 * r:2])
-        left = without_sizes(torch.cat([xs[:, :p], patches[:, 2 * r:], merged], dim=1))
-        moved = candidates_destinations(into, r, p, n) if destinations else None
+    C, patches = xs.shape[-1], xs[:, p:]
+    index = into.unsqueeze(-1).expand(-1, -1, C)
+    if match_all:  # set A: the even energy ranks (``a``, best match first), set B: the odd ones
+        merged, kept = patches[rows, a].split([r, a.shape[1] - r], dim=1)
+        left = [kept, patches[rows, b].scatter_add(1, index, merged)]
+        moved = matched_destinations(best, partner, r, p, n) if destinations else None
+    else:  # set A and set B: the even and odd energy ranks below 2r, the others protected
+        left = [patches[rows, order[:, split:]], patches[rows, b].scatter_add(1, index, patches[rows, a])]
+        moved = candidates_destinations(partner, r, p, n) if destinations else None
+    left = without_sizes(torch.cat([xs[:, :p], *left], dim=1))
     return left if moved is None else (*left, reordered_destinations(moved, order, p))
 
 
@@ -152,7 +159,7 @@ class PiToMeBlock(SizedTokensBlock):
     def _reduce(self, x: torch.Tensor, size: Optional[torch.Tensor], metric: torch.Tensor,
                 importance: Optional[torch.Tensor], r: int, destinations: bool = False) -> tuple[torch.Tensor, ...]:
         return energy_merge(x, size, metric, r, self.amod.num_prefix, self.amod.margin, self.amod.match_all,
-                            destinations)
+                            destinations, self._image_rows(x))
 
     def amod_price(self, tokens: int, num_prefix: int, capacity: Optional[float] = None) -> BlockPrice:
         """ToMe's block MACs with the energy's n x n cosine matrix in place of the |A| x |B| matching."""
