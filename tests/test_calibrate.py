@@ -92,6 +92,8 @@ def test_a_stage_schedule_folds_in_its_stages_alone_and_is_searched_in_two_steps
         changed = [i for i in range(12) if lefts[i] != (lefts[i - 1] if i else 65)]
         assert set(changed) <= set(report.best.blocks) and changed, (capacity, lefts)
     assert parse_method("calibrated:stages=3").stages == 3 and Calibrated(stages=3).spec() == "calibrated:stages=3"
+    blocks = ", ".join(str(b) for b in report.best.blocks)  # the reports' setting column names the stages
+    assert f"reduces in blocks {blocks}" in amod.method_of(model).setting_text()
     with pytest.raises(ValueError, match=r"stages=12: the model has 12 blocks"):
         amod.calibrate(copy.deepcopy(dinov2), x, stages=12)
     with pytest.raises(ValueError, match=r"stages must be a whole number >= 1"):

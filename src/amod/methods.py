@@ -638,7 +638,7 @@ class MoD(Method):
                 + (" shaped" if self.shape is not None else ""))
 
     def setting_text(self) -> str:
-        layers = _as_list(self.layers)
+        layers = blocks = _as_list(self.layers)
         if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
             layers = f"{layers[0]}–{layers[-1]}"
         text = f"C = {self.capacity:.3f}, blocks {layers}"
@@ -646,8 +646,14 @@ class MoD(Method):
             text += f", skipped={self.skipped}"
         if self.skipped == "fold":
             text += f", protect {self.protect:g}" + ("" if self.router == "attention" else f" ({self.router})")
-        if self.shape:  # a calibrated schedule: the first and last blocks' exponents
-            text += f", shape {self.shape[0]:.2f}…{self.shape[-1]:.2f}"
+        shape = list(self.shape or [])
+        if shape and 0 in shape and isinstance(blocks, list):  # a stage schedule: the blocks that reduce
+            stages = [(block, w) for block, w in zip(blocks, shape) if w != 0]
+            text += f", reduces in blocks {', '.join(str(block) for block, _ in stages)}"
+            if any(w != 1 for _, w in stages):
+                text += f", shape {stages[0][1]:.2f}…{stages[-1][1]:.2f}"
+        elif shape:  # a calibrated schedule: the first and last blocks' exponents
+            text += f", shape {shape[0]:.2f}…{shape[-1]:.2f}"
         return text
 
     def metadata(self) -> dict[str, str]:
