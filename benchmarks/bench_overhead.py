@@ -41,7 +41,7 @@ from amod.files import write_json, write_text  # noqa: E402
 from amod.weights import weights_path  # noqa: E402
 
 METHODS = ("dense", "ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated", "calibrated, nothing protected",
-           "A-MoD C=0.125")
+           "calibrated, 3 stages", "PPT", "A-MoD C=0.125")
 
 
 def backbone(img_size: int) -> tuple[nn.Module, str]:
@@ -88,6 +88,10 @@ def build(method: str, dense: nn.Module, cost: float, images: torch.Tensor) -> n
         return amod.calibrate(m, images, cost=cost)
     if method == "calibrated, nothing protected":
         return amod.calibrate(m, images, cost=cost, protects=(0.0,))
+    if method == "calibrated, 3 stages":
+        return amod.calibrate(m, images, cost=cost, stages=3)
+    if method == "PPT":
+        return amod.ppt.apply(m, cost=cost)
     if method == "A-MoD C=0.125":
         return amod.convert(m, router="attention", capacity=0.125)
     raise ValueError(method)
@@ -124,6 +128,12 @@ def measure(img_size: int, args: argparse.Namespace, report: dict[str, Any]) -> 
             ops = count_ops(model, x1)
             rows[method]["ops"] = ops.as_dict()
             rows[method]["tokens_left"] = [getattr(b, "amod_last_tokens", None) for b in model.blocks]
+    with torch.inference_mode():  # what an inference forward dispatches at each batch size (no autograd bookkeeping)
+        for method, model in models.items():
+            for batch in (1, 32):
+                x = torch.randn(batch, 3, img_size, img_size, generator=torch.Generator().manual_seed(1))
+                rows[method][f"ops_inference_batch{batch}"] = count_ops(model, x).total
+    with torch.no_grad():
         base = rows["dense"]["ops"]
         for row in rows.values():
             row["ops_ratio"] = row["ops"]["total"] / base["total"]
@@ -156,14 +166,20 @@ def markdown(report: dict[str, Any]) -> str:
              "batch-1 forward dispatches (views included; 'compute': the others); speed-up: dense time / method "
              "time, median of interleaved rounds. Rerun: `python benchmarks/bench_overhead.py`.", ""]
     for size, rows in report["sizes"].items():
-        lines += [f"## {size} px", "", "| method | cost | ops | x dense | compute ops | x dense | batch 1 ms | speed-up "
-                  "| batch 32 ms | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {size} px", "", "| method | cost | ops | x dense | compute ops | x dense | inference ops, batch 1 "
+                  "/ 32 | x dense | batch 1 ms | speed-up | batch 32 ms | speed-up | of the FLOP bound |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        dense_inference = rows.get("dense", {}).get("ops_inference_batch1")
         for method, row in rows.items():
             b1, b32 = row.get("batch1", {}), row.get("batch32", {})
+            inference = (row["ops_inference_batch1"], row["ops_inference_batch32"])
             cells = [method, f"{row['cost']:.3f}", row["ops"]["total"], f"{row['ops_ratio']:.2f}",
-                     row["ops"]["compute"], f"{row['compute_ops_ratio']:.2f}"]
+                     row["ops"]["compute"], f"{row['compute_ops_ratio']:.2f}", f"{inference[0]} / {inference[1]}",
+                     f"{inference[0] / dense_inference:.2f}" if dense_inference else "-"]
             for b in (b1, b32):
                 cells += [f"{b['ms_per_forward']:.2f}" if b else "-", f"{b['speedup']:.2f}x" if b else "-"]
+            # the speed-up as a share of what the MACs allow (1 / cost): 1.0 is a forward as fast as its arithmetic
+            cells.append(f"{b32['speedup'] * row['cost']:.2f}" if b32 else "-")
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
         if any("batch1_compiled" in r or "batch32_compiled" in r for r in rows.values()):

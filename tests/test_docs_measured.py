@@ -90,10 +90,10 @@ KNOWN_STALE: dict[str, Union[str, tuple[str, ...]]] = {
         "These speeds were measured at amod 7c335f3, before the near-tie grid (52c60d6) changed how A-MoD and "
         "fold choose tokens; rerun: `python benchmarks/bench_hf_speed.py --repeats 25`."),
     "docs/performance.md": (
-        "The timings and operation counts on this page were measured at amod d64a7c3 (the H200), cceea33, "
-        "2c356b3 and 3d509b7, before the near-tie grid (52c60d6) changed how MoD, ToMe and PiToMe choose "
-        "tokens, but for the operation counts since it (8f725d2); rerun: `python "
-        "benchmarks/bench_overhead.py`, `python benchmarks/bench_speedup.py --runtimes torch --repeats 10` "
+        "The timings on this page were measured at amod d64a7c3 (the H200), cceea33, 2c356b3 and 3d509b7, "
+        "before the near-tie grid (52c60d6) changed how MoD, ToMe and PiToMe choose tokens, but for the "
+        "operations per forward and proportional attention without a mask (8f789d5); rerun: `python "
+        "benchmarks/bench_overhead.py --compile`, `python benchmarks/bench_speedup.py --runtimes torch --repeats 10` "
         "and, on a GPU, `PYTHONPATH=src python benchmarks/gpu_check.py`."),
     "docs/results.md": (
         "The numbers on this page were measured at amod cceea33, before the near-tie grid (52c60d6) changed "
