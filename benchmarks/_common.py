@@ -27,3 +27,18 @@ def machine() -> str:
         pass
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU: {cpu}, {torch.get_num_threads()} threads"
     return f"{dev}; torch {torch.__version__}; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}"
+
+
+def measure_sizes(img_sizes, measure, markdown, report: dict, out) -> None:
+    """``measure(size, report)`` for each image size, the JSON report and its Markdown (``markdown(report)``) beside
+    it rewritten after each, so a run stopped part-way keeps the sizes it finished."""
+    from pathlib import Path
+
+    from amod.files import write_json, write_text
+
+    out = Path(out)
+    for size in img_sizes:
+        measure(size, report)
+        write_json(out, report)
+        write_text(out.with_suffix(".md"), markdown(report))
+        print(markdown(report), flush=True)

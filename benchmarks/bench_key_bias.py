@@ -21,13 +21,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_tunables, machine  # noqa: E402
+from _common import ensure_tunables, machine, measure_sizes  # noqa: E402
 from bench_overhead import backbone, build, calibration_images, forwards  # noqa: E402
 
 import amod  # noqa: E402
 from amod.experiments.bench import time_callables  # noqa: E402
 from amod.experiments.opcount import count_ops  # noqa: E402
-from amod.files import write_json, write_text  # noqa: E402
 from amod.ops import key_bias_path  # noqa: E402
 
 METHODS = ("ToMe", "PiToMe", "A-MoD fold", "calibrated, nothing protected")
@@ -111,12 +110,7 @@ def main() -> None:
     args = p.parse_args()
     ensure_tunables()
     report: dict[str, Any] = {"machine": machine(), "cost": args.cost, "sizes": {}, "args": vars(args)}
-    out = Path(args.out)
-    for size in args.img_sizes:
-        measure(size, args, report)
-        write_json(out, report)
-        write_text(out.with_suffix(".md"), markdown(report))
-        print(markdown(report), flush=True)
+    measure_sizes(args.img_sizes, lambda size, r: measure(size, args, r), markdown, report, args.out)
 
 
 if __name__ == "__main__":
