@@ -120,6 +120,20 @@ REFUSED: dict[tuple[str, str, str], str] = {
 }
 
 
+# amod's methods that are not in METHODS, and where they are checked: every other built-in method must be in METHODS
+ELSEWHERE = {"mod": "the routers x MODES cases", "calibrated": "the fold cases, with a calibrated shape",
+             "isoflop": "not per family: the dense model with fewer blocks (tests/test_methods.py)",
+             "dense": "the model itself"}
+
+
+def test_the_contract_runs_every_built_in_method():
+    """A method amod registers is in METHODS or in ELSEWHERE, so a new one cannot skip the contract unseen."""
+    from amod.methods import METHOD_CLASSES
+
+    built_in = {kind for kind, cls in METHOD_CLASSES.items() if cls.__module__.split(".")[0] == "amod"}
+    assert built_in == set(METHODS) | set(ELSEWHERE), sorted(built_in ^ (set(METHODS) | set(ELSEWHERE)))
+
+
 def test_the_refusal_table_names_only_cases_that_exist():
     """A row for a case CASES does not hold would check nothing."""
     assert set(REFUSED) <= set(CASES), sorted(set(REFUSED) - set(CASES))
