@@ -55,7 +55,8 @@ from .errors import UserError
 from .family import family_of, weightless_copy
 from .methods import Method, register_method
 from .ops import as_float32, attention_inputs, attention_output, attention_probs, tracing
-from .reduce import ALL_ROWS, SizedAttention, SizedSettings, SizedTokensBlock, importance_rows, reduction_macs
+from .reduce import (ALL_ROWS, SizedAttention, SizedSettings, SizedTokensBlock, importance_rows, per_block_counts,
+                     reduction_macs)
 from .static import StaticNumbers
 from .tokens import (DECISION_GRID, TokenSizes, bipartite_matching, decision_key, gather_tokens, image_rows,
                      matched_destinations, merge_matched, top_indices, with_sizes, without_sizes)
@@ -255,22 +256,8 @@ def _validate_blocks(blocks: Optional[Sequence[int]], depth: Optional[int] = Non
 
 
 def _validate_r(model: nn.Module, r: Union[int, Sequence[int]]) -> list[int]:
-    count = len(model.amod_ppt.blocks)
-    if isinstance(r, bool) or not isinstance(r, (int, list, tuple)):
-        raise UserError(f"r must be an int (tokens every PPT block removes) or a list of ints (one per PPT block), "
-                        f"got {r!r}")
-    values = [r] * count if isinstance(r, int) else list(r)
-    if len(values) != count:
-        raise UserError(f"r has {len(values)} entries; the model has {count} PPT blocks "
-                        f"{model.amod_ppt.blocks}")
-    n = model.patch_embed.num_patches
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise UserError(f"tokens removed per PPT block must be integers >= 0, got {v!r}")
-        if v > n:
-            raise UserError(f"r = {v} is more than the {n} patch tokens of the model; each PPT block removes at "
-                            "most half of the patch tokens it has left")
-    return values
+    blocks = model.amod_ppt.blocks
+    return per_block_counts(r, len(blocks), model.patch_embed.num_patches, "PPT block", "removes", f" {list(blocks)}")
 
 
 def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Optional[float] = None,

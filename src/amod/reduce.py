@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, ContextManager, Optional
+from typing import Any, ClassVar, ContextManager, Optional, Sequence, Union
 
 import torch
 from timm.layers import Attention
@@ -35,6 +35,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from .cost import BlockPrice, attention_macs, linear_macs_per_token
+from .errors import UserError
 from .ops import KeyBias, attention_inputs, attention_output, attention_probs, biased_attention, recomputing
 from .tokens import ForwardMemo, TokenSizes, proportional_bias
 
@@ -220,3 +221,27 @@ def make_sized(blk: nn.Module, block_cls: type[SizedTokensBlock], settings: Size
     blk.attn.amod_class_rows = class_rows
     blk.attn.amod_metric = blk.attn.amod_importance = None
     blk.amod = settings
+
+
+def per_block_counts(r: Union[int, Sequence[int]], count: int, patches: int, block: str = "block",
+                     verb: str = "merges", named: str = "") -> list[int]:
+    """``r``, tokens removed by each of ``count`` reducing blocks (one int for all, or one per block), as a list; refused
+    in one line where it is not ints >= 0, has another length, or names more than the model's ``patches`` patch
+    tokens (a block removes at most half of what it has left, so more can only be a mistake). ``block``, ``verb``
+    and ``named`` (the blocks, e.g. " [3, 6, 9]") word the messages: ToMe's and PiToMe's blocks merge, PPT's
+    remove."""
+    done = {"merges": "merged", "removes": "removed"}[verb]
+    if isinstance(r, bool) or not isinstance(r, (int, list, tuple)):
+        raise UserError(f"r must be an int (tokens {done} in every {block}) or a list of ints (one per {block}), "
+                        f"got {r!r}")
+    values = [r] * count if isinstance(r, int) else list(r)
+    if len(values) != count:
+        raise UserError(f"r has {len(values)} entries; the model has {count} {block}s{named}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise UserError(f"tokens {done} per {block} must be integers >= 0, got {v!r}")
+    too_many = [v for v in values if v > patches]
+    if too_many:
+        raise UserError(f"r = {too_many[0]} is more than the {patches} patch tokens of the model; each {block} {verb} "
+                        "at most half of the patch tokens it has left")
+    return values

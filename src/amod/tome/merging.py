@@ -29,7 +29,7 @@ from torch import nn
 
 from ..cost import COST_TOLERANCE, token_sizes, validate_cost
 from ..family import family_of
-from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
+from ..reduce import SizedSettings, SizedTokensBlock, per_block_counts, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
 from ..errors import UserError
 
@@ -100,25 +100,8 @@ def token_counts(schedule: Sequence[int], num_patches: int, num_prefix: int) -> 
 
 
 def _validate_schedule(model: nn.Module, r: Union[int, Sequence[int]]) -> list[int]:
-    """``r`` as one entry per block; refuses what is not an int, and more merges than the model has tokens."""
-    depth = len(model.blocks)
-    if isinstance(r, bool) or not isinstance(r, (int, list, tuple)):
-        raise UserError(f"r must be an int (tokens merged in every block) or a list of ints (one per block), "
-                        f"got {r!r}")
-    schedule = [r] * depth if isinstance(r, int) else list(r)
-    if len(schedule) != depth:
-        raise UserError(f"the merge schedule has {len(schedule)} entries; the model has {depth} blocks")
-    for v in schedule:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise UserError(f"tokens merged per block must be integers >= 0, got {v!r}")
-    # A block merges min(r, half the patch tokens it has left); an r above the model's patch count can
-    # only be a mistake.
-    n = model.patch_embed.num_patches
-    too_many = [v for v in schedule if v > n]
-    if too_many:
-        raise UserError(f"r = {too_many[0]} is more than the {n} patch tokens of the model; each block merges at "
-                        f"most half of the patch tokens it has left")
-    return schedule
+    """``r`` as one entry per block (``amod.reduce.per_block_counts``)."""
+    return per_block_counts(r, len(model.blocks), model.patch_embed.num_patches)
 
 
 def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float = COST_TOLERANCE) -> list[int]:
