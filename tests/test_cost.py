@@ -145,3 +145,27 @@ def test_cli_flops_and_train_say_where_fold_capacity_stops(tmp_path, capsys):
     assert main(argv) == 0
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warned) == 1 and warned[0].startswith("amod train: warning: skipped='fold' cannot go below capacity")
+
+
+def test_the_one_search_stops_early_without_missing_the_closest_schedule():
+    """``amod.cost.closest_setting`` over ``stepped_counts``, which stops once a constant schedule costs less than the
+    target, finds what the whole candidate list finds (ToMe's MACs on a DeiT-Ti at 224 px), and of equally close
+    candidates keeps the first."""
+    from amod.cost import closest_setting, stepped_counts
+    from amod.tome.merging import tome_macs
+
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False)
+    depth, dense = len(model.blocks), tome_macs(model, [0] * 12)
+    seen: list[list[int]] = []
+
+    def ratio(schedule: list[int]) -> float:
+        seen.append(schedule)
+        return tome_macs(model, schedule) / dense
+
+    every = [[r + 1] * j + [r] * (depth - j) for r in range(98 + 1) for j in range(depth)]
+    for cost in (0.31, 0.5, 0.77, 0.99):
+        seen.clear()
+        found = closest_setting(cost, stepped_counts(depth, 98, ratio, cost), ratio)
+        assert len(seen) < len(every) and found == closest_setting(cost, every, ratio)
+    assert closest_setting(0.5, ["a", "b", "c"], {"a": 0.4, "b": 0.6, "c": 0.5}.get) == ("c", 0.5)
+    assert closest_setting(0.5, ["a", "b"], {"a": 0.4, "b": 0.6}.get)[0] == "a"  # equally close: the first

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -100,6 +100,39 @@ def validate_cost(cost: Any, name: str = "cost") -> float:
         raise UserError(f"{name} must be a number in (0, 1] (a share of the dense model's MACs), got {cost!r}")
     return float(cost)
 
+
+
+# ---------------------------------------------------------------- the setting for a cost (every method's search)
+
+Setting = TypeVar("Setting")
+
+
+def closest_setting(cost: float, candidates: Iterable[Setting], ratio: Callable[[Setting], float]
+                    ) -> tuple[Setting, float]:
+    """The candidate whose cost ``ratio(candidate)`` (a share of the dense MACs) is closest to ``cost``, and that
+    ratio; of equally close ones, the first. The one search behind every method's setting for a cost
+    (``capacity_for_cost``, ``tome.schedule_for_cost``, ``pitome.keep_for_cost``, ``ppt.r_for_cost``): each gives
+    its candidates, in the order that breaks its ties."""
+    best: Optional[tuple[Setting, float]] = None
+    for candidate in candidates:
+        r = ratio(candidate)
+        if best is None or abs(r - cost) < abs(best[1] - cost):
+            best = (candidate, r)
+    if best is None:
+        raise ValueError("closest_setting: no candidate")
+    return best
+
+
+def stepped_counts(count: int, most: int, ratio: Callable[[list[int]], float], cost: float) -> Iterator[list[int]]:
+    """Candidate per-block token counts for ``closest_setting``, for ``count`` reducing blocks: for r = 0, 1, ...,
+    ``most``, r + 1 in the first j blocks and r in the others (j = 0 .. count - 1: a constant schedule, refined so
+    that a cost is matched finely). Stops after the first r whose constant schedule costs less than ``cost``: every
+    later candidate costs less still (a block that removes more costs no more), so none comes closer."""
+    for r in range(most + 1):
+        for j in range(count):
+            yield [r + 1] * j + [r] * (count - j)
+        if ratio([r] * count) < cost:
+            return
 
 
 # ---------------------------------------------------------------- pricing helpers (used by the reductions)

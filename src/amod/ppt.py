@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
+from .cost import COST_TOLERANCE, BlockPrice, closest_setting, flops, stepped_counts, validate_cost
 from .errors import UserError
 from .family import family_of, weightless_copy
 from .methods import Method, register_method
@@ -329,16 +329,7 @@ def r_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float = 
 
     try:
         n = model.patch_embed.num_patches
-        best, best_err = [0] * count, abs(ratio([0] * count) - cost)
-        for r in range(n // 2 + 1):
-            for j in range(count):
-                values = [r + 1] * j + [r] * (count - j)
-                err = abs(ratio(values) - cost)
-                if err < best_err:
-                    best, best_err = values, err
-            if ratio([r] * count) < cost * (1 - tolerance):
-                break  # the cost only falls from here on
-        got = ratio(best)
+        best, got = closest_setting(cost, stepped_counts(count, n // 2, ratio, cost), ratio)
     finally:
         set_r(model, before)
     if abs(got - cost) / cost > tolerance:

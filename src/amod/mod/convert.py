@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from ..cost import flops, token_sizes, validate_cost
+from ..cost import closest_setting, flops, token_sizes, validate_cost
 from ..family import family_of
 from .block import RoutedForward
 from .config import (MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router, validate_shape,
@@ -178,5 +178,6 @@ def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
     config = get_config(model)
     _, n, _ = token_sizes(model, img_size)
     candidates = skipped_mode(config.skipped).capacity_candidates(model, n)
-    ratios = {c: flops(model, img_size, capacity=c).ratio for c in candidates}
-    return min(ratios, key=lambda c: (abs(ratios[c] - cost), -c))
+    # the largest first: of two capacities equally close, the larger
+    return closest_setting(cost, sorted(set(candidates), reverse=True),
+                           lambda c: flops(model, img_size, capacity=c).ratio)[0]

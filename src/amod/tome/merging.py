@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..cost import COST_TOLERANCE, token_sizes, validate_cost
+from ..cost import COST_TOLERANCE, closest_setting, stepped_counts, token_sizes, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, per_block_counts, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
@@ -114,16 +114,11 @@ def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: f
     depth = len(model.blocks)
     dense = tome_macs(model, [0] * depth, img_size)
     _, n, _ = token_sizes(model, img_size)
-    best, best_err = [0] * depth, abs(1.0 - cost)
-    for r in range(n // 2 + 1):
-        for j in range(depth):
-            schedule = [r + 1] * j + [r] * (depth - j)
-            ratio = tome_macs(model, schedule, img_size) / dense
-            if abs(ratio - cost) < best_err:
-                best, best_err = schedule, abs(ratio - cost)
-        if tome_macs(model, [r] * depth, img_size) / dense < cost - tolerance:
-            break  # cost only falls from here on
-    got = tome_macs(model, best, img_size) / dense
+
+    def ratio(schedule: list[int]) -> float:
+        return tome_macs(model, schedule, img_size) / dense
+
+    best, got = closest_setting(cost, stepped_counts(depth, n // 2, ratio, cost), ratio)
     if abs(got - cost) / cost > tolerance:
         raise UserError(f"token merging cannot reach {cost:.3f} of dense on this model: the closest schedule "
                         f"{best} costs {got:.3f}")

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cost import COST_TOLERANCE, BlockPrice, flops, validate_cost
+from ..cost import COST_TOLERANCE, BlockPrice, closest_setting, flops, validate_cost
 from ..family import family_of
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
@@ -244,8 +244,7 @@ def keep_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if ratio(mid) < cost else (lo, mid)
-        best = min((lo, hi), key=lambda k: abs(ratio(k) - cost))
-        got = ratio(best)
+        best, got = closest_setting(cost, (lo, hi), ratio)
     finally:
         set_keep(model, before)
     if abs(got - cost) / cost > tolerance:
