@@ -139,8 +139,11 @@ def test_refusals_name_the_problem_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as refused:
         amod.ppt.apply(make_model("vit"), **kwargs)
     assert "\n" not in str(refused.value)
-    with pytest.raises(ValueError, match="model already merges tokens"):
-        amod.ppt.apply(amod.ppt.apply(make_model("vit"), r=2), r=2)
+    ppt = amod.ppt.apply(make_model("vit"), r=2)
+    for apply in (lambda m: amod.ppt.apply(m, r=2), lambda m: amod.tome.apply(m, r=2)):  # its own dial, named
+        with pytest.raises(ValueError, match=r"model already merges tokens \(PPT\); change its setting with "
+                                             r"amod\.ppt\.set_r, or apply (PPT|token merging) to a dense model"):
+            apply(ppt)
 
 
 def test_a_batch_mixing_pooled_and_pruned_images_gives_each_image_its_own_output():

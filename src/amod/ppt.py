@@ -229,6 +229,8 @@ class PPTConfig:
     blocks: list[int]
     r: list[int] = field(default_factory=list)  # one per PPT block
     threshold: float = PAPER_THRESHOLD
+    method: ClassVar[str] = "PPT"
+    dial: ClassVar[str] = "amod.ppt.set_r"  # what changes the setting in place (a refusal names it)
 
 
 def _validate_threshold(threshold: float) -> float:

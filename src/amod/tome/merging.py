@@ -22,7 +22,7 @@ usual pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -87,6 +87,8 @@ class ToMeConfig:
     """How a model was merged: tokens removed in each block."""
 
     schedule: list[int]
+    method: ClassVar[str] = "ToMe"
+    dial: ClassVar[str] = "amod.tome.set_schedule"  # what changes the setting in place (a refusal names it)
 
 
 def token_counts(schedule: Sequence[int], num_patches: int, num_prefix: int) -> list[tuple[int, int]]:
@@ -154,8 +156,11 @@ def check_mergeable(model: nn.Module, family: Any, method: str) -> None:
     if getattr(model, "amod_config", None) is not None:
         raise UserError(f"model is an MoD model; {method} applies to a dense model")
     if reduces_tokens(model):
-        raise UserError("model already merges tokens; use amod.tome.set_schedule (ToMe) or amod.pitome.set_keep "
-                        "(PiToMe) to change it")
+        # the method's settings on the model name it and its dial (``ToMeConfig.dial``, PiToMe's, PPT's)
+        own = [v for v in vars(model).values() if isinstance(getattr(type(v), "dial", None), str)]
+        raise UserError("model already merges tokens" + (
+            f" ({own[0].method}); change its setting with {own[0].dial}, or apply {method} to a dense model" if own
+            else f"; apply {method} to a dense model"))
     for i, blk in enumerate(model.blocks):
         family.check_block(blk, i)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +176,8 @@ class PiToMeConfig:
     """How a model merges with PiToMe: the share of its patch tokens each block keeps."""
 
     keep: float
+    method: ClassVar[str] = "PiToMe"
+    dial: ClassVar[str] = "amod.pitome.set_keep"  # what changes the setting in place (a refusal names it)
 
 
 def _validate_keep(keep: float) -> float:
