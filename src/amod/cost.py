@@ -119,7 +119,7 @@ def closest_setting(cost: float, candidates: Iterable[Setting], ratio: Callable[
         if best is None or abs(r - cost) < abs(best[1] - cost):
             best = (candidate, r)
     if best is None:
-        raise ValueError("closest_setting: no candidate")
+        raise RuntimeError("closest_setting: no candidate")  # (every caller gives at least one)
     return best
 
 
