@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import timm
@@ -92,3 +95,76 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- shared by the hardening tests (CLI errors, run files,
+# inputs, checkpoint runs)
+
+TINY = ["--model", "vit_tiny_patch16_224", "--patch-size", "7", "--depth", "2", "--embed-dim", "32",
+        "--num-heads", "2", "--val-limit", "128", "--batch-size", "64"]
+TINY_CFG = dict(model="vit_tiny_patch16_224", patch_size=7, depth=2, embed_dim=32, num_heads=2, val_limit=128,
+                batch_size=64)
+SHORT = ["--epochs", "1", "--train-limit", "64", "--val-limit", "64"]  # a run that would start, kept short
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, which are not JSON."""
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A dense, a PiToMe, a fold and an MoD (bypass and kv) amod checkpoint of a 28-px, 1-channel Fashion-MNIST model,
+    its backbone without classifier, a .pth of another width, and a safetensors file whose amod metadata is broken."""
+    import amod
+
+    root = tmp_path_factory.mktemp("ckpt")
+    kwargs = dict(patch_size=7, depth=2, embed_dim=32, num_heads=2, img_size=28, in_chans=1, num_classes=10)
+    torch.manual_seed(0)
+    dense = timm.create_model("vit_tiny_patch16_224", pretrained=False, **kwargs)
+    amod.save(dense, root / "dense.safetensors")
+    amod.save(amod.pitome.apply(copy.deepcopy(dense), cost=0.7), root / "pitome.safetensors")
+    kv = amod.convert(copy.deepcopy(dense), router="attention", capacity=0.5, skipped="kv")
+    amod.save(kv, root / "kv.safetensors")
+    amod.save(amod.convert(copy.deepcopy(dense), skipped="fold", capacity=0.8), root / "fold.safetensors")
+    amod.save(amod.convert(dense, router="attention", capacity=0.5), root / "mod.safetensors")
+    backbone = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**kwargs, "num_classes": 0})
+    amod.save(backbone, root / "backbone.safetensors")
+    wide = timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**kwargs, "embed_dim": 64})
+    torch.save(wide.state_dict(), root / "wide.pth")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(root / "badmeta.safetensors"), metadata={"amod.model": "{not json"})
+    (root / "a_file").write_text("x")
+    return root
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """imagefolder data with 3 classes; train and val each hold an empty .jpg, a corrupt .png and a truncated .jpg."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("folder")
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c in range(3):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(8):
+                pixels = (torch.rand(32, 32, 3, generator=g) * 255).byte().numpy()
+                Image.fromarray(pixels).save(d / f"img{i}.jpg", quality=95)
+        (root / split / "class0" / "empty.jpg").write_bytes(b"")
+        (root / split / "class1" / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+        whole = (root / split / "class2" / "img0.jpg").read_bytes()
+        (root / split / "class2" / "truncated.jpg").write_bytes(whole[: len(whole) // 2])
+    return root
+
+
+FOLDER_MODEL = ["--model", "vit_tiny_patch16_224", "--img-size", "32", "--patch-size", "8", "--depth", "1",
+                "--embed-dim", "32", "--num-heads", "2", "--batch-size", "8"]

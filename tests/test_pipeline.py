@@ -280,7 +280,7 @@ def test_corrupt_checkpoints_are_refused_and_left_alone(tmp_path, capsys):
     (tmp_path / "m.safetensors").write_bytes(b"junk")
     assert amod_main(["eval", "--checkpoint", str(tmp_path / "m.safetensors")]) == 2
     assert "is not a readable safetensors checkpoint" in capsys.readouterr().err
-    # (a flag's invalid choice, and the other user errors: tests/test_hardening.py's BAD_INVOCATIONS)
+    # (a flag's invalid choice, and the other user errors: tests/test_cli_errors.py's BAD_INVOCATIONS)
 
 
 @pytest.mark.parametrize("layout", ["plain", "deit"])
