@@ -13,6 +13,7 @@ from timm.models.vision_transformer import Block
 import amod
 from amod import tome as merge
 from amod.mod.block import ScoreHandoff
+from amod.mod.routers import vit_routers
 from amod.cost import count_flops
 
 
@@ -44,14 +45,20 @@ def test_token_counts_follow_the_schedule_and_sizes_sum_to_the_patches(family):
 
 
 @pytest.mark.parametrize("family", ["vit", "qk_norm", "deit3_layerscale"])
-def test_fused_and_explicit_attention_agree_with_proportional_attention(family):
-    model = merge.apply(make_model(family), r=[2, 3, 3, 2])
+@pytest.mark.parametrize("method", ["tome", *(f"merge mode, {r}" for r in vit_routers())])
+def test_fused_and_explicit_attention_agree_with_proportional_attention(family, method):
+    """ToMe's blocks and MoD's merge mode (its block on the merged groups, with timm's attention or amod's scoring
+    one) add log(size) to the logits on either attention path."""
+    if method == "tome":
+        model = merge.apply(make_model(family), r=[2, 3, 3, 2])
+    else:
+        model = amod.convert(make_model(family), router=method.rpartition(", ")[2], skipped="merge", capacity=0.5)
     x = images(model, 2)
+    unfused = copy.deepcopy(model)  # (before any forward: a random router draws the same tokens in both)
+    for blk in unfused.blocks:
+        blk.attn.fused_attn = False
     with torch.no_grad():
-        fused = model(x)
-        for blk in model.blocks:
-            blk.attn.fused_attn = False
-        explicit = model(x)
+        fused, explicit = model(x), unfused(x)
     assert torch.allclose(fused, explicit, atol=1e-5), (fused - explicit).abs().max()
 
 

@@ -168,6 +168,14 @@ class KeyBias:
         return f"KeyBias(tokens={self.tensor.shape[-1]})"
 
 
+def check_key_bias(attn_mask: object, is_causal: bool, what: str) -> None:
+    """Refuse (NotImplementedError) what amod's attention classes do not take: causal attention, or a mask that is not
+    a per-key bias (``KeyBias``: proportional attention); ``what`` names the attention in the message."""
+    if is_causal or not (attn_mask is None or isinstance(attn_mask, KeyBias)):
+        raise NotImplementedError(f"{what} takes a per-key bias (proportional attention: amod.ops.KeyBias) only, no "
+                                  "other mask")
+
+
 def key_biased_attention(attn, x: torch.Tensor, bias: Optional[KeyBias]) -> torch.Tensor:
     """timm ``Attention``'s forward on ``x`` (B, N, C) with the per-key ``bias`` added to its logits (None: none):
     the fused kernel with no mask (``KeyBias.attention``) where ``attn.fused_attn``, else the explicit softmax."""

@@ -36,7 +36,8 @@ from torch import nn
 
 from .cost import BlockPrice, attention_macs, linear_macs_per_token
 from .errors import UserError
-from .ops import KeyBias, attention_inputs, attention_output, attention_probs, biased_attention, recomputing
+from .ops import (KeyBias, attention_inputs, attention_output, attention_probs, biased_attention, check_key_bias,
+                  recomputing)
 from .tokens import ForwardMemo, TokenSizes, proportional_bias
 
 
@@ -84,9 +85,7 @@ class SizedAttention(Attention):
     amod_role_name = "Sized"  # what a Hugging Face attention in this role is called: SizedViTAttention
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[KeyBias] = None, is_causal: bool = False) -> torch.Tensor:
-        if is_causal or not (attn_mask is None or isinstance(attn_mask, KeyBias)):
-            raise NotImplementedError("a token-reduction block's attention takes the proportional-attention bias of "
-                                      "its tokens' sizes only (amod.ops.KeyBias), no other mask")
+        check_key_bias(attn_mask, is_causal, "a token-reduction block's attention")
         q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
         o = biased_attention(self, q, k, v, attn_mask)  # (fused and maskless: FlashAttention stays on)
         if self.amod_want:

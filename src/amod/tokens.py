@@ -127,7 +127,7 @@ class TokenSizes:
 
     def __init__(self) -> None:
         self.size: Optional[torch.Tensor] = None
-        self.bias: Optional[torch.Tensor] = None
+        self.bias: Optional[KeyBias] = None
         self.track = False
         self.source: Optional[torch.Tensor] = None
         self.rows: Optional[torch.Tensor] = None  # this forward's ``image_rows``, made by the first block that asks

@@ -41,7 +41,7 @@ from ..hf.common import CONFIG_KEY, SIDECAR, SIDECAR_FORMAT, attentions_requeste
 from ..methods import file_metadata, method_of
 from ..mod.block import MoDBlock, ScoringAttention
 from ..mod.routers import Router
-from ..ops import KeyBias, key_biased_attention, tracing
+from ..ops import KeyBias, check_key_bias, key_biased_attention, tracing
 from ..reduce import SizedAttention
 from .vit import ViTFamily
 from ..errors import MissingDependencyError, UnsupportedModelError, UserError
@@ -133,9 +133,7 @@ class TimmStyleAttention(nn.Module):
     amod_role_name = "Fused"  # FusedViTAttention
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[KeyBias] = None, is_causal: bool = False) -> torch.Tensor:
-        if is_causal or not (attn_mask is None or isinstance(attn_mask, KeyBias)):
-            raise NotImplementedError("amod's attention of a Hugging Face layer takes a per-key bias (the merge "
-                                      "mode's proportional attention: amod.ops.KeyBias) only, no other mask")
+        check_key_bias(attn_mask, is_causal, "amod's attention of a Hugging Face layer")
         return key_biased_attention(self, x, attn_mask)  # (fused, maskless)
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..cost import BlockPrice, attention_macs, linear_macs_per_token
 from ..ops import (KeyBias, attention_inputs, attention_output, attention_scores_explicit, attention_with_scores,
-                   key_biased_attention, recomputing)
+                   check_key_bias, key_biased_attention, recomputing)
 from ..tokens import ForwardMemo, best_match, flat_index, gather_tokens, image_rows, scatter_tokens
 from .config import MoDConfig
 from .modes import MODES, SkippedMode, register_skipped_mode
@@ -80,9 +80,7 @@ class ScoringAttention(Attention):
     def forward(
         self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
     ) -> torch.Tensor:
-        if is_causal or not (attn_mask is None or isinstance(attn_mask, KeyBias)):
-            raise NotImplementedError("amod's scoring attention takes a per-key bias (the merge mode's proportional "
-                                      "attention: amod.ops.KeyBias) only, no other mask")
+        check_key_bias(attn_mask, is_causal, "amod's scoring attention")
         q, k, v, gate = attention_inputs(self, x)  # (B, H, N, hd) each
         dropout = self.attn_drop.p if self.training else 0.0
         if attn_mask is not None:  # proportional attention of the merge mode: small gathered sets
@@ -201,13 +199,14 @@ class MoDBlock(RoutedForward, Block):
 
     def block_output(self, x: torch.Tensor, bias: Optional[KeyBias] = None) -> torch.Tensor:
         """timm's block on the tokens ``x`` (B, M, D): attention, then MLP, each with its residual; ``bias``: a
-        per-key bias of the attention logits (the merge mode's proportional attention), carried maskless where the
-        attention is timm's fused one (``amod.ops.key_biased_attention``)."""
+        per-key bias of the attention logits (the merge mode's proportional attention): amod's scoring attention takes
+        it itself; timm's attention through ``amod.ops.key_biased_attention`` (maskless where fused, added to the
+        logits where not)."""
         h = self.norm1(x)
         if bias is None:
             a = self.attn(h)
-        elif isinstance(self.attn, ScoringAttention) or not self.attn.fused_attn:
-            a = self.attn(h, attn_mask=bias)  # (amod's own attention classes take a KeyBias)
+        elif isinstance(self.attn, ScoringAttention):
+            a = self.attn(h, attn_mask=bias)
         else:
             a = key_biased_attention(self.attn, h, bias)
         x = x + self.drop_path1(self.ls1(a))
