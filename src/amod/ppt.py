@@ -47,16 +47,14 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cost import COST_TOLERANCE, BlockPrice, closest_setting, flops, stepped_counts, validate_cost
 from .errors import UserError
 from .family import family_of, weightless_copy
 from .methods import Method, register_method
-from .ops import as_float32, attention_inputs, attention_output, attention_probs, tracing
-from .reduce import (ALL_ROWS, SizedAttention, SizedSettings, SizedTokensBlock, importance_rows, per_block_counts,
-                     reduction_macs)
+from .ops import as_float32, tracing
+from .reduce import ALL_ROWS, SizedAttention, SizedSettings, SizedTokensBlock, per_block_counts, reduction_macs
 from .static import StaticNumbers
 from .tokens import (DECISION_GRID, TokenSizes, bipartite_matching, decision_key, gather_tokens, image_rows,
                      matched_destinations, merge_matched, top_indices, with_sizes, without_sizes)
