@@ -100,6 +100,47 @@ def test_a_stage_schedule_folds_in_its_stages_alone_and_is_searched_in_two_steps
         parse_method("calibrated:stages=0")
 
 
+def test_a_stage_schedule_survives_what_users_do_with_a_timm_model(tmp_path):
+    """A fold model that reduces in two blocks only (a stage schedule: shape exponent 0 elsewhere), protecting 10 %:
+    save and load give the same outputs, amod.compile one graph equal to eager, gradient checkpointing the same
+    gradients, bf16 autocast a finite output of the same tokens, ONNX export the same outputs."""
+    model = amod.convert(make_model("vit", depth=4), skipped="fold", capacity=0.6, protect=0.1,
+                         shape=tilt_shape(0.0, 4, (1, 2))).eval()
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(x)
+    lefts = [blk.amod_last_tokens for blk in model.blocks]
+    assert lefts[0] == 17 and lefts[1] < 17 and lefts[2] < lefts[1] and lefts[3] == lefts[2]  # folds in 1 and 2 only
+
+    loaded = amod.load(amod.save(model, tmp_path / "m.safetensors")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), out)
+
+    graphs = []
+    torch._dynamo.reset()
+    compiled = amod.compile(model, x, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    with torch.inference_mode():
+        assert (compiled(x) - out).abs().max() < 1e-5 and len(graphs) == 1
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        half = model(x)
+    assert torch.isfinite(half).all() and [blk.amod_last_tokens for blk in model.blocks] == lefts
+
+    plain, ckpt = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    ckpt.set_grad_checkpointing(True)
+    grads = []
+    for m in (plain, ckpt):
+        F.cross_entropy(m(x), torch.tensor([1, 4, 7])).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=0, msg=name)
+
+    pytest.importorskip("onnxscript", reason="ONNX export needs the onnx extra: pip install 'amod[onnx]'")
+    report = amod.export(model, tmp_path / "m.onnx", check_images=x)
+    assert report["check"]["max_abs_diff"] <= 1e-4 and report["check"]["same_top1"]
+
+
 def test_the_dial_turns_along_the_shape_and_bad_shapes_are_refused_in_one_line():
     shape = tilt_shape(-2.0, 4)
     assert sum(shape) == pytest.approx(4, abs=1e-3) and shape == sorted(shape, reverse=True)  # more folds early
