@@ -27,7 +27,9 @@ from _common import ensure_tunables, machine
 from bench_train_speed import build, training_speed_args
 
 import amod
-from amod.methods import Dense, MoD, TokenMerging
+from amod.methods import Dense
+from amod.mod.convert import MoD
+from amod.tome.merging import TokenMerging
 from amod.train.distill import Distillation, Teacher, TeacherOutputs, forward_with_features
 
 MODES = ("plain", "live teacher", "kept outputs")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from _common import ensure_tunables, machine
 
 import amod
-from amod.methods import MoD
+from amod.mod.convert import MoD
 
 
 def build(checkpoint: str | None, img_size: int) -> torch.nn.Module:

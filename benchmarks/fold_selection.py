@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 import amod
 from amod.experiments.probe import features, fit_probe, mean_cosine
-from amod.methods import MoD, TokenMerging
+from amod.mod.convert import MoD
+from amod.tome.merging import TokenMerging
 from amod.mod import fold as fold_module
 from amod.weights import weights_path
 from amod.tokens import bipartite_matching, gather_tokens, reduce_weighted

@@ -70,7 +70,8 @@ def test_a_stage_schedule_folds_in_its_stages_alone_and_is_searched_in_two_steps
     """``stages=3``: the tokens fold in three blocks only, every other block keeps what it gets, at any capacity the
     dial is turned to; the search tries every placement at tilt 0 and the first protect, then every tilt and protect
     at the placement kept closest, and keeps the most faithful; the spec ``calibrated:stages=3`` is that call."""
-    from amod.methods import Calibrated, parse_method
+    from amod.methods import parse_method
+    from amod.mod.calibrate import Calibrated
     from amod.mod.calibrate import stage_placements
 
     x = torch.randn(8, 3, 112, 112, generator=torch.Generator().manual_seed(0))

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 import yaml
 
 import amod
-from amod.methods import MoD, PiToMe, TokenMerging
+from amod.mod.convert import MoD
+from amod.tome.merging import TokenMerging
+from amod.tome.pitome import PiToMe
 from amod.mod.calibrate import tilt_shape
 from amod.train.any_cost import AnyCost
 from amod.train.config import RunConfig

@@ -18,7 +18,8 @@ from conftest import make_model
 
 import amod
 from amod.families import family_of
-from amod.methods import PiToMe, TokenMerging
+from amod.tome.merging import TokenMerging
+from amod.tome.pitome import PiToMe
 from amod.mod.calibrate import tilt_shape
 from amod.mod.routers import SeededDraws, router_class, router_names
 from amod.ppt import PPT

@@ -20,7 +20,8 @@ from amod.experiments.finetune_study import with_probe_head
 from amod.experiments.finetune_study_plan import ARMS, FinetuneConfig, plan
 from amod.experiments.finetune_study_rows import EvalRows, pack, unpack
 from amod.experiments.probe import fit_probe
-from amod.methods import Dense, MoD
+from amod.methods import Dense
+from amod.mod.convert import MoD
 
 
 

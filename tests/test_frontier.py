@@ -242,7 +242,7 @@ def test_a_speed_up_beyond_the_macs_is_flagged_and_the_frontier_leaves_it_out(re
 def test_compare_and_the_demo_flag_a_speed_up_beyond_the_macs(tmp_path, recwarn, capsys):
     from amod.experiments import compare, demo
     from amod.experiments.finetune_study_plan import ARMS, FinetuneConfig, Planned
-    from amod.methods import MoD
+    from amod.mod.convert import MoD
 
     row = {"method": "A-MoD fold", "cost_target": 0.4, "cost": 0.4, "setting": MoD(capacity=0.5).spec(),
            "zero_top1": 0.5, "top1": None, "cosine": 0.9, "run": None, "images_per_s": 100.0, "speedup": 10.13,
@@ -269,7 +269,7 @@ def test_the_reports_say_the_cost_tolerance_their_flags_use(tmp_path, monkeypatc
     # the "(!)" flag and the words under the tables read the one value, amod.cost.COST_TOLERANCE
     import amod.cost
     from amod.experiments import compare, frontier
-    from amod.methods import MoD
+    from amod.mod.convert import MoD
 
     monkeypatch.setattr(amod.cost, "COST_TOLERANCE", 0.1)
     setting = MoD(skipped="fold", capacity=0.8).spec()

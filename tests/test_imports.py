@@ -135,9 +135,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read_from_the_source():
     """A guard against a reader that finds nothing: edges we know are there, relative ones resolved."""
     assert {"amod.mod", "amod.train", "amod.experiments", "amod.checkpoint", "amod.weights"} <= set(MODULES)
-    assert "amod.mod.convert" in GRAPH["amod.methods"][0]  # from .mod.convert import ...
+    assert "amod.methods" in GRAPH["amod.mod.convert"][0]  # from ..methods import ...
     assert "amod.files" in GRAPH["amod.checkpoint"][0]  # from . import files
-    assert "amod.tome" in GRAPH["amod.methods"][0]  # from . import tome (a package)
+    assert "amod.tome" in GRAPH["amod"][0]  # from . import ... tome (a package)
     assert "amod.kernels.triton_scores" in GRAPH["amod.ops"][1] - GRAPH["amod.ops"][0]  # inside a function
 
 
@@ -254,3 +254,30 @@ def test_the_architecture_page_names_every_module():
         if not named:
             unnamed.append(str(rel))
     assert unnamed == [], f"docs/architecture.md's package layout does not name {unnamed}"
+
+
+def test_a_built_in_method_is_its_own_module_which_nothing_else_needs(tmp_path):
+    """Each built-in method's class lives in the module of its mechanism, found by the registry in the source (no list
+    names it): the modules that register a method are those of the registered built-ins, ``amod.methods`` holds
+    none but the fallback ``Dense``, no module imports PPT's, and a fresh interpreter on the source tree, with no
+    installed package's metadata to read, opens a PPT file."""
+    import os
+    import subprocess
+    import sys
+
+    import amod
+    from amod.methods import Dense, builtin_method_modules, method_classes
+
+    builtins = {cls.__module__ for cls in method_classes() if cls.__module__.startswith("amod.") and cls is not Dense}
+    assert sorted(builtin_method_modules()) == sorted(builtins) and "amod.methods" not in builtins
+    assert "amod.ppt" in builtins and not [m for m, (_, _, anywhere) in GRAPH.items() if "amod.ppt" in anywhere]
+    path = tmp_path / "ppt.safetensors"
+    model = amod.ppt.apply(__import__("timm").create_model("vit_tiny_patch16_224", pretrained=False, depth=4,
+                                                           img_size=32, patch_size=8, num_classes=3), r=2)
+    amod.save(model, path)
+    code = ("import importlib.metadata as m, sys; m.distributions = lambda *a, **k: iter(()); import amod; "
+            "print(amod.method_of(amod.load(sys.argv[1])).spec())")
+    opened = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(SRC.parent)})
+    assert opened.returncode == 0, opened.stderr[-2000:]
+    assert opened.stdout.strip() == amod.method_of(model).spec()

@@ -123,7 +123,7 @@ def test_a_file_of_a_method_not_registered_is_refused_naming_it(tmp_path):
     assert meta["amod.method"] == "toy-skip" and json.loads(meta["amod.toy-skip"]) == {"blocks": 1}
     refused = (r"toy\.safetensors was saved by method 'toy-skip', which is not registered in this amod: install \(or "
                r"import\) the package that registers it \(entry-point group amod\.methods\); registered methods: dense, "
-               r"mod, tome")
+               r"calibrated, isoflop, mod, pitome, ppt, tome")
     for read in (amod.load, amod.checkpoint.skeleton, amod.checkpoint.check_dense_file):
         with pytest.raises(ValueError, match=refused):
             read(path)
@@ -260,8 +260,8 @@ def test_the_shipped_amod_command_runs_a_method_that_an_installed_package_regist
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.strip().splitlines() == [  # (PPT registers on import, as every built-in does)
         f"amod eval: error: {saved} was saved by method 'toy-skip', which is not registered in this amod: install (or "
-        "import) the package that registers it (entry-point group amod.methods); registered methods: dense, mod, "
-        "tome, pitome, isoflop, calibrated, ppt"]
+        "import) the package that registers it (entry-point group amod.methods); registered methods: dense, "
+        "calibrated, isoflop, mod, pitome, ppt, tome"]
 
 
 # ---------------------------------------------------------------- what a plugin may not do: the matrix

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 import amod
-from amod.methods import METHOD_CLASSES, MoD, file_metadata, method_from_metadata, method_of, method_provider, \
-    parse_method
+from amod.methods import METHOD_CLASSES, file_metadata, method_from_metadata, method_of, method_provider, parse_method
+from amod.mod.convert import MoD
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RELEASES = FIXTURES / "files_by_release"

@@ -12,9 +12,13 @@ import torch
 from conftest import images, make_model
 
 import amod
-from amod.methods import (METHOD_CLASSES, Calibrated, Dense, IsoFLOP, MoD, PiToMe, TokenMerging, metadata_keys,
-                          SHORTHAND_NAMES, file_metadata, method_classes, method_from_metadata, method_from_shorthand,
-                          method_of, parse_method, setting_text_of)
+from amod.methods import (Dense, file_metadata, metadata_keys, METHOD_CLASSES, method_classes, method_from_metadata, method_of, parse_method)
+from amod.mod.calibrate import Calibrated
+from amod.mod.convert import MoD
+from amod.mod.isoflop import IsoFLOP
+from amod.shorthand import SHORTHAND_NAMES, method_from_shorthand, setting_text_of
+from amod.tome.merging import TokenMerging
+from amod.tome.pitome import PiToMe
 from amod.ppt import PPT
 from amod.train.config import RunConfig, resolve_run_config
 
@@ -61,11 +65,12 @@ def test_settings_that_select_two_methods_are_refused():
 
 def test_each_method_names_its_checkpoint_metadata():
     # "amod.merge": ToMe's key in older files (read, never written), also the name of a skipped mode
-    assert metadata_keys() == ("amod.mod", "amod.tome", "amod.merge", "amod.pitome", "amod.isoflop", "amod.calibrated",
-                               "amod.ppt")
+    assert metadata_keys() == ("amod.calibrated", "amod.isoflop", "amod.mod", "amod.pitome", "amod.ppt", "amod.tome",
+                               "amod.merge")
     assert [cls.metadata_key for cls in method_classes() if cls.metadata_key] == [k for k in metadata_keys()
                                                                                    if k != "amod.merge"]
-    assert method_classes() == (MoD, TokenMerging, PiToMe, IsoFLOP, Calibrated, PPT, Dense)  # lookup order, Dense last
+    # lookup order: amod's own by kind (whichever module was imported first), Dense last
+    assert method_classes() == (Calibrated, IsoFLOP, MoD, PiToMe, PPT, TokenMerging, Dense)
     assert set(MoD(layers=(1, 3)).metadata()) == {"amod.mod"}
     assert TokenMerging(r=(1, 2)).metadata() == {"amod.tome": '{"schedule": [1, 2]}'}
     assert method_from_metadata(file_metadata(TokenMerging(r=(1, 2)))) == TokenMerging(r=(1, 2))
@@ -234,7 +239,7 @@ def test_a_spec_is_read_by_the_types_of_the_method_fields(spec, method):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("evit:r=2", r"unknown method 'evit' in 'evit:r=2'; registered methods: dense, mod, tome, pitome, isoflop"),
+    ("evit:r=2", r"unknown method 'evit' in 'evit:r=2'; registered methods: dense, calibrated, isoflop, mod, pitome, ppt, tome"),
     ("mod:rooter=attention", "mod has no field 'rooter'; its fields: router, capacity, layers"),
     ("mod:capacity=half", "mod: capacity must be a number, got 'half'"),
     ("tome:r=[2,x]", r"tome: r must be an integer or a list \[an integer, ...\] or none, got '\[2,x\]'"),

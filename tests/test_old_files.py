@@ -11,8 +11,12 @@ import pytest
 import yaml
 
 import amod
-from amod.methods import IsoFLOP, MoD, PiToMe, TokenMerging, method_from_shorthand, method_of, parse_method, \
-    setting_text_of
+from amod.methods import method_of, parse_method
+from amod.mod.convert import MoD
+from amod.mod.isoflop import IsoFLOP
+from amod.shorthand import method_from_shorthand, setting_text_of
+from amod.tome.merging import TokenMerging
+from amod.tome.pitome import PiToMe
 from amod.train.config import RunConfig
 from amod.train.engine import read_metrics
 from conftest import cli_in_process

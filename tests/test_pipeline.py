@@ -15,7 +15,7 @@ import torch
 import amod
 from amod.cli import main as amod_main
 from amod.train.engine import read_metrics
-from amod.methods import MoD
+from amod.mod.convert import MoD
 from amod.train.config import RunConfig
 from amod.train.run import train
 from conftest import cli_in_process, images, make_model

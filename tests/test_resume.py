@@ -13,7 +13,7 @@ import torch
 
 import amod
 
-from amod.methods import MoD
+from amod.mod.convert import MoD
 from amod.train import engine
 from amod.train.resume import Journal, load_training_checkpoint, restore_training_state, save_training_state, \
     training_state

@@ -263,7 +263,8 @@ def test_the_libraries_configurations_refuse_a_method_with_its_own_cost_too():
     from amod.experiments.compare import CompareConfig
     from amod.experiments.finetune_study_plan import FinetuneConfig
     from amod.experiments.frontier import FrontierConfig
-    from amod.methods import PiToMe, TokenMerging
+    from amod.tome.merging import TokenMerging
+    from amod.tome.pitome import PiToMe
 
     own = (Arm("ToMe at 0.3", TokenMerging(cost=0.3)),)
     for config in (CompareConfig(methods=own), FrontierConfig(checkpoint="unused", methods=own),
@@ -336,7 +337,7 @@ def test_a_shorthand_flag_states_the_default_a_run_without_it_runs():
 
 
 def test_calibrate_offers_the_routers_it_takes_and_no_other():
-    from amod.methods import Calibrated
+    from amod.mod.calibrate import Calibrated
     from amod.mod.routers import vit_routers
 
     action = next(a for a in _parser("calibrate")[1]._actions if "--router" in a.option_strings)

@@ -26,14 +26,17 @@ from .cost import CostReport, count_flops, flops
 from .deploy import export
 from .errors import UserError
 from .fast import compile
-from .methods import Dense, IsoFLOP, Method, MoD, PiToMe, TokenMerging, method_of
+from .methods import Dense, Method, method_of
+from .mod.convert import MoD
+from .mod.isoflop import IsoFLOP
+from .tome.merging import TokenMerging
+from .tome.pitome import PiToMe
 from .tome import pitome
-from . import ppt  # PPT's method registers on import, as every built-in's does
 from .mod.config import MoDConfig
 from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
                            set_recording)
 from .mod.isoflop import isoflop_baseline
-from .mod.calibrate import calibrate
+from .mod.calibrate import Calibrated, calibrate
 from .checkpoint import load, save
 from .patch_grid import patch_features
 
@@ -42,8 +45,13 @@ __all__ = [
     "flops", "count_flops", "capacity_for_cost", "lowest_capacity", "tome", "isoflop_baseline", "save", "load",
     "weights", "arch", "ops", "analysis", "stats", "Method", "Dense", "MoD", "IsoFLOP", "TokenMerging", "PiToMe", "pitome",
     "ppt",
-    "method_of", "calibrate",
+    "method_of", "calibrate", "Calibrated",
     "export", "compile", "hf", "families", "UserError", "patch_features",
 ]
 __version__ = "0.1.0"
+
+# every built-in method registers on import (found in the source, no list: amod.methods.load_builtin_methods); this
+# also imports amod.ppt, PPT's module, which nothing above names
+from .methods import load_builtin_methods as _load_builtin_methods  # noqa: E402
+_load_builtin_methods()
 

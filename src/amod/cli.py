@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from .files import dumps
 from .flags import (Parser, add_flags, add_parsed_flag, build, given, load_yaml_config, positive_int,
                     refuse_other_mode)
-from .methods import (SHORTHAND_NAMES, SHORTHANDS, Method, MoD, method_from_shorthand, parse_method, parse_shorthand,
-                      with_shorthand)
+from .methods import Method, parse_method
+from .mod.convert import MoD
+from .shorthand import SHORTHANDS, SHORTHAND_NAMES, method_from_shorthand, parse_shorthand, with_shorthand
 from .mod.modes import skipped_mode
 from .mod.config import MoDConfig
 from .errors import UserError, run_reporting_errors, setup_logging
@@ -32,7 +33,7 @@ HF_MODEL = "a Hugging Face model: its save_pretrained directory (with config.jso
 
 def shorthand_flags(g: argparse._ActionsContainer, names: Optional[Sequence[str]] = None,
                     on: Optional[Method] = None, **kwargs: Any) -> None:
-    """The flags of a method's shorthand options (``amod.methods.SHORTHANDS``, ``names`` of them; default all):
+    """The flags of a method's shorthand options (``amod.shorthand.SHORTHANDS``, ``names`` of them; default all):
     ``--capacity 0.5`` sets MoD's capacity. ``on``: the method whose fields they set in this command (its default
     ``--method``): each option's help states that method's value, and its choices are those the method takes."""
     for option in SHORTHANDS:

@@ -1,29 +1,30 @@
-"""The method a model runs: dense, Mixture-of-Depths, the isoFLOP dense baseline of an MoD setup, token merging
-(ToMe, PiToMe), or a calibrated A-MoD fold; and the open registry of them.
+"""What a model runs, and the open registry of methods: the ``Method`` contract, ``@register_method``, the lookups
+(``method_of``, ``method_from_metadata``, ``check_method_file``) and the spec grammar ``KIND:FIELD=VALUE,...``
+(``parse_method``, ``Method.spec``). It holds no method but ``Dense``, the fallback (a model that runs none).
 
-One class per method, registered with ``@register_method`` under its ``kind``, knows how to turn a dense timm ViT
-into itself (``apply``), price itself (``cost_of``), name itself in reports (``label``, ``setting_text``), the
-checkpoint metadata (``metadata_key``, ``metadata``, ``from_metadata``), how to find itself in a model (``of_model``) and how to set itself
-to a share of the dense model's MACs (``at_cost``; a method with ``needs_images`` chooses its setting on unlabeled
-images given there). Any registered method is also selected by a spec string, ``KIND:FIELD=VALUE,...``
-(``parse_method``, ``Method.spec``): the one way a run configuration, ``config.yaml``, a report row and the
-command line carry a method. The built-in methods' older options (``--router``, ``--capacity``, ``--tome-cost``,
-...) are shorthand for a spec, stated once in ``SHORTHANDS``; configurations, checkpoints and report rows written
-with them read back through the same table (``method_from_shorthand``). Run configurations, model building, checkpoints, ``amod flops``,
-``amod compare``, ``amod frontier`` and ``amod study`` all read the registry when they run, so a method registered
-later (in any module imported before use) is found by all of them. An installed package makes its methods known to
-the shipped ``amod`` command through the entry-point group ``amod.methods`` (``ENTRY_POINT_GROUP``), loaded the first
-time the registry is consulted. A file names the method that wrote it (``METHOD_ENTRY``); one whose method is not
-registered is refused, never opened as a dense model.
+Each method is one class, registered with ``@register_method`` under its ``kind`` in the module of its mechanism:
+``MoD`` in ``amod.mod.convert``, ``IsoFLOP`` in ``amod.mod.isoflop``, ``Calibrated`` in ``amod.mod.calibrate``,
+``TokenMerging`` in ``amod.tome.merging``, ``PiToMe`` in ``amod.tome.pitome``, ``PPT`` in ``amod.ppt``. A class knows
+how to turn a dense timm ViT into itself (``apply``), price itself (``cost_of``), name itself in reports (``label``,
+``setting_text``), the checkpoint metadata (``metadata_key``, ``metadata``, ``from_metadata``), how to find itself in
+a model (``of_model``) and how to set itself to a share of the dense model's MACs (``at_cost``; a method with
+``needs_images`` chooses its setting on unlabeled images given there).
+
+amod's own methods register when ``amod`` is imported, found without a list: every module of the package whose
+source registers a method (a line ``@register_method``) is imported (``load_builtin_methods``), so a new built-in is
+one module. An installed package makes its methods known through the entry-point group ``amod.methods``
+(``ENTRY_POINT_GROUP``), loaded the first time the registry is consulted. A file names the method that wrote it
+(``METHOD_ENTRY``); one whose method is not registered is refused, never opened as a dense model. The command line's
+older method options (``--router``, ``--tome-cost``, ...) are ``amod.shorthand``'s.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.metadata
 import json
 import math
 import os
+import re
 import sys
 import traceback
 import types
@@ -35,28 +36,16 @@ import torch
 from torch import nn
 
 from .family import weightless_copy
-from .cost import flops, validate_cost
-from .mod.calibrate import (DEFAULT_PROTECTS, DEFAULT_TILTS, calibrate, validate_calibration_router, validate_protects,
-                             validate_stages, validate_tilts)
-from .mod.config import (LAYER_PRESETS, MoDConfig, validate_capacity, validate_protect, validate_router, validate_shape,
-                          validate_skipped)
-from .mod.modes import skipped_mode, skipped_mode_names
-from .mod.routers import vit_routers
-from .mod.convert import DEFAULT_LAYERS, capacity_for_cost, convert
-from .mod.isoflop import isoflop_baseline
-from . import tome
-from .tome import pitome
+from .cost import flops
 from .errors import UserError
 
-Layers = Optional[Union[str, list[int], tuple[int, ...]]]
 
-
-def _as_list(value: Any) -> Any:
+def as_list(value: Any) -> Any:
     """A tuple as a list (what configurations and ``amod.convert`` take); anything else as it is."""
     return list(value) if isinstance(value, tuple) else value
 
 
-def _as_tuple(value: Any) -> Any:
+def as_tuple(value: Any) -> Any:
     """A list as a tuple (what the frozen method dataclasses hold, hashable); anything else as it is."""
     return tuple(value) if isinstance(value, list) else value
 
@@ -70,7 +59,7 @@ _ANY_ITEM = Union[int, float, bool, str]
 
 
 def _settable(tp: Any) -> bool:
-    """Whether a spec string can set a field of type hint ``tp`` (``_parse_value`` reads it)."""
+    """Whether a spec string can set a field of type hint ``tp`` (``parse_value`` reads it)."""
     if tp in (int, float, bool, str, type(None), tuple, list):
         return True
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -139,7 +128,7 @@ class Method:
     def spec(self) -> str:
         """The spec string that selects this method (``parse_method``): its kind, then the fields that differ from
         their defaults, e.g. ``tome:cost=0.5``."""
-        given = [f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        given = [f"{f.name}={spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
                  if getattr(self, f.name) != f.default]
         return self.kind + (":" + ",".join(given) if given else "")
 
@@ -159,7 +148,7 @@ class Method:
         given."""
         if getattr(self, "metadata_key", None) is None:  # Dense
             return {}
-        return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
+        return {self.metadata_key: json.dumps({f.name: as_list(getattr(self, f.name))
                                                for f in dataclasses.fields(self)})}
 
     @classmethod
@@ -181,7 +170,7 @@ class Method:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise UserError(f"{cls.metadata_key}: unknown fields {unknown}; {cls.kind} has {', '.join(names)}")
-        return cls(**{k: _as_tuple(v) for k, v in data.items()})
+        return cls(**{k: as_tuple(v) for k, v in data.items()})
 
     @classmethod
     def of_model(cls, model: nn.Module) -> Optional["Method"]:
@@ -199,7 +188,7 @@ class Method:
         """The fields of its setting for a cost (``setting_fields``, and ``cost``) that this method gives other than
         their defaults, as ``name=value``: what ``at_cost`` would replace."""
         names = dict.fromkeys((*self.setting_fields, "cost"))
-        return [f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        return [f"{f.name}={spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
                 if f.name in names and getattr(self, f.name) != f.default]
 
     def seeded(self, seed: int) -> "Method":
@@ -208,14 +197,14 @@ class Method:
         return self
 
 
-# The registered method classes by kind, in lookup order (the first whose metadata or model matches is the one;
-# ``Dense``, the fallback, is asked last). ``register_method`` adds to it; the lookups below (``method_classes``,
-# ``method_kinds``, ``parse_method``, ``method_from_metadata``) first load the installed packages' methods.
+# The registered method classes by kind (``method_classes``: in lookup order, ``Dense``, the fallback, last).
+# ``register_method`` adds to it; the lookups below (``method_classes``, ``method_kinds``, ``parse_method``,
+# ``method_from_metadata``) first load amod's own methods and the installed packages'.
 METHOD_CLASSES: dict[str, type[Method]] = {}
 
 # the entry-point group through which an installed package registers methods: ``NAME = module`` (importing the module
 # registers them with ``@register_method``) or ``NAME = module:Class`` (that class, registered if it is not yet).
-# amod's own methods register when amod is imported; the group is for other packages.
+# amod's own methods register when amod is imported (``load_builtin_methods``); the group is for other packages.
 ENTRY_POINT_GROUP = "amod.methods"
 # a file's metadata entry naming the kind of the method that wrote it (files written before it name a method only by
 # its ``metadata_key`` entry)
@@ -228,6 +217,7 @@ PROVIDER_ENTRY = "amod.method.provider"
 _FILE_ENTRIES = ("amod.format", "amod.model", METHOD_ENTRY)
 
 _plugins = {"loaded": False, "loading": False}
+_builtins = {"loaded": False}
 
 
 @dataclass(frozen=True)
@@ -388,11 +378,44 @@ def _entry_point_text(entry: importlib.metadata.EntryPoint) -> str:
     return f"the {ENTRY_POINT_GROUP} entry point {entry.name} = {entry.value}{package}"
 
 
+# a module that registers a method: one with a line that starts with the decorator (not a mention in a docstring)
+_REGISTERS = re.compile(r"^@register_method\b", re.MULTILINE)
+
+
+def builtin_method_modules() -> list[str]:
+    """The modules of the ``amod`` package that register methods, by name, in path order: every one whose source has a
+    line starting ``@register_method``. Read from the source tree, so that a new built-in method is its own module
+    and no list names it."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                if not _REGISTERS.search(f.read()):
+                    continue
+            parts = os.path.relpath(path, root)[:-3].split(os.sep)
+            found.append(".".join([__name__.rpartition(".")[0], *(parts[:-1] if parts[-1] == "__init__" else parts)]))
+    return found
+
+
+def load_builtin_methods() -> None:
+    """Import amod's modules that register methods (``builtin_method_modules``; once: ``import amod`` and the
+    registry's lookups call it), so that every built-in is registered whichever of amod's modules was imported."""
+    if _builtins["loaded"]:
+        return
+    _builtins["loaded"] = True  # (set first: a module imported here may consult the registry)
+    for name in builtin_method_modules():
+        importlib.import_module(name)
+
+
 def load_method_plugins() -> None:
     """Register the methods of the installed packages' ``amod.methods`` entry points (once; the registry's lookups
     call it). An entry point that fails to load, names something that is not a method class or a module that
     registers one, or registers a kind another class has (a built-in's, or another package's) raises a UserError in
     one line naming it (and it is tried again at the next lookup)."""
+    load_builtin_methods()
     if _plugins["loaded"] or _plugins["loading"]:
         return
     _plugins["loading"] = True  # a plugin's module may consult the registry while it is imported
@@ -438,11 +461,22 @@ def registered_method(kind: str) -> Optional[type[Method]]:
     return METHOD_CLASSES.get(kind)
 
 
+def _builtin(cls: type[Method]) -> bool:
+    return cls.__module__.partition(".")[0] == __name__.partition(".")[0]
+
+
 def method_classes() -> tuple[type[Method], ...]:
-    """The registered method classes in lookup order: as registered, ``Dense`` last."""
+    """The registered method classes in lookup order: amod's own by kind, then other packages' as registered,
+    ``Dense`` last. (An order that does not hang on which module was imported first: the lookups ask each class in
+    turn, and a model or file is any one method's only.)"""
     load_method_plugins()
-    classes = tuple(c for c in METHOD_CLASSES.values() if c is not Dense)
-    return classes + (Dense,)
+    return _in_lookup_order()
+
+
+def _in_lookup_order() -> tuple[type[Method], ...]:
+    classes = [c for c in METHOD_CLASSES.values() if c is not Dense]
+    ours = sorted((c for c in classes if _builtin(c)), key=lambda c: c.kind)
+    return (*ours, *(c for c in classes if not _builtin(c)), Dense)
 
 
 def metadata_keys() -> tuple[str, ...]:
@@ -496,6 +530,7 @@ def unregistered_method_error(what: str, source: str) -> UserError:
 def behaviour_versions() -> dict[str, int]:
     """The behaviour version of every registered method but dense, by kind: what a documented measurement records
     it was measured with (tests/test_docs_measured.py says which documented numbers a bump makes stale)."""
+    load_builtin_methods()
     return {kind: cls.behaviour for kind, cls in METHOD_CLASSES.items() if cls is not Dense}
 
 
@@ -557,7 +592,6 @@ def check_method_file(meta: dict[str, str], source: str) -> None:
         raise UserError(f"{source} holds a {cls.kind} model of behaviour version {version}, newer than this amod's "
                         f"{cls.kind} (version {cls.behaviour}): upgrade {owner} to open it")
 
-
 @dataclass(frozen=True)
 class Dense(Method):
     """The dense model as it is: no settings, no metadata entry of its own (a file of it names ``dense``)."""
@@ -577,330 +611,16 @@ class Dense(Method):
 
 
 METHOD_CLASSES[Dense.kind] = Dense  # the one method without settings or a metadata entry (register_method asks one)
-
 # what the near-tie grid changed, in every method that chooses tokens on scores
 NEAR_TIE_GRID = ("every choice made on scores rounded to a grid, near-ties broken by position "
                  "(amod.tokens.decision_key, amod 52c60d6)")
 
-
-@register_method
-@dataclass(frozen=True)
-class MoD(Method):
-    """Mixture-of-Depths: ``amod.convert`` with these arguments (and its defaults, ``MoDConfig``'s)."""
-
-    kind: ClassVar[str] = "mod"
-    setting_fields: ClassVar[tuple[str, ...]] = ("capacity",)
-    metadata_key: ClassVar[Optional[str]] = "amod.mod"
-    behaviour: ClassVar[int] = 2
-    behaviour_changes: ClassVar[dict[int, str]] = {2: NEAR_TIE_GRID}
-    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (2, None)
-    router: str = MoDConfig.router
-    capacity: float = MoDConfig.capacity
-    layers: Layers = None  # None: the skipped mode's default_layers ("all" for fold, "alternate" otherwise)
-    scale_output: Optional[bool] = None  # None: the router's default_scale_output
-    seed: int = MoDConfig.seed  # the router's seed (in a run: 0 leaves it to the run's --seed)
-    skipped: str = MoDConfig.skipped
-    protect: float = MoDConfig.protect  # fold only
-    shape: Optional[tuple[float, ...]] = None  # fold only: one capacity exponent per block (``amod.calibrate``)
-
-    def check(self) -> None:
-        validate_router(self.router)
-        validate_capacity(self.capacity)
-        validate_skipped(self.skipped)
-        validate_protect(self.protect)
-        validate_shape(self.shape)  # (its length: when it converts a model)
-        if isinstance(self.layers, str) and self.layers not in LAYER_PRESETS:
-            raise UserError(f"mod: layers must be one of {', '.join(LAYER_PRESETS)} or a list of block indices, got "
-                            f"{self.layers!r}")
-        if self.skipped != "fold":  # fold's settings would be dropped without a word by another mode
-            given = [f"{name}={_spec_value(getattr(self, name))}" for name, default in
-                     (("protect", MoDConfig.protect), ("shape", None)) if getattr(self, name) != default]
-            if given:
-                raise UserError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
-                                f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
-                                "skipped=fold or drop it")
-
-    def __repr__(self) -> str:
-        # shape is named only when set: a plain MoD keeps the repr that finished measurements are keyed by
-        shown = [f for f in dataclasses.fields(self) if f.name != "shape" or self.shape is not None]
-        return f"MoD({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
-
-    def seeded(self, seed: int) -> "MoD":
-        return self if self.seed else dataclasses.replace(self, seed=seed)  # (0: the run's seed)
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        layers = _as_list(self.layers)
-        return convert(model, router=self.router, capacity=self.capacity, layers=layers, scale_output=self.scale_output,
-                       seed=self.seed, skipped=self.skipped, protect=self.protect, shape=_as_list(self.shape))
-
-    def label(self) -> str:
-        return (f"{self.router}@{self.capacity:g}" + ("" if self.skipped == "bypass" else f" skipped={self.skipped}")
-                + (" shaped" if self.shape is not None else ""))
-
-    def setting_text(self) -> str:
-        layers = blocks = _as_list(self.layers)
-        if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
-            layers = f"{layers[0]}–{layers[-1]}"
-        text = f"C = {self.capacity:.3f}, blocks {layers}"
-        if self.skipped != "bypass":
-            text += f", skipped={self.skipped}"
-        if self.skipped == "fold":
-            text += f", protect {self.protect:g}" + ("" if self.router == "attention" else f" ({self.router})")
-        shape = list(self.shape or [])
-        if shape and 0 in shape and isinstance(blocks, list):  # a stage schedule: the blocks that reduce
-            stages = [(block, w) for block, w in zip(blocks, shape) if w != 0]
-            text += f", reduces in blocks {', '.join(str(block) for block, _ in stages)}"
-            if any(w != 1 for _, w in stages):
-                text += f", shape {stages[0][1]:.2f}…{stages[-1][1]:.2f}"
-        elif shape:  # a calibrated schedule: the first and last blocks' exponents
-            text += f", shape {shape[0]:.2f}…{shape[-1]:.2f}"
-        return text
-
-    def metadata(self) -> dict[str, str]:
-        # the MoDConfig's JSON for a model's (resolved) method; None, a preset name where they are given
-        return {self.metadata_key: json.dumps({f.name: _as_list(getattr(self, f.name))
-                                               for f in dataclasses.fields(self)}, sort_keys=True)}
-
-    @classmethod
-    def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
-        data = cls.stored_settings(meta)
-        if data is None:
-            return None
-        config = MoDConfig.from_dict(data)  # (refuses keys it does not know)
-        if isinstance(config.layers, list) and isinstance(config.scale_output, bool):
-            return cls._of_config(config)  # a model's: what every file holds
-        return cls(**{k: _as_tuple(v) for k, v in data.items()})  # a method's, as given (resolved when applied)
-
-    @classmethod
-    def of_model(cls, model: nn.Module) -> Optional["MoD"]:
-        config = getattr(model, "amod_config", None)
-        return None if config is None else cls._of_config(config)
-
-    @classmethod
-    def _of_config(cls, config: MoDConfig) -> "MoD":
-        fields = {**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": _as_tuple(config.shape)}
-        if fields["skipped"] != "fold":  # (amod.convert takes a protect for any mode; only fold reads it)
-            fields["protect"] = MoDConfig.protect
-        return cls(**fields)
-
-    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "MoD":
-        # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for
-        model = dataclasses.replace(self, capacity=1.0).apply(weightless_copy(dense))
-        return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))
-
-
-def _one_of(kind: str, method: Method, names: tuple[str, str], meanings: tuple[str, str]) -> None:
+def refuse_both(kind: str, method: Method, names: tuple[str, str], meanings: tuple[str, str]) -> None:
     """Refuse ``method`` where both of the fields ``names`` (one setting, two ways) are given."""
     if all(getattr(method, n) is not None for n in names):
-        given = ", ".join(f"{n}={_spec_value(getattr(method, n))}" for n in names)
+        given = ", ".join(f"{n}={spec_value(getattr(method, n))}" for n in names)
         raise UserError(f"{kind}: give {names[0]} ({meanings[0]}) or {names[1]} ({meanings[1]}), not both; got "
                         f"{given}")
-
-
-def _merging_metadata(fields: dict[str, Any]) -> str:
-    """A token-merging method's metadata entry: the fields that are set."""
-    return json.dumps({k: _as_list(v) for k, v in fields.items() if v is not None})
-
-
-@register_method
-@dataclass(frozen=True)
-class TokenMerging(Method):
-    """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
-
-    kind: ClassVar[str] = "tome"
-    setting_fields: ClassVar[tuple[str, ...]] = ("r", "cost")
-    metadata_key: ClassVar[Optional[str]] = "amod.tome"
-    # older files name ToMe "amod.merge", which is also the name of a skipped mode: read, never written
-    former_metadata_keys: ClassVar[tuple[str, ...]] = ("amod.merge",)
-    behaviour: ClassVar[int] = 2
-    behaviour_changes: ClassVar[dict[int, str]] = {2: NEAR_TIE_GRID}
-    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (2, None)
-    r: Optional[Union[int, tuple[int, ...]]] = None
-    cost: Optional[float] = None
-
-    def check(self) -> None:
-        _one_of(self.kind, self, ("r", "cost"), ("tokens merged per block", "a share of the dense MACs"))
-        if self.cost is not None:
-            validate_cost(self.cost, f"{self.kind}: cost")
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        r = _as_list(self.r)
-        return tome.apply(model, r=r, cost=self.cost)
-
-    def label(self) -> str:
-        if self.cost is not None:
-            return f"tome@{self.cost:g}"
-        return f"tome r={_as_list(self.r)}"
-
-    def setting_text(self) -> str:
-        if self.r is None and self.cost is None:
-            return self.spec()  # not set yet
-        return f"r = {_as_list(self.r)}" if self.r is not None else f"cost {self.cost:g}"
-
-    def metadata(self) -> dict[str, str]:
-        # a model's schedule under "schedule", the name files have always had; a cost where one is given
-        return {self.metadata_key: _merging_metadata({"schedule": self.r, "cost": self.cost})}
-
-    @classmethod
-    def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
-        data = cls.stored_settings(meta)
-        if data is None:
-            return None
-        return cls(r=_as_tuple(data.get("schedule")), cost=data.get("cost"))
-
-    @classmethod
-    def of_model(cls, model: nn.Module) -> Optional["TokenMerging"]:
-        merging = getattr(model, "amod_tome", None)
-        return None if merging is None else cls(r=tuple(merging.schedule))
-
-    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "TokenMerging":
-        return TokenMerging(r=tuple(tome.schedule_for_cost(dense, cost, tolerance=1.0)))  # closest; a miss is flagged
-
-
-@register_method
-@dataclass(frozen=True)
-class PiToMe(Method):
-    """PiToMe (``amod.pitome``): every block keeps the share ``keep`` of its patch tokens, or ``cost``."""
-
-    kind: ClassVar[str] = "pitome"
-    setting_fields: ClassVar[tuple[str, ...]] = ("keep", "cost")
-    metadata_key: ClassVar[Optional[str]] = "amod.pitome"
-    behaviour: ClassVar[int] = 3
-    behaviour_changes: ClassVar[dict[int, str]] = {
-        2: "the public algorithm's schedule: the first half of the blocks match every token, margin 0.75 - 0.75 l/L "
-           "(amod 838defc)",
-        3: NEAR_TIE_GRID}
-    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (3, None)
-    keep: Optional[float] = None
-    cost: Optional[float] = None
-
-    def check(self) -> None:
-        _one_of(self.kind, self, ("keep", "cost"), ("the share of its patch tokens each block keeps",
-                                                    "a share of the dense MACs"))
-        if self.cost is not None:
-            validate_cost(self.cost, f"{self.kind}: cost")
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        return pitome.apply(model, keep=self.keep, cost=self.cost)
-
-    def label(self) -> str:
-        return f"pitome@{self.cost:g}" if self.cost is not None else f"pitome keep={self.keep:g}"
-
-    def setting_text(self) -> str:
-        if self.keep is None and self.cost is None:
-            return self.spec()  # not set yet
-        return f"keep {self.keep:g} a block" if self.keep is not None else f"cost {self.cost:g}"
-
-    def metadata(self) -> dict[str, str]:
-        return {self.metadata_key: _merging_metadata({"keep": self.keep, "cost": self.cost})}
-
-    @classmethod
-    def from_metadata(cls, meta: dict[str, str]) -> Optional["PiToMe"]:
-        data = cls.stored_settings(meta)
-        if data is None:
-            return None
-        keep, cost = data.get("keep"), data.get("cost")
-        return cls(keep=None if keep is None else float(keep), cost=None if cost is None else float(cost))
-
-    @classmethod
-    def of_model(cls, model: nn.Module) -> Optional["PiToMe"]:
-        config = getattr(model, "amod_pitome", None)
-        return None if config is None else cls(keep=config.keep)
-
-    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "PiToMe":
-        model = PiToMe(keep=1.0).apply(weightless_copy(dense))
-        return PiToMe(keep=pitome.keep_for_cost(model, cost, tolerance=1.0))  # closest; a miss is flagged
-
-
-@register_method
-@dataclass(frozen=True)
-class IsoFLOP(Method):
-    """The dense baseline of an MoD setup: fewer blocks, the MoD model's cost (``amod.isoflop_baseline``). A file of
-    one is a dense model of the fewer blocks (its description) with this method's metadata, which marks it."""
-
-    kind: ClassVar[str] = "isoflop"
-    metadata_key: ClassVar[Optional[str]] = "amod.isoflop"
-    router: str = MoDConfig.router
-    capacity: float = MoDConfig.capacity
-    layers: Layers = DEFAULT_LAYERS  # the default MoD setup's ("alternate")
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        layers = _as_list(self.layers)
-        return isoflop_baseline(model, self.capacity, layers=layers or DEFAULT_LAYERS, router=self.router)
-
-    def restore(self, model: nn.Module) -> nn.Module:
-        # the file's description is of the fewer blocks already: marked, not cut again
-        model.amod_isoflop = {"router": self.router, "capacity": self.capacity, "layers": _as_list(self.layers)}
-        return model
-
-    @classmethod
-    def of_model(cls, model: nn.Module) -> Optional["IsoFLOP"]:
-        setup = getattr(model, "amod_isoflop", None)
-        if setup is None or "router" not in setup:
-            return None
-        return cls(router=setup["router"], capacity=setup["capacity"], layers=_as_tuple(setup["layers"]))
-
-    def label(self) -> str:
-        return f"isoflop@{self.capacity:g}"
-
-    def setting_text(self) -> str:
-        return f"isoFLOP of C = {self.capacity:.3f}, blocks {_as_list(self.layers)}"
-
-
-
-
-@register_method
-@dataclass(frozen=True)
-class Calibrated(Method):
-    """A-MoD fold on the per-block schedule (and protection) that ``amod.calibrate`` chooses at a cost on unlabeled
-    images: ``at_cost(dense, cost, images)`` is the calibrated ``MoD`` (with its ``shape``). It runs only once set to
-    a cost; its ``router`` decides what is protected (``"random"``: the control); ``stages``: the tokens fold in that
-    many blocks only (``amod.calibrate``'s stage schedules), None: in every block. A model it makes runs that ``MoD``
-    (``method_of``), which its file names; this method's own metadata (its fields) reads back as itself, and a file
-    of it is refused as ``apply`` is."""
-
-    kind: ClassVar[str] = "calibrated"
-    metadata_key: ClassVar[Optional[str]] = "amod.calibrated"
-    needs_images: ClassVar[bool] = True
-    router: str = MoDConfig.router
-    protects: tuple[float, ...] = DEFAULT_PROTECTS
-    tilts: tuple[float, ...] = DEFAULT_TILTS
-    stages: Optional[int] = None
-
-    def check(self) -> None:
-        validate_calibration_router(self.router)
-        validate_protects(self.protects)
-        validate_tilts(self.tilts)
-        validate_stages(self.stages)
-
-    def __repr__(self) -> str:
-        # stages is named only when set: the calibrations measured before it are keyed by the repr of before
-        shown = [f for f in dataclasses.fields(self) if f.name != "stages" or self.stages is not None]
-        return f"Calibrated({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
-
-    @classmethod
-    def of_model(cls, model: nn.Module) -> None:
-        return None  # a model it makes runs an MoD, which method_of finds (and its file names)
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        raise UserError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
-                        "(at_cost with images; amod calibrate saves a calibrated model to start from)")
-
-    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> MoD:
-        return self.calibrated(dense, cost, images)[0]
-
-    def calibrated(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor],
-                   closest: bool = True) -> tuple[MoD, dict[str, Any]]:
-        """The method at ``cost`` (``amod.calibrate`` on a copy of ``dense``) and what the calibration tried and
-        chose (the frontier's report): seconds, images, the chosen candidate's index and every candidate.
-        ``closest``: where no candidate comes within the cost tolerance, take the closest (a sweep flags the miss)
-        rather than refuse."""
-        if images is None:
-            raise UserError(f"{self.spec()} is set to a cost on unlabeled images; give images")
-        model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
-                          protects=self.protects, closest=closest, stages=self.stages)
-        return MoD.of_model(model), model.amod_calibration.report()
-
 
 def cost_of(method: Method, dense: nn.Module, img_size=None) -> float:
     """``method``'s cost as a share of the dense model's MACs (priced on a weightless copy)."""
@@ -947,153 +667,11 @@ def method_from_metadata(meta: dict[str, str]) -> Method:
             return method
     return Dense()
 
-
-# ---------------------------------------------------------------- shorthand: options that build a method
-
-@dataclass(frozen=True)
-class Shorthand:
-    """An option that sets one field of a built-in method: ``--capacity 0.5`` is ``mod:capacity=0.5``. The command
-    line's method flags are these (``amod train --router attention --capacity 0.5``), and so are the fields that run
-    configurations, report rows and checkpoints held before a run's method was its spec alone."""
-
-    name: str  # the option: its flag is --name with dashes, and older files hold it under this name
-    kind: str  # the method it sets a field of
-    field: Optional[str]  # that field (None: the option is a switch that makes the MoD setup this method, --isoflop)
-    selects: bool  # giving it selects its method (--router, --tome-cost); the others adjust a selected one
-    help: str
-    choices: Optional[Any] = None  # a function giving the allowed values, where the registry limits them
-
-
-SHORTHANDS: tuple[Shorthand, ...] = (
-    Shorthand("router", "mod", "router", True, "Mixture-of-Depths, its tokens ranked by this router",
-              vit_routers),
-    Shorthand("capacity", "mod", "capacity", False, f"share of patch tokens an MoD block processes (default "
-              f"{MoDConfig.capacity})"),
-    Shorthand("layers", "mod", "layers", False, "alternate | later | last-two-thirds | all | 1,3,5 (default: all for --skipped fold, "
-              "alternate otherwise)"),
-    Shorthand("scale_output", "mod", "scale_output", False, "true | false: scale a processed token's block output by "
-              "its router gate (default: per router)"),
-    Shorthand("router_seed", "mod", "seed", False, "seed of a router that draws (default: --seed)"),
-    Shorthand("skipped", "mod", "skipped", False, f"what MoD blocks do with skipped tokens (default "
-              f"{MoDConfig.skipped})", lambda: tuple(skipped_mode_names())),
-    Shorthand("protect", "mod", "protect", False, f"--skipped fold: share of a fold block's patch tokens the router "
-              f"protects (default {MoDConfig.protect})"),
-    Shorthand("shape", "mod", "shape", False, "--skipped fold: one capacity exponent per block, 1.6,1.4,...; block i "
-              "keeps capacity ** w_i of its patch tokens (amod calibrate prints one; default: all 1)"),
-    Shorthand("isoflop", "isoflop", None, False, "the dense isoFLOP baseline of --router/--capacity/--layers instead"),
-    Shorthand("tome_cost", "tome", "cost", True, "token merging (ToMe): the share of the dense MACs to match, e.g. "
-              "0.56"),
-    Shorthand("tome_r", "tome", "r", True, "token merging (ToMe): tokens merged per block, 8 or 8,8,6,..."),
-    Shorthand("pitome_cost", "pitome", "cost", True, "PiToMe: the share of the dense MACs to match, e.g. 0.56"),
-    Shorthand("pitome_keep", "pitome", "keep", True, "PiToMe: the share of its patch tokens every block keeps"),
-)
-SHORTHAND_NAMES = tuple(s.name for s in SHORTHANDS)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def shorthand_type(shorthand: Shorthand) -> Any:
-    """The type hint of the method field ``shorthand`` sets (bool for a switch)."""
-    if shorthand.field is None:
-        return bool
-    return typing.get_type_hints(registered_method(shorthand.kind))[shorthand.field]
-
-
-def parse_shorthand(shorthand: Shorthand, text: str) -> Any:
-    """A flag's text as the value of the field it sets: as in a spec (``parse_method``), and lists also without
-    brackets (``--layers 1,3,5``, ``--tome-r 8,8,6``; numbers are never a name: ``--layers 5`` is block 5). Raises a
-    UserError saying what is allowed."""
-    tp = shorthand_type(shorthand)
-    text = text.strip()
-    numbers = bool(text) and all(t.strip().lstrip("-").replace(".", "", 1).isdigit() for t in text.split(",")
-                                 if t.strip())
-    if text.startswith("[") or not numbers:
-        candidates = [text]
-    else:
-        candidates = [f"[{text}]"] if "," in text else [text, f"[{text}]"]
-    for candidate in candidates:
-        try:
-            value = _parse_value(candidate, tp)
-        except ValueError:
-            continue
-        if not (numbers and isinstance(value, str)):
-            return value
-    raise UserError(f"{_flag(shorthand.name)} must be {_type_name(tp)}, got {text!r}")
-
-
-def method_from_shorthand(values: dict[str, Any], lenient: bool = False) -> Optional[Method]:
-    """The method that shorthand options select (``SHORTHANDS``, by name; None values count as not given), or None
-    where none selects one. Refuses, in one line naming the options, two methods, an option of another method than
-    the one selected, and --isoflop without --router; the method's own ``check`` refuses bad values.
-
-    ``lenient``: read the fields an older run configuration or report row holds, where every option is present at
-    its default: options of a method not selected are dropped, as that code dropped them, and so are fold's options
-    of another skipped mode and the skipped mode's default layers (written out by that code)."""
-    given = {s.name: values[s.name] for s in SHORTHANDS  # (a switch given as false is not given)
-             if values.get(s.name) is not None and not (s.field is None and values[s.name] is False)}
-    kinds = list(dict.fromkeys(s.kind for s in SHORTHANDS if s.selects and s.name in given))
-    if "isoflop" in given:
-        if "mod" not in kinds:
-            raise UserError("--isoflop needs the MoD setup to match: give --router, --capacity and --layers")
-        kinds[kinds.index("mod")] = "isoflop"
-    if len(kinds) > 1:
-        raise UserError(" and ".join(", ".join(_flag(s.name) for s in SHORTHANDS if s.name in given and s.selects
-                                               and (s.kind == k or (k == "isoflop" and s.kind == "mod")))
-                                     for k in kinds) + " select two methods; give the options of one")
-    if not kinds:
-        return None
-    cls = registered_method(kinds[0])
-    names = {f.name for f in dataclasses.fields(cls)}
-    fields, foreign = {}, []
-    for s in SHORTHANDS:
-        if s.name not in given or s.field is None:
-            continue
-        if s.field in names and (s.kind == cls.kind or cls.kind == "isoflop"):
-            fields[s.field] = _as_tuple(given[s.name])
-        else:
-            foreign.append(_flag(s.name))
-    if foreign and not lenient:
-        raise UserError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to "
-                        f"{cls.kind} ({', '.join(_flag(s.name) for s in SHORTHANDS if s.selects and s.name in given)})")
-    if lenient and cls is MoD:
-        skipped = fields.get("skipped", MoDConfig.skipped)
-        if skipped != "fold":
-            fields.pop("protect", None)
-            fields.pop("shape", None)
-        if fields.get("layers") == skipped_mode(skipped).default_layers:
-            fields.pop("layers")
-    return cls(**fields)
-
-
-def with_shorthand(method: Method, options: dict[str, Any]) -> Method:
-    """``method`` with the fields that the shorthand ``options`` (by name; None: not given) set: each sets the field
-    of its name (``--capacity 0.25`` on ``mod:capacity=0.125``, ``--router random`` on ``calibrated``); an option
-    that names no field of ``method`` is refused in one line."""
-    given = [s for s in SHORTHANDS if options.get(s.name) is not None]
-    names = {f.name for f in dataclasses.fields(method)}
-    foreign = [_flag(s.name) for s in given if s.field not in names]
-    if foreign:
-        raise UserError(f"{', '.join(foreign)} {'does' if len(foreign) == 1 else 'do'} not apply to {method.spec()}")
-    return dataclasses.replace(method, **{s.field: _as_tuple(options[s.name]) for s in given})
-
-
-def setting_text_of(setting: Union[str, dict[str, Any]]) -> str:
-    """A report's setting column for a row's ``setting``: the spec of the method it measured, or (a row written before
-    rows held specs) the shorthand options of it; the method is rebuilt and asked for its ``setting_text``."""
-    if isinstance(setting, str):
-        return parse_method(setting).setting_text()
-    if setting.get("method_spec"):
-        return parse_method(setting["method_spec"]).setting_text()
-    return (method_from_shorthand(setting, lenient=True) or Dense()).setting_text()
-
-
 # ---------------------------------------------------------------- spec strings: KIND:FIELD=VALUE,...
 
-def _spec_value(value: Any) -> str:
+def spec_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_spec_value(v) for v in value) + "]"
+        return "[" + ",".join(spec_value(v) for v in value) + "]"
     if value is None:
         return "none"
     if isinstance(value, bool):
@@ -1101,7 +679,7 @@ def _spec_value(value: Any) -> str:
     return str(value)
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     names = {int: "an integer", float: "a number", str: "a name", bool: "true or false", type(None): "none"}
     if tp in names:
         return names[tp]
@@ -1109,9 +687,9 @@ def _type_name(tp: Any) -> str:
         return "a list [...]"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if _is_union(origin):
-        return " or ".join(_type_name(a) for a in args)
+        return " or ".join(type_name(a) for a in args)
     if origin in (list, tuple):
-        return f"a list [{_type_name(args[0])}, ...]"
+        return f"a list [{type_name(args[0])}, ...]"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -1128,7 +706,7 @@ def _split(text: str) -> list[str]:
     return parts + [current]
 
 
-def _parse_value(text: str, tp: Any) -> Any:
+def parse_value(text: str, tp: Any) -> Any:
     """``text`` as a value of the type hint ``tp``; raises ValueError where it is not one."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     text = text.strip()
@@ -1137,7 +715,7 @@ def _parse_value(text: str, tp: Any) -> Any:
     if _is_union(origin):
         for option in sorted(args, key=lambda a: a is str):  # a name last: "[1,3]" is a list, not a name
             try:
-                return _parse_value(text, option)
+                return parse_value(text, option)
             except ValueError:
                 pass
         raise UserError(text)
@@ -1166,7 +744,7 @@ def _parse_value(text: str, tp: Any) -> Any:
         if not (text.startswith("[") and text.endswith("]")):
             raise UserError(text)
         inner = text[1:-1].strip()
-        return tuple(_parse_value(v, args[0]) for v in (_split(inner) if inner else []))
+        return tuple(parse_value(v, args[0]) for v in (_split(inner) if inner else []))
     raise UserError(text)
 
 
@@ -1179,7 +757,7 @@ def method_kinds(strict: bool = True) -> tuple[str, ...]:
     except ValueError:
         if strict:
             raise
-    return tuple(METHOD_CLASSES)
+    return (Dense.kind, *(c.kind for c in _in_lookup_order() if c is not Dense))
 
 
 def parse_method(text: str) -> Method:
@@ -1206,7 +784,7 @@ def parse_method(text: str) -> Method:
         if name in values:
             raise UserError(f"{kind}: {name} is given twice in {text!r}")
         try:
-            values[name] = _parse_value(value, hints[name])
+            values[name] = parse_value(value, hints[name])
         except ValueError:
-            raise UserError(f"{kind}: {name} must be {_type_name(hints[name])}, got {value.strip()!r}") from None
+            raise UserError(f"{kind}: {name} must be {type_name(hints[name])}, got {value.strip()!r}") from None
     return cls(**values)

@@ -9,7 +9,9 @@ from typing import Any, Optional
 
 from ..checkpoint import read_metadata
 from ..families.detr import DetrFamily
-from ..methods import MoD, parse_method, with_shorthand
+from ..methods import parse_method
+from ..mod.convert import MoD
+from ..shorthand import with_shorthand
 from ..mod.routers import router_names
 from ..train.rundir import check_output_dir
 from ..errors import UserError

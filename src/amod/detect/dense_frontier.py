@@ -30,7 +30,11 @@ from ..errors import UserError
 from ..files import load_torch, torch_save, write_json, write_text
 from ..flags import flag, positive_int
 from ..hf.loading import hf_source
-from ..methods import Calibrated, MoD, PiToMe, TokenMerging, setting_text_of
+from ..mod.calibrate import Calibrated
+from ..mod.convert import MoD
+from ..shorthand import setting_text_of
+from ..tome.merging import TokenMerging
+from ..tome.pitome import PiToMe
 from ..patch_grid import patch_features
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir

@@ -10,7 +10,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..methods import Method, MoD, method_kinds, parse_method
+from ..methods import Method, method_kinds, parse_method
+from ..mod.convert import MoD
 from ..errors import UserError
 
 

@@ -34,7 +34,10 @@ from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
 from ..files import write_json, write_text
 from ..hf.loading import hf_source
-from ..methods import Method, MoD, TokenMerging, cost_of, setting_text_of
+from ..methods import cost_of, Method
+from ..mod.convert import MoD
+from ..shorthand import setting_text_of
+from ..tome.merging import TokenMerging
 from ..train import engine
 from ..checkpoint import load, load_weightless, open_model
 from ..train.data import DataInfo, build_datasets

@@ -8,7 +8,8 @@ import torch
 
 from ..files import dumps
 from ..cost import flops
-from ..methods import MoD, method_of
+from ..methods import method_of
+from ..mod.convert import MoD
 from ..mod.convert import set_capacity
 from ..checkpoint import open_model
 from ..families import family_of

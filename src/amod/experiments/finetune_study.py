@@ -42,7 +42,9 @@ from ..cost import same_cost
 from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..family import family_of
 from ..files import UnreadableFileError, load_torch
-from ..methods import Calibrated, Dense, Method, MoD
+from ..methods import Dense, Method
+from ..mod.calibrate import Calibrated
+from ..mod.convert import MoD
 from ..mod.convert import set_capacity
 from ..train import engine
 from ..train.any_cost import AnyCost

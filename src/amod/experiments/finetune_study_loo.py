@@ -34,7 +34,7 @@ from ..cost import same_cost
 from ..checkpoint import load
 from ..errors import UserError
 from ..files import atomic_write, write_json, write_text
-from ..methods import MoD
+from ..mod.convert import MoD
 from ..stats import bootstrap_mean_ci, spearman, spearman_ci
 from ..train.rundir import run_dir_name
 from .finetune_study_plan import LOO_ARMS, REFERENCE, FinetuneConfig, Planned

@@ -17,7 +17,11 @@ from torch import nn
 from ..checkpoint import load_weightless
 from ..cost import misses_cost, same_cost, validate_cost
 from ..family import family_of
-from ..methods import Calibrated, Dense, IsoFLOP, Method, MoD, TokenMerging
+from ..methods import Dense, Method
+from ..mod.calibrate import Calibrated
+from ..mod.convert import MoD
+from ..mod.isoflop import IsoFLOP
+from ..tome.merging import TokenMerging
 from ..train.distill import Distillation
 from .arms import Arm, refuse_own_costs, select
 from ..errors import UserError

@@ -14,7 +14,9 @@ from torch import nn
 from ..cost import CostReport, flops, img_size_of
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
-from ..methods import Dense, Method, MoD, TokenMerging, method_of
+from ..methods import Dense, Method, method_of
+from ..mod.convert import MoD
+from ..tome.merging import TokenMerging
 from ..mod.config import validate_capacity
 from ..mod.convert import lowest_capacity
 from ..mod.modes import skipped_mode

@@ -32,7 +32,12 @@ from ..checkpoint import check_dense_file, open_model
 from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..files import write_json, write_text
 from ..hf.loading import hf_source
-from ..methods import Calibrated, Method, MoD, PiToMe, TokenMerging, setting_text_of
+from ..methods import Method
+from ..mod.calibrate import Calibrated
+from ..mod.convert import MoD
+from ..shorthand import setting_text_of
+from ..tome.merging import TokenMerging
+from ..tome.pitome import PiToMe
 from ..mod.calibrate import CHOSEN_COLUMNS, chosen_cells
 from ..train import engine
 from ..train.data import build_datasets

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ..files import atomic_write, dumps, write_text
-from ..methods import IsoFLOP, MoD
+from ..mod.convert import MoD
+from ..mod.isoflop import IsoFLOP
 from ..mod.config import validate_capacity
 from ..train import engine
 from ..checkpoint import load

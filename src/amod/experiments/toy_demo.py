@@ -19,7 +19,9 @@ import torch
 
 from ..cost import flops
 from ..files import write_json, write_text
-from ..methods import IsoFLOP, Method, MoD
+from ..methods import Method
+from ..mod.convert import MoD
+from ..mod.isoflop import IsoFLOP
 from ..train import engine
 from ..checkpoint import load
 from ..train.config import RunConfig

@@ -35,7 +35,7 @@ import math
 import time
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +43,9 @@ from torch import nn
 
 from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..family import family_of
+from ..methods import Method, register_method
 from .config import MoDConfig, validate_protect
-from .convert import capacity_for_cost, convert, get_config
+from .convert import MoD, capacity_for_cost, convert, get_config
 from .routers import router_class
 from ..errors import UserError
 
@@ -334,3 +335,57 @@ def calibrate(model: nn.Module, images: torch.Tensor, cost: float = 0.5, router:
 def _candidate_text(tilt: float, protect: float, blocks: Optional[Sequence[int]]) -> str:
     """A candidate as the log names it: ``tilt +1, protect 0.1`` (and ``in blocks 1, 4, 7``)."""
     return f"tilt {tilt:+g}, protect {protect:g}" + ("" if blocks is None else f", in blocks {blocks_text(blocks)}")
+
+# ---------------------------------------------------------------- the method
+
+@register_method
+@dataclass(frozen=True)
+class Calibrated(Method):
+    """A-MoD fold on the per-block schedule (and protection) that ``amod.calibrate`` chooses at a cost on unlabeled
+    images: ``at_cost(dense, cost, images)`` is the calibrated ``MoD`` (with its ``shape``). It runs only once set to
+    a cost; its ``router`` decides what is protected (``"random"``: the control); ``stages``: the tokens fold in that
+    many blocks only (``amod.calibrate``'s stage schedules), None: in every block. A model it makes runs that ``MoD``
+    (``method_of``), which its file names; this method's own metadata (its fields) reads back as itself, and a file
+    of it is refused as ``apply`` is."""
+
+    kind: ClassVar[str] = "calibrated"
+    metadata_key: ClassVar[Optional[str]] = "amod.calibrated"
+    needs_images: ClassVar[bool] = True
+    router: str = MoDConfig.router
+    protects: tuple[float, ...] = DEFAULT_PROTECTS
+    tilts: tuple[float, ...] = DEFAULT_TILTS
+    stages: Optional[int] = None
+
+    def check(self) -> None:
+        validate_calibration_router(self.router)
+        validate_protects(self.protects)
+        validate_tilts(self.tilts)
+        validate_stages(self.stages)
+
+    def __repr__(self) -> str:
+        # stages is named only when set: the calibrations measured before it are keyed by the repr of before
+        shown = [f for f in dataclasses.fields(self) if f.name != "stages" or self.stages is not None]
+        return f"Calibrated({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> None:
+        return None  # a model it makes runs an MoD, which method_of finds (and its file names)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        raise UserError(f"{self.spec()} chooses its schedule at a cost on unlabeled images: set it to a cost first "
+                        "(at_cost with images; amod calibrate saves a calibrated model to start from)")
+
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> MoD:
+        return self.calibrated(dense, cost, images)[0]
+
+    def calibrated(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor],
+                   closest: bool = True) -> tuple[MoD, dict[str, Any]]:
+        """The method at ``cost`` (``amod.calibrate`` on a copy of ``dense``) and what the calibration tried and
+        chose (the frontier's report): seconds, images, the chosen candidate's index and every candidate.
+        ``closest``: where no candidate comes within the cost tolerance, take the closest (a sweep flags the miss)
+        rather than refuse."""
+        if images is None:
+            raise UserError(f"{self.spec()} is set to a cost on unlabeled images; give images")
+        model = calibrate(copy.deepcopy(dense), images, cost, router=self.router, tilts=self.tilts,
+                          protects=self.protects, closest=closest, stages=self.stages)
+        return MoD.of_model(model), model.amod_calibration.report()

@@ -5,12 +5,15 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..static import StaticNumbers
 from .modes import skipped_mode, skipped_mode_names
 from .routers import ROUTER_CLASSES, router_class
 from ..errors import UserError
+
+# a method's layers: a preset's name or block indices (None: the skipped mode's default)
+Layers = Optional[Union[str, list[int], tuple[int, ...]]]
 
 LAYER_PRESETS = ("alternate", "later", "last-two-thirds", "all")
 

@@ -5,16 +5,21 @@ pattern it hands the blocks to the skipped mode (``amod.mod.modes``), which says
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import warnings
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from ..cost import closest_setting, flops, token_sizes, validate_cost
-from ..family import family_of
+from ..family import family_of, weightless_copy
+from ..methods import NEAR_TIE_GRID, Method, as_list, as_tuple, register_method, spec_value
 from .block import RoutedForward
-from .config import (MoDConfig, resolve_layers, validate_capacity, validate_protect, validate_router, validate_shape,
-                     validate_skipped)
+from .config import (LAYER_PRESETS, Layers, MoDConfig, resolve_layers, validate_capacity, validate_protect,
+                     validate_router, validate_shape, validate_skipped)
 from .fold import FoldBlock
 from .modes import skipped_mode
 from .routers import router_class
@@ -181,3 +186,110 @@ def capacity_for_cost(model: nn.Module, cost: float, img_size=None) -> float:
     # the largest first: of two capacities equally close, the larger
     return closest_setting(cost, sorted(set(candidates), reverse=True),
                            lambda c: flops(model, img_size, capacity=c).ratio)[0]
+
+# ---------------------------------------------------------------- the method
+
+@register_method
+@dataclass(frozen=True)
+class MoD(Method):
+    """Mixture-of-Depths: ``amod.convert`` with these arguments (and its defaults, ``MoDConfig``'s)."""
+
+    kind: ClassVar[str] = "mod"
+    setting_fields: ClassVar[tuple[str, ...]] = ("capacity",)
+    metadata_key: ClassVar[Optional[str]] = "amod.mod"
+    behaviour: ClassVar[int] = 2
+    behaviour_changes: ClassVar[dict[int, str]] = {2: NEAR_TIE_GRID}
+    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (2, None)
+    router: str = MoDConfig.router
+    capacity: float = MoDConfig.capacity
+    layers: Layers = None  # None: the skipped mode's default_layers ("all" for fold, "alternate" otherwise)
+    scale_output: Optional[bool] = None  # None: the router's default_scale_output
+    seed: int = MoDConfig.seed  # the router's seed (in a run: 0 leaves it to the run's --seed)
+    skipped: str = MoDConfig.skipped
+    protect: float = MoDConfig.protect  # fold only
+    shape: Optional[tuple[float, ...]] = None  # fold only: one capacity exponent per block (``amod.calibrate``)
+
+    def check(self) -> None:
+        validate_router(self.router)
+        validate_capacity(self.capacity)
+        validate_skipped(self.skipped)
+        validate_protect(self.protect)
+        validate_shape(self.shape)  # (its length: when it converts a model)
+        if isinstance(self.layers, str) and self.layers not in LAYER_PRESETS:
+            raise UserError(f"mod: layers must be one of {', '.join(LAYER_PRESETS)} or a list of block indices, got "
+                            f"{self.layers!r}")
+        if self.skipped != "fold":  # fold's settings would be dropped without a word by another mode
+            given = [f"{name}={spec_value(getattr(self, name))}" for name, default in
+                     (("protect", MoDConfig.protect), ("shape", None)) if getattr(self, name) != default]
+            if given:
+                raise UserError(f"mod: {' and '.join(given)} set{'s' if len(given) == 1 else ''} what "
+                                f"skipped=fold protects and folds; skipped={self.skipped} has neither: give "
+                                "skipped=fold or drop it")
+
+    def __repr__(self) -> str:
+        # shape is named only when set: a plain MoD keeps the repr that finished measurements are keyed by
+        shown = [f for f in dataclasses.fields(self) if f.name != "shape" or self.shape is not None]
+        return f"MoD({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
+    def seeded(self, seed: int) -> "MoD":
+        return self if self.seed else dataclasses.replace(self, seed=seed)  # (0: the run's seed)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        layers = as_list(self.layers)
+        return convert(model, router=self.router, capacity=self.capacity, layers=layers, scale_output=self.scale_output,
+                       seed=self.seed, skipped=self.skipped, protect=self.protect, shape=as_list(self.shape))
+
+    def label(self) -> str:
+        return (f"{self.router}@{self.capacity:g}" + ("" if self.skipped == "bypass" else f" skipped={self.skipped}")
+                + (" shaped" if self.shape is not None else ""))
+
+    def setting_text(self) -> str:
+        layers = blocks = as_list(self.layers)
+        if isinstance(layers, list) and layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+            layers = f"{layers[0]}–{layers[-1]}"
+        text = f"C = {self.capacity:.3f}, blocks {layers}"
+        if self.skipped != "bypass":
+            text += f", skipped={self.skipped}"
+        if self.skipped == "fold":
+            text += f", protect {self.protect:g}" + ("" if self.router == "attention" else f" ({self.router})")
+        shape = list(self.shape or [])
+        if shape and 0 in shape and isinstance(blocks, list):  # a stage schedule: the blocks that reduce
+            stages = [(block, w) for block, w in zip(blocks, shape) if w != 0]
+            text += f", reduces in blocks {', '.join(str(block) for block, _ in stages)}"
+            if any(w != 1 for _, w in stages):
+                text += f", shape {stages[0][1]:.2f}…{stages[-1][1]:.2f}"
+        elif shape:  # a calibrated schedule: the first and last blocks' exponents
+            text += f", shape {shape[0]:.2f}…{shape[-1]:.2f}"
+        return text
+
+    def metadata(self) -> dict[str, str]:
+        # the MoDConfig's JSON for a model's (resolved) method; None, a preset name where they are given
+        return {self.metadata_key: json.dumps({f.name: as_list(getattr(self, f.name))
+                                               for f in dataclasses.fields(self)}, sort_keys=True)}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["MoD"]:
+        data = cls.stored_settings(meta)
+        if data is None:
+            return None
+        config = MoDConfig.from_dict(data)  # (refuses keys it does not know)
+        if isinstance(config.layers, list) and isinstance(config.scale_output, bool):
+            return cls._of_config(config)  # a model's: what every file holds
+        return cls(**{k: as_tuple(v) for k, v in data.items()})  # a method's, as given (resolved when applied)
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["MoD"]:
+        config = getattr(model, "amod_config", None)
+        return None if config is None else cls._of_config(config)
+
+    @classmethod
+    def _of_config(cls, config: MoDConfig) -> "MoD":
+        fields = {**dataclasses.asdict(config), "layers": tuple(config.layers), "shape": as_tuple(config.shape)}
+        if fields["skipped"] != "fold":  # (amod.convert takes a protect for any mode; only fold reads it)
+            fields["protect"] = MoDConfig.protect
+        return cls(**fields)
+
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "MoD":
+        # converted at full capacity (below a fold model's floor it would warn): the capacity is searched for
+        model = dataclasses.replace(self, capacity=1.0).apply(weightless_copy(dense))
+        return dataclasses.replace(MoD.of_model(model), capacity=capacity_for_cost(model, cost))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Union
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Union
 
 import numpy as np
 import timm
@@ -11,7 +12,8 @@ from torch import nn
 
 from ..cost import flops
 from ..family import family_of
-from .config import MoDConfig
+from .config import Layers, MoDConfig
+from ..methods import Method, as_list, as_tuple, register_method
 from .convert import DEFAULT_LAYERS, convert
 from ..errors import UserError
 
@@ -75,7 +77,43 @@ def isoflop_baseline(
         warnings.warn(
             f"isoFLOP baseline: {new_depth} dense blocks cost {got / target:.3f}x the MoD model; "
             "integer depth cannot match closer at this size", stacklevel=2)
-    # the MoD setup it matches (``amod.methods.IsoFLOP.of_model`` reads it; a loaded file has only these) and the match
+    # the MoD setup it matches (``IsoFLOP.of_model``, below, reads it; a loaded file has only these) and the match
     dense.amod_isoflop = {"router": router, "capacity": capacity, "layers": layers if isinstance(layers, str) else
                           list(layers), "kept_blocks": keep, "mod_macs": target, "macs": got, "dense_macs": dense_macs}
     return dense
+
+# ---------------------------------------------------------------- the method
+
+@register_method
+@dataclass(frozen=True)
+class IsoFLOP(Method):
+    """The dense baseline of an MoD setup: fewer blocks, the MoD model's cost (``amod.isoflop_baseline``). A file of
+    one is a dense model of the fewer blocks (its description) with this method's metadata, which marks it."""
+
+    kind: ClassVar[str] = "isoflop"
+    metadata_key: ClassVar[Optional[str]] = "amod.isoflop"
+    router: str = MoDConfig.router
+    capacity: float = MoDConfig.capacity
+    layers: Layers = DEFAULT_LAYERS  # the default MoD setup's ("alternate")
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        layers = as_list(self.layers)
+        return isoflop_baseline(model, self.capacity, layers=layers or DEFAULT_LAYERS, router=self.router)
+
+    def restore(self, model: nn.Module) -> nn.Module:
+        # the file's description is of the fewer blocks already: marked, not cut again
+        model.amod_isoflop = {"router": self.router, "capacity": self.capacity, "layers": as_list(self.layers)}
+        return model
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["IsoFLOP"]:
+        setup = getattr(model, "amod_isoflop", None)
+        if setup is None or "router" not in setup:
+            return None
+        return cls(router=setup["router"], capacity=setup["capacity"], layers=as_tuple(setup["layers"]))
+
+    def label(self) -> str:
+        return f"isoflop@{self.capacity:g}"
+
+    def setting_text(self) -> str:
+        return f"isoFLOP of C = {self.capacity:.3f}, blocks {as_list(self.layers)}"

@@ -21,6 +21,7 @@ usual pipeline.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence, Union
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from ..cost import COST_TOLERANCE, closest_setting, stepped_counts, token_sizes, validate_cost
 from ..family import family_of
+from ..methods import NEAR_TIE_GRID, Method, as_list, as_tuple, refuse_both, register_method
 from ..reduce import SizedSettings, SizedTokensBlock, per_block_counts, reduction_macs
 from ..tokens import TokenSizes, reduce_weighted
 from ..errors import UserError
@@ -190,3 +192,64 @@ def set_schedule(model: nn.Module, r: Union[int, Sequence[int]]) -> nn.Module:
         blk.amod.r = v
     config.schedule = schedule
     return model
+
+# ---------------------------------------------------------------- the method
+
+def merging_metadata(fields: dict[str, Any]) -> str:
+    """A token-merging method's metadata entry: the fields that are set."""
+    return json.dumps({k: as_list(v) for k, v in fields.items() if v is not None})
+
+
+@register_method
+@dataclass(frozen=True)
+class TokenMerging(Method):
+    """Token merging (ToMe): ``r`` tokens merged per block (an int or one per block), or ``cost``."""
+
+    kind: ClassVar[str] = "tome"
+    setting_fields: ClassVar[tuple[str, ...]] = ("r", "cost")
+    metadata_key: ClassVar[Optional[str]] = "amod.tome"
+    # older files name ToMe "amod.merge", which is also the name of a skipped mode: read, never written
+    former_metadata_keys: ClassVar[tuple[str, ...]] = ("amod.merge",)
+    behaviour: ClassVar[int] = 2
+    behaviour_changes: ClassVar[dict[int, str]] = {2: NEAR_TIE_GRID}
+    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (2, None)
+    r: Optional[Union[int, tuple[int, ...]]] = None
+    cost: Optional[float] = None
+
+    def check(self) -> None:
+        refuse_both(self.kind, self, ("r", "cost"), ("tokens merged per block", "a share of the dense MACs"))
+        if self.cost is not None:
+            validate_cost(self.cost, f"{self.kind}: cost")
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        r = as_list(self.r)
+        return apply(model, r=r, cost=self.cost)
+
+    def label(self) -> str:
+        if self.cost is not None:
+            return f"tome@{self.cost:g}"
+        return f"tome r={as_list(self.r)}"
+
+    def setting_text(self) -> str:
+        if self.r is None and self.cost is None:
+            return self.spec()  # not set yet
+        return f"r = {as_list(self.r)}" if self.r is not None else f"cost {self.cost:g}"
+
+    def metadata(self) -> dict[str, str]:
+        # a model's schedule under "schedule", the name files have always had; a cost where one is given
+        return {self.metadata_key: merging_metadata({"schedule": self.r, "cost": self.cost})}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["TokenMerging"]:
+        data = cls.stored_settings(meta)
+        if data is None:
+            return None
+        return cls(r=as_tuple(data.get("schedule")), cost=data.get("cost"))
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["TokenMerging"]:
+        merging = getattr(model, "amod_tome", None)
+        return None if merging is None else cls(r=tuple(merging.schedule))
+
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "TokenMerging":
+        return TokenMerging(r=tuple(schedule_for_cost(dense, cost, tolerance=1.0)))  # closest; a miss is flagged

@@ -45,13 +45,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cost import COST_TOLERANCE, BlockPrice, closest_setting, flops, validate_cost
-from ..family import family_of
+from ..family import family_of, weightless_copy
+from ..methods import NEAR_TIE_GRID, Method, refuse_both, register_method
 from ..reduce import SizedSettings, SizedTokensBlock, reduction_macs
 from ..static import StaticNumbers
 from ..ops import as_float32
 from ..tokens import (TokenSizes, best_match, descending_order, image_rows, matched_destinations, order_of_keys,
                       reordered_destinations, with_sizes, without_sizes)
-from .merging import check_mergeable
+from .merging import check_mergeable, merging_metadata
 from ..errors import UserError
 
 ALPHA = 1.0  # the ELU's slope below the margin, the public code's
@@ -253,3 +254,59 @@ def keep_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float
         raise UserError(f"PiToMe cannot reach {cost:.3f} of dense on this model: the closest keep, {best / 1000:g}, "
                         f"costs {got:.3f}" + (" (each block merges at most half of its tokens)" if got > cost else ""))
     return best / 1000
+
+# ---------------------------------------------------------------- the method
+
+@register_method
+@dataclass(frozen=True)
+class PiToMe(Method):
+    """PiToMe (``amod.pitome``): every block keeps the share ``keep`` of its patch tokens, or ``cost``."""
+
+    kind: ClassVar[str] = "pitome"
+    setting_fields: ClassVar[tuple[str, ...]] = ("keep", "cost")
+    metadata_key: ClassVar[Optional[str]] = "amod.pitome"
+    behaviour: ClassVar[int] = 3
+    behaviour_changes: ClassVar[dict[int, str]] = {
+        2: "the public algorithm's schedule: the first half of the blocks match every token, margin 0.75 - 0.75 l/L "
+           "(amod 838defc)",
+        3: NEAR_TIE_GRID}
+    unrecorded_behaviour: ClassVar[tuple[Optional[int], Optional[int]]] = (3, None)
+    keep: Optional[float] = None
+    cost: Optional[float] = None
+
+    def check(self) -> None:
+        refuse_both(self.kind, self, ("keep", "cost"), ("the share of its patch tokens each block keeps",
+                                                    "a share of the dense MACs"))
+        if self.cost is not None:
+            validate_cost(self.cost, f"{self.kind}: cost")
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return apply(model, keep=self.keep, cost=self.cost)
+
+    def label(self) -> str:
+        return f"pitome@{self.cost:g}" if self.cost is not None else f"pitome keep={self.keep:g}"
+
+    def setting_text(self) -> str:
+        if self.keep is None and self.cost is None:
+            return self.spec()  # not set yet
+        return f"keep {self.keep:g} a block" if self.keep is not None else f"cost {self.cost:g}"
+
+    def metadata(self) -> dict[str, str]:
+        return {self.metadata_key: merging_metadata({"keep": self.keep, "cost": self.cost})}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Optional["PiToMe"]:
+        data = cls.stored_settings(meta)
+        if data is None:
+            return None
+        keep, cost = data.get("keep"), data.get("cost")
+        return cls(keep=None if keep is None else float(keep), cost=None if cost is None else float(cost))
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> Optional["PiToMe"]:
+        config = getattr(model, "amod_pitome", None)
+        return None if config is None else cls(keep=config.keep)
+
+    def at_cost(self, dense: nn.Module, cost: float, images: Optional[torch.Tensor] = None) -> "PiToMe":
+        model = PiToMe(keep=1.0).apply(weightless_copy(dense))
+        return PiToMe(keep=keep_for_cost(model, cost, tolerance=1.0))  # closest; a miss is flagged

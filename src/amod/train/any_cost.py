@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ..cost import COST_TOLERANCE, flops
-from ..methods import MoD, method_of
+from ..methods import method_of
+from ..mod.convert import MoD
 from ..mod.convert import capacity_for_cost, set_capacity
 from ..errors import UserError
 

@@ -3,7 +3,7 @@ values, each error naming the option and what is allowed), and how it is put tog
 defaults (or, when resuming, the run's own) <- a YAML file <- the flags.
 
 A run holds its method as its spec alone (``method_spec``; ``RunConfig.method()`` is the ``amod.methods`` object);
-the shorthand options that build one (``--router``, ``--tome-cost``, ...) are ``amod.methods.SHORTHANDS``, read here
+the shorthand options that build one (``--router``, ``--tome-cost``, ...) are ``amod.shorthand.SHORTHANDS``, read here
 when a run is put together, and when a ``config.yaml`` or checkpoint written before reads back. ``config.yaml`` and
 each training checkpoint hold ``RunConfig.to_dict()``. The loop that runs it is ``amod.train.run``.
 """
@@ -18,8 +18,9 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from ..methods import (SHORTHAND_NAMES, SHORTHANDS, Dense, Method, MoD, method_from_shorthand, parse_method,
-                       with_shorthand)
+from ..methods import Dense, Method, parse_method
+from ..mod.convert import MoD
+from ..shorthand import SHORTHANDS, SHORTHAND_NAMES, method_from_shorthand, with_shorthand
 from . import engine
 from ..flags import by_field_name, flag, load_yaml_config
 from .any_cost import NEEDS_MOD
@@ -278,7 +279,7 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
     """A run's configuration from: defaults (or, with ``resume``, the run's own) <- the YAML file <- flags.
 
     ``flags``: the options given on the command line, by field name, and the shorthand options of a method
-    (``amod.methods.SHORTHANDS``: router, capacity, tome_cost, ...), which a YAML file may hold too; they become the
+    (``amod.shorthand.SHORTHANDS``: router, capacity, tome_cost, ...), which a YAML file may hold too; they become the
     run's ``method_spec``. When resuming, anything given again must agree with the run (checked in ``train``).
     """
     yaml_values = by_field_name(RunConfig, load_yaml_config(config)) if config else {}  # (method: method_spec)

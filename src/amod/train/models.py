@@ -17,7 +17,8 @@ from torch import nn
 
 from .. import files
 from ..families import claimed, family_of
-from ..methods import Dense, Method, MoD, apply_found, method_from_metadata, method_of, parse_method
+from ..methods import apply_found, Dense, Method, method_from_metadata, method_of, parse_method
+from ..mod.convert import MoD
 from ..arch import set_input_size
 from ..mod.convert import set_capacity
 from ..checkpoint import load as load_amod, load_weightless, read_metadata
