@@ -34,7 +34,7 @@ def test_finetuning_an_mod_checkpoint_keeps_and_records_its_method_and_architect
     for name in ("model.safetensors", "checkpoint.pt", "summary.json", "metrics.jsonl", "config.yaml"):
         assert (out / name).stat().st_mode & 0o777 == 0o644, name  # the umask's permissions, not mkstemp's 0600
     config = yaml.safe_load((out / "config.yaml").read_text())
-    assert amod.methods.parse_method(config["method_spec"]) == amod.methods.MoD(layers=(1,), scale_output=False)
+    assert amod.methods.parse_method(config["method_spec"]) == amod.MoD(layers=(1,), scale_output=False)
     assert (config["model"], config["patch_size"], config["depth"], config["embed_dim"], config["num_heads"]) == \
         ("vit_tiny_patch16_224", 7, 2, 32, 2)
     assert strict_json((out / "summary.json").read_text())["variant"] == "attention@0.5"

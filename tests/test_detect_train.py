@@ -92,7 +92,7 @@ def test_a_conversion_is_one_spec_and_a_run_saved_with_router_and_layers_fields_
         tmp_path, monkeypatch, detector_files):
     cfg = DetectConfig(out=str(tmp_path / "run"), init=str(detector_files[0]), steps=2, eval_every=1, **TINY)
     cfg = cfg.with_shorthand({"router": "feature-norm", "layers": [1, 2]})
-    assert cfg.encoder_method() == amod.methods.MoD(router="feature-norm", layers=(1, 2))
+    assert cfg.encoder_method() == amod.MoD(router="feature-norm", layers=(1, 2))
     clip, calls = torch.nn.utils.clip_grad_norm_, []
 
     def dies_at_step_2(*args, **kwargs):

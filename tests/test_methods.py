@@ -12,7 +12,8 @@ import torch
 from conftest import images, make_model
 
 import amod
-from amod.methods import (Dense, file_metadata, metadata_keys, METHOD_CLASSES, method_classes, method_from_metadata, method_of, parse_method)
+from amod.methods import (METHOD_CLASSES, Dense, file_metadata, metadata_keys, method_classes, method_from_metadata,
+                          method_of, parse_method)
 from amod.mod.calibrate import Calibrated
 from amod.mod.convert import MoD
 from amod.mod.isoflop import IsoFLOP
@@ -344,3 +345,33 @@ def test_run_config_without_method_drops_every_method():
             continue
         cfg = RunConfig(method_spec=method.spec(), any_cost=[0.3, 0.9])
         assert cfg.without_method().method() == Dense() and cfg.without_method().any_cost is None
+
+
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_a_run_parses_its_method_once(command, checkpoints, tmp_path, capsys, monkeypatch):
+    """``amod train`` and ``amod finetune`` parse ``--method`` once: the run's settings hold the parsed method
+    (``RunConfig.declared_method``) through every copy, its checks, the model it builds and the files it writes."""
+    import sys
+
+    from conftest import SHORT, TINY, cli_in_process
+
+    import amod.cli
+    import amod.train.run  # noqa: F401 (the command's modules, imported before their parse_method is counted)
+    from amod import methods
+
+    calls, parse = [], methods.parse_method
+
+    def counted(text):
+        calls.append(text)
+        return parse(text)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("amod") and m is not None]:
+        if getattr(module, "parse_method", None) is parse:
+            monkeypatch.setattr(module, "parse_method", counted)
+    start = ["--checkpoint", str(checkpoints / "dense.safetensors")] if command == "finetune" else TINY
+    res = cli_in_process([command, *start, *SHORT, "--method", "mod:router=attention,capacity=0.50",
+                          "--out", str(tmp_path / "run")], capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert calls == ["mod:router=attention,capacity=0.50"]
+    assert amod.method_of(amod.load(tmp_path / "run" / "model.safetensors")) == MoD(router="attention", capacity=0.5,
+                                                                                      layers=(1,), scale_output=False)

@@ -99,11 +99,11 @@ class RunConfig:
         """Check every field; raises ValueError naming the option and what is allowed. Returns self."""
         check_types(self, "options")
         if self.method_spec is not None:
-            method = parse_method(self.method_spec)
+            method = self.declared_method()
             if method.needs_images:
                 raise UserError(f"--method {self.method_spec}: {method.kind} chooses its setting on unlabeled images; "
                                 "make the model with amod calibrate and start from it (--checkpoint)")
-            self.method_spec = None if isinstance(method, Dense) else method.spec()  # (one spelling per method)
+            self._keep_method(method)  # (one spelling per method)
         if self.amp not in ("off", "bf16"):
             raise UserError(f"--amp must be off or bf16, got {self.amp!r}")
         for name in ("epochs", "batch_size", "grad_accum", "eval_batch_size"):
@@ -151,7 +151,7 @@ class RunConfig:
     def without_method(self) -> "RunConfig":
         """These settings with no method (``method_spec`` and ``any_cost`` at their defaults): a distilled run's
         teacher from the starting weights, as a dense model."""
-        return dataclasses.replace(self, method_spec=None, any_cost=None)
+        return self.replace(method_spec=None, any_cost=None)
 
     def distillation(self) -> Distillation:
         """The distillation loss these settings select (used when ``distill``)."""
@@ -160,7 +160,34 @@ class RunConfig:
     def method(self) -> Method:
         """The method ``method_spec`` selects (``Dense`` without one), a router that draws seeded by the run's
         ``seed`` where the spec leaves its own seed unset (``Method.seeded``)."""
-        return (parse_method(self.method_spec) if self.method_spec else Dense()).seeded(self.seed)
+        return self.declared_method().seeded(self.seed)
+
+    def declared_method(self) -> Method:
+        """The method ``method_spec`` selects, as given (``Dense`` without one). Parsed (and so checked) once: these
+        settings keep it beside the spec, and their copies (``replace``, ``with_method``) keep it too."""
+        kept = self.__dict__.get("_method")
+        if kept is None or kept[0] != self.method_spec:
+            kept = self.__dict__["_method"] = (self.method_spec,
+                                               parse_method(self.method_spec) if self.method_spec else Dense())
+        return kept[1]
+
+    def _keep_method(self, method: Method) -> None:
+        """Hold ``method``: its spec (one spelling per method; none for dense) and the method itself."""
+        self.method_spec = None if isinstance(method, Dense) else method.spec()
+        self.__dict__["_method"] = (self.method_spec, method)
+
+    def with_method(self, method: Method) -> "RunConfig":
+        """These settings running ``method`` (its spec in ``method_spec``, the method itself kept: not parsed again)."""
+        cfg = dataclasses.replace(self, method_spec=None)
+        cfg._keep_method(method)
+        return cfg
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """``dataclasses.replace`` that keeps the parsed method where ``method_spec`` is not changed."""
+        cfg = dataclasses.replace(self, **changes)
+        if "_method" in self.__dict__ and cfg.method_spec == self.method_spec:
+            cfg.__dict__["_method"] = self.__dict__["_method"]
+        return cfg
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "RunConfig":
@@ -251,7 +278,7 @@ def _method_of_options(options: dict[str, Any], cfg: RunConfig, resume: bool) ->
     flags = ", ".join(f"--{_flag(k)}" for k in options)
     alone = "applies" if len(options) == 1 else "apply"
     if resume:  # (its spec as given: a router seeded by the run's seed keeps that seed unset)
-        own = parse_method(cfg.method_spec) if cfg.method_spec else Dense()
+        own = cfg.declared_method()
     else:
         own = saved_method(cfg.checkpoint) if cfg.checkpoint else None
     if own is None or isinstance(own, Dense):
@@ -300,7 +327,7 @@ def resolve_run_config(flags: dict[str, Any], config: Optional[str] = None, resu
             raise UserError(f"{', '.join(f'--{_flag(k)}' for k in options)} only "
                             f"{'applies' if len(options) == 1 else 'apply'} to a run without --method: --method SPEC "
                             "gives the whole method (e.g. mod:router=attention,capacity=0.5); give one or the other")
-        cfg = dataclasses.replace(cfg, method_spec=_method_of_options(options, cfg, resume).spec())
+        cfg = cfg.with_method(_method_of_options(options, cfg, resume))
     distill_options_without_distill(given, cfg.distill, cfg.teacher)
     if not resume and "model" in given and cfg.checkpoint:
         # (RunConfig.model has a default, so only here can a given --model be told from it)

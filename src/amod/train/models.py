@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import files
 from ..families import claimed, family_of
-from ..methods import apply_found, Dense, Method, method_from_metadata, method_of, parse_method
+from ..methods import apply_found, Dense, Method, method_from_metadata, method_of
 from ..mod.convert import MoD
 from ..arch import set_input_size
 from ..mod.convert import set_capacity
@@ -275,7 +275,7 @@ def build_model(cfg: Any, num_classes: int, in_chans: int, img_size: int) -> nn.
     if h % ph or w % pw:
         raise UserError(f"the input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; "
                         "change --img-size or --patch-size")
-    declared = parse_method(cfg.method_spec) if cfg.method_spec else Dense()
+    declared = cfg.declared_method()
     running = method_of(model)
     # --seed alone does not reseed a saved router: the file's seed, where the spec leaves the seed unset
     method = declared.seeded(running.seed if type(running) is type(declared) and isinstance(running, MoD) else cfg.seed)

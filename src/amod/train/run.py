@@ -95,7 +95,7 @@ def _from_checkpoint_file(cfg: RunConfig) -> RunConfig:
     given, its method (so config.yaml, train.log and summary.json say what runs). Raises ValueError for
     settings the file cannot honour."""
     settings = checkpoint_settings(cfg)
-    return dataclasses.replace(cfg, **settings).validate() if settings else cfg
+    return cfg.replace(**settings).validate() if settings else cfg
 
 
 def _num_classes(cfg: RunConfig, info: DataInfo) -> int:
