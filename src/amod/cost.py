@@ -107,12 +107,15 @@ def validate_cost(cost: Any, name: str = "cost") -> float:
 Setting = TypeVar("Setting")
 
 
-def closest_setting(cost: float, candidates: Iterable[Setting], ratio: Callable[[Setting], float]
+def closest_setting(cost: float, candidates: Iterable[Setting], ratio: Callable[[Setting], float],
+                    tolerance: Optional[float] = None, missed: Optional[Callable[[Setting, float], str]] = None
                     ) -> tuple[Setting, float]:
     """The candidate whose cost ``ratio(candidate)`` (a share of the dense MACs) is closest to ``cost``, and that
     ratio; of equally close ones, the first. The one search behind every method's setting for a cost
-    (``capacity_for_cost``, ``tome.schedule_for_cost``, ``pitome.keep_for_cost``, ``ppt.r_for_cost``): each gives
-    its candidates, in the order that breaks its ties."""
+    (``Method.at_cost`` through ``capacity_for_cost``, ``tome.schedule_for_cost``, ``pitome.keep_for_cost``,
+    ``ppt.r_for_cost``): each gives its candidates, in the order that breaks its ties, and its price. With a
+    ``tolerance`` (relative), a closest candidate that misses ``cost`` by more is refused: a UserError whose text is
+    ``missed(candidate, ratio)``."""
     best: Optional[tuple[Setting, float]] = None
     for candidate in candidates:
         r = ratio(candidate)
@@ -120,6 +123,9 @@ def closest_setting(cost: float, candidates: Iterable[Setting], ratio: Callable[
             best = (candidate, r)
     if best is None:
         raise RuntimeError("closest_setting: no candidate")  # (every caller gives at least one)
+    if tolerance is not None and abs(best[1] - cost) / cost > tolerance:
+        raise UserError(missed(*best) if missed is not None else f"no setting comes within {tolerance:.0%} of "
+                        f"{cost:.3f} of dense: the closest costs {best[1]:.3f}")
     return best
 
 

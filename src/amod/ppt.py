@@ -329,12 +329,13 @@ def r_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float = 
 
     try:
         n = model.patch_embed.num_patches
-        best, got = closest_setting(cost, stepped_counts(count, n // 2, ratio, cost), ratio)
+        best, _ = closest_setting(
+            cost, stepped_counts(count, n // 2, ratio, cost), ratio, tolerance,
+            lambda best, got: f"PPT cannot reach {cost:.3f} of dense on this model: the closest r, {best}, costs "
+                              f"{got:.3f}" + (" (each PPT block removes at most half of its tokens)" if got > cost
+                                              else ""))
     finally:
         set_r(model, before)
-    if abs(got - cost) / cost > tolerance:
-        raise UserError(f"PPT cannot reach {cost:.3f} of dense on this model: the closest r, {best}, costs {got:.3f}"
-                        + (" (each PPT block removes at most half of its tokens)" if got > cost else ""))
     return best
 
 

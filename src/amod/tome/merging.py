@@ -122,11 +122,9 @@ def schedule_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: f
     def ratio(schedule: list[int]) -> float:
         return tome_macs(model, schedule, img_size) / dense
 
-    best, got = closest_setting(cost, stepped_counts(depth, n // 2, ratio, cost), ratio)
-    if abs(got - cost) / cost > tolerance:
-        raise UserError(f"token merging cannot reach {cost:.3f} of dense on this model: the closest schedule "
-                        f"{best} costs {got:.3f}")
-    return best
+    return closest_setting(cost, stepped_counts(depth, n // 2, ratio, cost), ratio, tolerance,
+                           lambda best, got: f"token merging cannot reach {cost:.3f} of dense on this model: the "
+                                             f"closest schedule {best} costs {got:.3f}")[0]
 
 
 def apply(model: nn.Module, r: Union[int, Sequence[int], None] = None, cost: Optional[float] = None,

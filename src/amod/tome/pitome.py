@@ -247,12 +247,13 @@ def keep_for_cost(model: nn.Module, cost: float, img_size=None, tolerance: float
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if ratio(mid) < cost else (lo, mid)
-        best, got = closest_setting(cost, (lo, hi), ratio)
+        best, _ = closest_setting(
+            cost, (lo, hi), ratio, tolerance,
+            lambda best, got: f"PiToMe cannot reach {cost:.3f} of dense on this model: the closest keep, "
+                              f"{best / 1000:g}, costs {got:.3f}"
+                              + (" (each block merges at most half of its tokens)" if got > cost else ""))
     finally:
         set_keep(model, before)
-    if abs(got - cost) / cost > tolerance:
-        raise UserError(f"PiToMe cannot reach {cost:.3f} of dense on this model: the closest keep, {best / 1000:g}, "
-                        f"costs {got:.3f}" + (" (each block merges at most half of its tokens)" if got > cost else ""))
     return best / 1000
 
 # ---------------------------------------------------------------- the method
