@@ -100,15 +100,21 @@ def agrees(printed: str, stated: str) -> bool:
 
 
 def run_block(code: str, workdir: Path, namespace: dict | None = None) -> str:
-    """Execute the block in ``workdir`` (a fresh namespace unless one is given) and return what it printed."""
-    out = io.StringIO()
+    """Execute the block in ``workdir`` (a fresh namespace unless one is given) and return what it printed. A method
+    the block registers (architecture.md's worked example) is unregistered after it."""
+    from amod.methods import METHOD_CLASSES
+
+    out, registered = io.StringIO(), dict(METHOD_CLASSES)
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
         with contextlib.redirect_stdout(out), one_torch_thread():
-            exec(compile(code, "<block>", "exec"), {"__name__": "__block__"} if namespace is None else namespace)
+            exec(compile(code, "<block>", "exec", dont_inherit=True),  # (not this file's __future__ imports)
+                 {"__name__": "__block__"} if namespace is None else namespace)
     finally:
         os.chdir(cwd)
+        METHOD_CLASSES.clear()
+        METHOD_CLASSES.update(registered)
     return out.getvalue()
 
 
