@@ -168,3 +168,23 @@ def image_folder(tmp_path_factory):
 
 FOLDER_MODEL = ["--model", "vit_tiny_patch16_224", "--img-size", "32", "--patch-size", "8", "--depth", "1",
                 "--embed-dim", "32", "--num-heads", "2", "--batch-size", "8"]
+
+
+def counted_parses(monkeypatch) -> list[str]:
+    """The specs ``amod.methods.parse_method`` parses from now on (in this test), in every amod module imported now
+    that holds it by name: the list fills as they are parsed."""
+    import sys
+
+    from amod import methods
+
+    parsed, parse = [], methods.parse_method
+
+    def counted(text: str):
+        parsed.append(text)
+        return parse(text)
+
+    for module in [m for name, m in list(sys.modules.items()) if name.startswith("amod") and m is not None]:
+        if getattr(module, "parse_method", None) is parse:
+            monkeypatch.setattr(module, "parse_method", counted)
+    return parsed
+

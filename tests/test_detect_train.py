@@ -15,7 +15,7 @@ from amod.detect.config import DetectConfig, DetectStudyConfig  # noqa: E402
 from amod.detect.study import run_detect_study  # noqa: E402
 from amod.detect.models import small_detr
 from amod.families.detr import ContentQueries  # noqa: E402
-from conftest import run_in_process  # noqa: E402
+from conftest import counted_parses, run_in_process  # noqa: E402
 from amod.train.engine import read_metrics  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -102,8 +102,10 @@ def test_a_conversion_is_one_spec_and_a_run_saved_with_router_and_layers_fields_
         return clip(*args, **kwargs)
 
     monkeypatch.setattr(detect_train.torch.nn.utils, "clip_grad_norm_", dies_at_step_2)
+    parsed = counted_parses(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         detect_train.train_detector(cfg)
+    assert parsed == []  # the run's settings hold the method --router built: never written out and parsed back
     monkeypatch.setattr(detect_train.torch.nn.utils, "clip_grad_norm_", clip)
     # as amod up to f875d91 saved it: the conversion as router and layers fields
     path = tmp_path / "run" / "checkpoint.pt"

@@ -351,23 +351,12 @@ def test_run_config_without_method_drops_every_method():
 def test_a_run_parses_its_method_once(command, checkpoints, tmp_path, capsys, monkeypatch):
     """``amod train`` and ``amod finetune`` parse ``--method`` once: the run's settings hold the parsed method
     (``RunConfig.declared_method``) through every copy, its checks, the model it builds and the files it writes."""
-    import sys
-
-    from conftest import SHORT, TINY, cli_in_process
+    from conftest import SHORT, TINY, cli_in_process, counted_parses
 
     import amod.cli
     import amod.train.run  # noqa: F401 (the command's modules, imported before their parse_method is counted)
-    from amod import methods
 
-    calls, parse = [], methods.parse_method
-
-    def counted(text):
-        calls.append(text)
-        return parse(text)
-
-    for module in [m for name, m in sys.modules.items() if name.startswith("amod") and m is not None]:
-        if getattr(module, "parse_method", None) is parse:
-            monkeypatch.setattr(module, "parse_method", counted)
+    calls = counted_parses(monkeypatch)
     start = ["--checkpoint", str(checkpoints / "dense.safetensors")] if command == "finetune" else TINY
     res = cli_in_process([command, *start, *SHORT, "--method", "mod:router=attention,capacity=0.50",
                           "--out", str(tmp_path / "run")], capsys)

@@ -788,3 +788,40 @@ def parse_method(text: str) -> Method:
         except ValueError:
             raise UserError(f"{kind}: {name} must be {type_name(hints[name])}, got {value.strip()!r}") from None
     return cls(**values)
+
+
+class HoldsMethod:
+    """Mixin of a settings dataclass that names its method by a spec in the field ``spec_field``: the spec is parsed
+    (and so checked) once, and the method kept beside it, in these settings and in their copies (``replace``,
+    ``with_method``), so that a run reads one method object from its flags to its files."""
+
+    spec_field: ClassVar[str]
+    no_method: ClassVar[Optional[Method]] = None  # what no spec selects (``Dense()`` for a run)
+
+    def declared_method(self) -> Optional[Method]:
+        """The method the spec selects, as given (``no_method`` without one); parsed the first time only."""
+        spec = getattr(self, self.spec_field)
+        kept = self.__dict__.get("_method")
+        if kept is None or kept[0] != spec:
+            kept = self.__dict__["_method"] = (spec, parse_method(spec) if spec else self.no_method)
+        return kept[1]
+
+    def keep_method(self, method: Optional[Method]) -> None:
+        """Hold ``method``: its spec, in one spelling (none for ``no_method`` or dense), and the method itself."""
+        spec = None if method is None or isinstance(method, Dense) else method.spec()
+        setattr(self, self.spec_field, spec)
+        self.__dict__["_method"] = (spec, method if method is not None else self.no_method)
+
+    def with_method(self, method: Optional[Method]):
+        """These settings running ``method`` (its spec written in, the method itself kept: not parsed again)."""
+        held = dataclasses.replace(self, **{self.spec_field: None})
+        held.keep_method(method)
+        return held
+
+    def replace(self, **changes: Any):
+        """``dataclasses.replace`` that keeps the parsed method where the spec is not changed."""
+        held = dataclasses.replace(self, **changes)
+        if "_method" in self.__dict__ and getattr(held, self.spec_field) == getattr(self, self.spec_field):
+            held.__dict__["_method"] = self.__dict__["_method"]
+        return held
+

@@ -5,11 +5,11 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from ..checkpoint import read_metadata
 from ..families.detr import DetrFamily
-from ..methods import parse_method
+from ..methods import HoldsMethod
 from ..mod.convert import MoD
 from ..shorthand import with_shorthand
 from ..mod.routers import router_names
@@ -33,8 +33,11 @@ def check_detector_file(path: str | Path, option: str) -> None:
 
 
 @dataclass
-class DetectConfig:
-    """One detection run. ``init`` None: a new ``small_detr`` trained from scratch."""
+class DetectConfig(HoldsMethod):
+    """One detection run. ``init`` None: a new ``small_detr`` trained from scratch. Its ``method`` spec is parsed
+    once and kept (``declared_method``)."""
+
+    spec_field: ClassVar[str] = "method"
 
     # (the comments of the fields `amod detect` takes are their flags' help: amod.flags)
     out: str = "runs/detect/dense"
@@ -65,7 +68,7 @@ class DetectConfig:
         router DETR's encoder does not take, or a capacity (``encoder_cost`` sets it)."""
         if self.method is None:
             return None
-        method = parse_method(self.method)
+        method = self.declared_method()
         if type(method) is not MoD:
             raise UserError(f"amod detect converts the encoder with MoD; {self.method!r} is not an MoD spec "
                             "(mod:router=...,layers=...)")
@@ -89,8 +92,8 @@ class DetectConfig:
             return self
         if self.method is None and "router" not in options:
             raise UserError("--layers sets the MoD conversion's layers: give --router (or --method) too")
-        base = parse_method(self.method) if self.method is not None else MoD()
-        return dataclasses.replace(self, method=with_shorthand(base, options).spec())
+        base = self.declared_method() if self.method is not None else MoD()
+        return self.with_method(with_shorthand(base, options))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DetectConfig":
@@ -121,16 +124,18 @@ class DetectConfig:
         if self.init is not None:
             check_detector_file(self.init, "init")
         check_output_dir(self.out)
-        return self if method is None else dataclasses.replace(self, method=parse_method(self.method).spec())
+        return self if method is None else self.with_method(self.declared_method())  # (its spec in one spelling)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 @dataclass
-class DetectStudyConfig:
+class DetectStudyConfig(HoldsMethod):
     """The detection study (``amod detect study``): ``dense`` converted at each encoder cost with each router,
     every (cost, router) finetuned ``seeds`` times, and the dense detector finetuned the same way."""
+
+    spec_field: ClassVar[str] = "method"
 
     dense: str  # the dense detector (a train run's model.safetensors)
     out: str = "runs/detect/study"
@@ -178,12 +183,12 @@ class DetectStudyConfig:
 
     def run_config(self, cost: Optional[float], router: Optional[str], seed: int) -> DetectConfig:
         name = "dense" if router is None else f"cost{cost:g}/{router}"
-        method = None if router is None else with_shorthand(parse_method(self.method), {"router": router}).spec()
-        return DetectConfig(out=str(Path(self.out) / name / f"seed{seed}"), seed=seed, init=self.dense, method=method,
+        method = None if router is None else with_shorthand(self.declared_method(), {"router": router})
+        return DetectConfig(out=str(Path(self.out) / name / f"seed{seed}"), seed=seed, init=self.dense,
                             encoder_cost=cost if cost is not None else 1.0, steps=self.steps,
                             batch_size=self.batch_size, lr=self.lr, warmup=max(1, self.steps // 10),
                             eval_every=self.steps, train_canvases=self.train_canvases,
-                            val_canvases=self.val_canvases, canvas_size=self.canvas_size)
+                            val_canvases=self.val_canvases, canvas_size=self.canvas_size).with_method(method)
 
 
 def router_help() -> str:

@@ -14,11 +14,11 @@ import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import yaml
 
-from ..methods import Dense, Method, parse_method
+from ..methods import Dense, HoldsMethod, Method
 from ..mod.convert import MoD
 from ..shorthand import SHORTHANDS, SHORTHAND_NAMES, method_from_shorthand, with_shorthand
 from . import engine
@@ -33,8 +33,12 @@ DISTILL_ONLY = ("distill_logits", "distill_temperature", "distill_features")
 
 
 @dataclass
-class RunConfig:
-    """Everything that defines a run; written to ``config.yaml`` and into each checkpoint."""
+class RunConfig(HoldsMethod):
+    """Everything that defines a run; written to ``config.yaml`` and into each checkpoint. Its method is
+    ``method_spec``, parsed once and kept (``declared_method``: ``amod.methods.HoldsMethod``)."""
+
+    spec_field: ClassVar[str] = "method_spec"
+    no_method: ClassVar[Method] = Dense()
 
     # model
     model: str = "vit_tiny_patch16_224"  # timm model name
@@ -103,7 +107,7 @@ class RunConfig:
             if method.needs_images:
                 raise UserError(f"--method {self.method_spec}: {method.kind} chooses its setting on unlabeled images; "
                                 "make the model with amod calibrate and start from it (--checkpoint)")
-            self._keep_method(method)  # (one spelling per method)
+            self.keep_method(method)  # (one spelling per method)
         if self.amp not in ("off", "bf16"):
             raise UserError(f"--amp must be off or bf16, got {self.amp!r}")
         for name in ("epochs", "batch_size", "grad_accum", "eval_batch_size"):
@@ -162,33 +166,6 @@ class RunConfig:
         ``seed`` where the spec leaves its own seed unset (``Method.seeded``)."""
         return self.declared_method().seeded(self.seed)
 
-    def declared_method(self) -> Method:
-        """The method ``method_spec`` selects, as given (``Dense`` without one). Parsed (and so checked) once: these
-        settings keep it beside the spec, and their copies (``replace``, ``with_method``) keep it too."""
-        kept = self.__dict__.get("_method")
-        if kept is None or kept[0] != self.method_spec:
-            kept = self.__dict__["_method"] = (self.method_spec,
-                                               parse_method(self.method_spec) if self.method_spec else Dense())
-        return kept[1]
-
-    def _keep_method(self, method: Method) -> None:
-        """Hold ``method``: its spec (one spelling per method; none for dense) and the method itself."""
-        self.method_spec = None if isinstance(method, Dense) else method.spec()
-        self.__dict__["_method"] = (self.method_spec, method)
-
-    def with_method(self, method: Method) -> "RunConfig":
-        """These settings running ``method`` (its spec in ``method_spec``, the method itself kept: not parsed again)."""
-        cfg = dataclasses.replace(self, method_spec=None)
-        cfg._keep_method(method)
-        return cfg
-
-    def replace(self, **changes: Any) -> "RunConfig":
-        """``dataclasses.replace`` that keeps the parsed method where ``method_spec`` is not changed."""
-        cfg = dataclasses.replace(self, **changes)
-        if "_method" in self.__dict__ and cfg.method_spec == self.method_spec:
-            cfg.__dict__["_method"] = self.__dict__["_method"]
-        return cfg
-
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "RunConfig":
         """The settings a ``config.yaml`` or a training checkpoint holds (``to_dict``). One written before a run's
@@ -239,7 +216,8 @@ def _matches(value: Any, tp: Any) -> bool:
 
 def check_types(values: Any, source: str) -> None:
     """Raise a ValueError when a RunConfig field (of a RunConfig or a dict of fields) has the wrong type."""
-    hints = typing.get_type_hints(RunConfig)
+    hints = {name: hint for name, hint in typing.get_type_hints(RunConfig).items()
+             if name in {f.name for f in dataclasses.fields(RunConfig)}}
     items = values.items() if isinstance(values, dict) else ((f, getattr(values, f)) for f in hints)
     for name, value in items:
         if name in hints and not _matches(value, hints[name]):
