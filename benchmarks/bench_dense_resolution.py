@@ -31,8 +31,8 @@ from _common import ensure_tunables, machine
 from amod.checkpoint import open_model
 from amod.cost import flops
 from amod.experiments.bench import peak_memory_mb, time_callables
-from amod.detect.dense_frontier import DENSE_FRONTIER_METHODS
-from amod.detect.segmentation import SegmentationCanvases
+from amod.dense.frontier import DENSE_FRONTIER_METHODS
+from amod.dense.segmentation import SegmentationCanvases
 from amod.patch_grid import patch_features
 from amod.train.models import fit_to_data
 

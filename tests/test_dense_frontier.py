@@ -10,8 +10,8 @@ import torch
 from conftest import cli_in_process
 
 from amod.detect.canvases import BACKGROUND, DetectionCanvases
-from amod.detect.segmentation import (NUM_SEGMENT_CLASSES, SegmentationCanvases, confusion, fit_patch_probe,
-                                           miou_and_accuracy, patch_targets, segmentation_scores, spec_at)
+from amod.dense.segmentation import (NUM_SEGMENT_CLASSES, SegmentationCanvases, confusion, fit_patch_probe,
+                                          miou_and_accuracy, patch_targets, segmentation_scores, spec_at)
 
 
 def test_a_canvas_mask_labels_exactly_the_pixels_drawn_with_the_classes_placed():

@@ -3,19 +3,34 @@ imports inside functions and those for type hints only, between modules or betwe
 bottom, ``errors``, ``files``, ``arch``, ``kernels``, ``hf.common`` and the families' registry ``family``, imports
 nothing of amod but ``errors``; nothing below the model families imports ``amod.families``), and the library (every module but the application and
 ``amod.__main__``, read from the source tree: the root package, routing, token merging, PPT, ops, costs, checkpoints,
-weights, kernels, methods, files, export, the model families, analyses...) never imports the application (``amod.train``, ``amod.experiments``, ``amod.detect``,
-``amod.cli``), not even lazily inside a function. No family's name appears outside its adapter module and the
+weights, kernels, methods, files, export, the model families, analyses...) never imports the application (``amod.cli`` and what docs/architecture.md's package
+layout lists below it: ``amod.train``, ``amod.experiments``, ``amod.detect``, ``amod.dense``, ...), not even lazily
+inside a function. No family's name appears outside its adapter module and the
 registry."""
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "amod"
-APPLICATION = ("amod.train", "amod.experiments", "amod.detect", "amod.cli")
+# docs/architecture.md's package layout: every module and sub-package of amod, one entry each, the library first
+LAYOUT = (SRC.parents[1] / "docs" / "architecture.md").read_text().split("## Package layout")[1].split("```")[1]
+
+
+def _application() -> tuple[str, ...]:
+    """The application: the entries of the package layout from ``cli.py``, the one it marks "(the application from
+    here)", down (``train/``, ``detect/``, ...): one list, the page's, that a new application package joins."""
+    entries = [(m.start(), m.group(1)) for m in re.finditer(r"^  ([\w]+)(?:\.py|/)", LAYOUT, re.M)]
+    marker = LAYOUT.index("(the application from here)")
+    first = max(i for i, (start, _) in enumerate(entries) if start < marker)
+    return tuple(f"amod.{name}" for _, name in entries[first:])
+
+
+APPLICATION = _application()
 ENTRY = ("amod.__main__",)  # ``python -m amod``: runs the command line
 # the bottom of the package: imports nothing of amod but amod.errors, so every module may use it
 BOTTOM = ("amod.errors", "amod.flags", "amod.files", "amod.arch", "amod.kernels", "amod.hf.common", "amod.family",
@@ -141,6 +156,15 @@ def test_the_graph_is_read_from_the_source():
     assert "amod.kernels.triton_scores" in GRAPH["amod.ops"][1] - GRAPH["amod.ops"][0]  # inside a function
 
 
+def test_the_application_is_read_from_the_architecture_page():
+    """A guard against a reader that finds nothing: the application's packages, each a module of the tree, and the
+    library's bottom not among them."""
+    assert APPLICATION[0] == "amod.cli"
+    assert {"amod.train", "amod.experiments", "amod.detect", "amod.dense"} <= set(APPLICATION)
+    assert all(a in MODULES for a in APPLICATION), APPLICATION
+    assert not set(APPLICATION) & {"amod.methods", "amod.mod", "amod.families", *BOTTOM}
+
+
 def test_imports_have_no_cycle_counting_those_inside_functions():
     assert cycles({m: top for m, (top, _, _) in GRAPH.items()}) == []
     assert cycles({m: runtime for m, (_, runtime, _) in GRAPH.items()}) == []
@@ -226,9 +250,10 @@ def test_the_library_does_not_import_training_or_experiments(layer):
 @pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint", "amod.detr",
                                   "amod.hf.adapter", "amod.hf.base", "amod.experiments.analysis",
                                   "amod.experiments.stats", "amod.experiments.finetune", "amod.experiments.study",
-                                  "amod.hf.weights"])
+                                  "amod.hf.weights", "amod.detect.segmentation", "amod.detect.dense_frontier"])
 def test_removed_modules_are_gone(name):
-    """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept."""
+    """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept (a module moved to
+    the room its name says, ``amod.detect.segmentation`` to ``amod.dense.segmentation``, leaves no alias behind)."""
     assert name not in MODULES
     with pytest.raises(ImportError):
         importlib.import_module(name)
@@ -237,10 +262,7 @@ def test_removed_modules_are_gone(name):
 def test_the_architecture_page_names_every_module():
     """docs/architecture.md's package layout names every module: a top-level one as ``name.py`` at the start of its
     line, one in a sub-package by its name within that package's entry (``mod/ ... calibrate ...``)."""
-    import re
-
-    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
-    layout = page.split("## Package layout")[1].split("```")[1] + "\n  END"
+    layout = LAYOUT + "\n  END"
     unnamed = []
     for path in MODULES.values():
         rel = path.relative_to(SRC)

@@ -66,7 +66,7 @@ def figures(monkeypatch) -> list:
         kept.append(fig)
         return Path(path)
 
-    from amod.detect import dense_frontier
+    from amod.dense import frontier as dense_frontier
     from amod.experiments import frontier
     monkeypatch.setattr(dense_frontier, "save_figure", keep)
     monkeypatch.setattr(frontier, "save_figure", keep)
@@ -74,7 +74,7 @@ def figures(monkeypatch) -> list:
 
 
 def test_the_dense_frontier_draws_dense_as_one_marker_and_each_method_through_its_own_points(tmp_path, figures):
-    from amod.detect.dense_frontier import DenseFrontierConfig, _write_report
+    from amod.dense.frontier import DenseFrontierConfig, _write_report
 
     dense = _row("dense", 1.0, 1.0, 0.46, (0.47, 0.45), "miou")
     rows = [_row("ToMe", 0.4, 2.3, 0.43, (0.44, 0.42), "miou"), _row("ToMe", 0.25, 3.6, 0.12, (0.12, 0.12), "miou"),

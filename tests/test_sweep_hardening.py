@@ -128,7 +128,7 @@ HOLDING = {
     "frontier": (["frontier", "--checkpoint", "BACKBONE", "--cost", "0.75", "--methods", "ToMe"],
                  "amod.experiments.frontier", "_run"),
     "dense-frontier": (["dense-frontier", "--checkpoint", "BACKBONE", "--img-size", "42", "--cost", "0.75",
-                        "--methods", "ToMe"], "amod.detect.dense_frontier", "_run"),
+                        "--methods", "ToMe"], "amod.dense.frontier", "_run"),
     "analyze": (["analyze", "attention", "--checkpoint", "CLASSIFIER", "--images", "2"],
                 "amod.experiments.analyze_command", "attention_stats"),
     "study (routers)": (["study", "--quick"], "amod.experiments.router_study", "_run_study"),
@@ -258,7 +258,7 @@ def test_a_method_with_its_own_cost_is_refused_where_every_method_is_set_to_each
 
 
 def test_the_libraries_configurations_refuse_a_method_with_its_own_cost_too():
-    from amod.detect.dense_frontier import DenseFrontierConfig
+    from amod.dense.frontier import DenseFrontierConfig
     from amod.experiments.arms import Arm
     from amod.experiments.compare import CompareConfig
     from amod.experiments.finetune_study_plan import FinetuneConfig
@@ -374,7 +374,7 @@ def test_a_former_flag_name_still_works_with_a_warning_line_naming_the_new_one(c
     parser, sub = _parser(command)
     lead = {"dense-frontier": ["--checkpoint", "c"], "study": ["--checkpoint", "c"], "detect": ["train"]}.get(command, [])
     config = {"bench": _config("experiments.bench:BenchConfig"),
-              "dense-frontier": _config("detect.dense_frontier:DenseFrontierConfig"), "study": FinetuneConfig,
+              "dense-frontier": _config("dense.frontier:DenseFrontierConfig"), "study": FinetuneConfig,
               "detect": DetectConfig}[command]
     capsys.readouterr()
     built = {}
@@ -432,12 +432,12 @@ SLOW_STEPS = {
                 ("amod.experiments.features", "features", "dense features of"),
                 ("amod.experiments.probe", "fit_probe", "fitting the linear probe"),
                 ("amod.experiments.compare", "time_models", "timing ")],
-    "dense-frontier": [("amod.detect.dense_frontier", "open_model", "loading the dense model"),
-                       ("amod.detect.dense_frontier", "SegmentationCanvases", "drawing 12 training and 6 test canvases"),
-                       ("amod.detect.dense_frontier", "grid_features", "dense patch features of 12 training"),
-                       ("amod.detect.dense_frontier", "fit_patch_probe", "fitting the patch probe"),
+    "dense-frontier": [("amod.dense.frontier", "open_model", "loading the dense model"),
+                       ("amod.dense.frontier", "SegmentationCanvases", "drawing 12 training and 6 test canvases"),
+                       ("amod.dense.frontier", "grid_features", "dense patch features of 12 training"),
+                       ("amod.dense.frontier", "fit_patch_probe", "fitting the patch probe"),
                        ("amod.methods", "calibrate", "calibrating calibrated:tilts=[0] at cost"),
-                       ("amod.detect.dense_frontier", "time_callables", "timing ")],
+                       ("amod.dense.frontier", "time_callables", "timing ")],
 }
 SWEEPS = {
     "frontier": ["--img-size", "28", "--probe-train", "20", "--val-limit", "8", "--speed-batch", "2",
@@ -480,7 +480,7 @@ def test_each_slow_set_up_step_is_announced_by_a_log_line_before_it_starts(comma
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(target, name, step)
-    for module in ("amod.train.engine", "amod.detect.segmentation"):
+    for module in ("amod.train.engine", "amod.dense.segmentation"):
         monkeypatch.setattr(f"{module}.progress_bar",
                             lambda iterable, total, desc, enabled=True: events.append(("bar", desc)) or iterable)
     recorder = Recorder()

@@ -1,7 +1,7 @@
 """The ``amod`` command line: each command, declared once in ``COMMANDS``, parses its flags into a library
 configuration and calls one library function; a user's error is one line and exit status 2 (``--debug``: the
-traceback). A command imports its own modules (``amod.experiments``, ``amod.train``, ``amod.detect``) only when its
-flags are built or it runs: ``amod --help`` costs the library's import alone."""
+traceback). A command imports its own modules (``amod.experiments``, ``amod.train``, ``amod.detect``, ``amod.dense``) only
+when its flags are built or it runs: ``amod --help`` costs the library's import alone."""
 from __future__ import annotations
 
 import argparse
@@ -341,8 +341,8 @@ COMMANDS: tuple[Command, ...] = (
             "experiments.frontier:FrontierConfig", "experiments.frontier:run_frontier",
             methods="sweep only these methods"),
     Command("dense-frontier", "every training-free method's patch features: segmentation mIoU against measured "
-            "speed-up (default 448 px, batch 8)", "detect.dense_frontier:DenseFrontierConfig",
-            "detect.dense_frontier:run_dense_frontier", methods="sweep only these methods"),
+            "speed-up (default 448 px, batch 8)", "dense.frontier:DenseFrontierConfig",
+            "dense.frontier:run_dense_frontier", methods="sweep only these methods"),
     Command("demo", "the main job: DINOv2 ViT-S/14 made cheaper on Fashion-MNIST, dense vs ToMe vs A-MoD at two "
             "costs, and a short finetune (--toy: the paper's comparison on a small ViT pretrained here)", _demo_flags,
             _demo),

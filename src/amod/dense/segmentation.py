@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .canvases import BACKGROUND, CanvasSpec, DetectionCanvases
+from ..detect.canvases import BACKGROUND, CanvasSpec, DetectionCanvases
 from ..patch_grid import patch_features
 from ..train.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 from ..train.engine import progress_bar

@@ -5,8 +5,8 @@ segmentation of Fashion-MNIST canvases (``segmentation``) by a linear probe fitt
 features and applied unchanged to the reduced model's patch features laid back on the dense grid
 (``amod.patch_features``: merged, folded and pruned tokens unmerged); its speed-up is measured on that same call
 (the forward and the unmerging), every model interleaved at one batch size, as `amod frontier` times. mIoU is read
-at fixed measured speed-ups on each method's frontier (``frontier.accuracy_at``), the two halves of the test
-canvases giving the error bar.
+at fixed measured speed-ups on each method's frontier (``amod.experiments.frontier.accuracy_at``), the two halves of
+the test canvases giving the error bar.
 
 A killed run resumes: the dense probe, the dense test features, every finished (method, cost) measurement, each
 calibration and each kept timing round are kept under ``--out``. Writes ``dense_frontier.md``, ``.json`` and
@@ -46,7 +46,7 @@ from ..experiments.features import features_key, finished_probe_rows
 from ..experiments.frontier import flag_implausible, readings, speedup_figure, sweep_points
 from ..experiments.plots import save_figure
 from ..experiments.presets import run_in_directory
-from .canvases import MIN_CANVAS_SIZE
+from ..detect.canvases import MIN_CANVAS_SIZE
 from .segmentation import (PatchProbe, SegmentationCanvases, confusion, fit_patch_probe, grid_features,
                            patch_targets, segmentation_scores)
 
