@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import amod
-from amod.experiments.finetune_study_plan import FinetuneConfig
+from amod.experiments.finetune_study.plan import FinetuneConfig
 from amod.mod.routers import AttentionRouter, HybridRouter
 from amod.mod.routing import select_tokens
 from amod.stats import spearman

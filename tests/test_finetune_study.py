@@ -17,8 +17,8 @@ import torch
 import amod
 from amod.cli import main as amod_main
 from amod.experiments.finetune_study import with_probe_head
-from amod.experiments.finetune_study_plan import ARMS, FinetuneConfig, plan
-from amod.experiments.finetune_study_rows import EvalRows, pack, unpack
+from amod.experiments.finetune_study.plan import ARMS, FinetuneConfig, plan
+from amod.experiments.finetune_study.rows import EvalRows, pack, unpack
 from amod.experiments.probe import fit_probe
 from amod.methods import Dense
 from amod.mod.convert import MoD
@@ -157,8 +157,8 @@ def test_a_bf16_study_checks_bf16_against_one_fp32_dense_run(backbone_path, tmp_
 def test_an_arm_with_a_router_lr_trains_its_router_at_that_rate(backbone_path, tmp_path, monkeypatch):
     """The router-lr arms (``Arm.router_lr``): their runs, and only theirs, give the routers' parameters an AdamW
     group at that rate; the report says so."""
-    from amod.experiments import finetune_study
-    from amod.experiments.finetune_study_plan import ROUTER_LR, STANDARD_FAST
+    from amod.experiments.finetune_study import study
+    from amod.experiments.finetune_study.plan import ROUTER_LR, STANDARD_FAST
     from amod.mod.routers import Router
 
     made = []
@@ -169,7 +169,7 @@ def test_an_arm_with_a_router_lr_trains_its_router_at_that_rate(backbone_path, t
         made.append(opt)
         return opt
 
-    monkeypatch.setattr(finetune_study.torch.optim, "AdamW", recording_adamw)
+    monkeypatch.setattr(study.torch.optim, "AdamW", recording_adamw)
     out = tmp_path / "fast"
     assert amod_main(study_argv(backbone_path, out, "--methods", STANDARD_FAST, "--steps", "2")) == 0
     with_router_group = [opt for opt in made if len(opt.param_groups) > 2]

@@ -241,7 +241,7 @@ def test_a_speed_up_beyond_the_macs_is_flagged_and_the_frontier_leaves_it_out(re
 
 def test_compare_and_the_demo_flag_a_speed_up_beyond_the_macs(tmp_path, recwarn, capsys):
     from amod.experiments import compare, demo
-    from amod.experiments.finetune_study_plan import ARMS, FinetuneConfig, Planned
+    from amod.experiments.finetune_study.plan import ARMS, FinetuneConfig, Planned
     from amod.mod.convert import MoD
 
     row = {"method": "A-MoD fold", "cost_target": 0.4, "cost": 0.4, "setting": MoD(capacity=0.5).spec(),

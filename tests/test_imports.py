@@ -250,7 +250,9 @@ def test_the_library_does_not_import_training_or_experiments(layer):
 @pytest.mark.parametrize("name", ["amod.merge", "amod.pretrained", "amod.train.checkpoint", "amod.detr",
                                   "amod.hf.adapter", "amod.hf.base", "amod.experiments.analysis",
                                   "amod.experiments.stats", "amod.experiments.finetune", "amod.experiments.study",
-                                  "amod.hf.weights", "amod.detect.segmentation", "amod.detect.dense_frontier"])
+                                  "amod.hf.weights", "amod.detect.segmentation", "amod.detect.dense_frontier",
+                                  "amod.experiments.finetune_study_plan", "amod.experiments.finetune_study_rows",
+                                  "amod.experiments.finetune_study_report", "amod.experiments.finetune_study_loo"])
 def test_removed_modules_are_gone(name):
     """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept (a module moved to
     the room its name says, ``amod.detect.segmentation`` to ``amod.dense.segmentation``, leaves no alias behind)."""

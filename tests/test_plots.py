@@ -9,9 +9,9 @@ import pytest
 from matplotlib.colors import to_hex
 
 from amod.experiments import plots
-from amod.experiments.finetune_study_plan import (ARMS, DENSE, HYBRID_STE_FAST, REFERENCE, STANDARD_FAST,
+from amod.experiments.finetune_study.plan import (ARMS, DENSE, HYBRID_STE_FAST, REFERENCE, STANDARD_FAST,
                                                   FinetuneConfig, Planned)
-from amod.experiments.finetune_study_report import curve_figures
+from amod.experiments.finetune_study.report import curve_figures
 from amod.methods import Dense
 
 

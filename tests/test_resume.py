@@ -122,7 +122,7 @@ def test_a_finetune_study_run_killed_by_the_former_version_resumes_with_the_same
     takes the step-1 row as done, resumes from the state (its routers' draws under the former name ``router``), and
     ends with the rows of an unbroken run of this version."""
     from amod.experiments.finetune_study import finetune_run
-    from amod.experiments.finetune_study_rows import EvalRows
+    from amod.experiments.finetune_study.rows import EvalRows
 
     old = torch.load(FIXTURES / "run" / "state.pt", weights_only=True)
     assert old["step"] == 1 and "router" in old and "routers" not in old  # the former format, as written

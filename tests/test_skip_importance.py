@@ -3,7 +3,7 @@ that block alone while the block processes every other one. Checked against a br
 own forward once per token, the block made to keep every token but that one by its own routing code (its capacity
 and its router's scores overridden for that block), on consecutive MoD blocks (so the scores a block hands on are
 the ones the next block reads) and under each output rule; and the study's reading of it
-(``finetune_study_loo``): per-image rank correlations, bootstrap intervals, and a resumed run that measures
+(``finetune_study.loo``): per-image rank correlations, bootstrap intervals, and a resumed run that measures
 nothing again."""
 from __future__ import annotations
 
@@ -181,8 +181,8 @@ def test_the_study_judges_its_finetuned_models_and_resumes(backbone_path, tmp_pa
     def measured_again(*args, **kwargs):
         raise AssertionError("a kept measurement was made again")
 
-    monkeypatch.setattr("amod.experiments.finetune_study_loo.skip_importance", measured_again)
-    monkeypatch.setattr("amod.experiments.finetune_study_loo.attention_stats", measured_again)
+    monkeypatch.setattr("amod.experiments.finetune_study.loo.skip_importance", measured_again)
+    monkeypatch.setattr("amod.experiments.finetune_study.loo.attention_stats", measured_again)
     (out / "leave_one_out.md").unlink()
     assert amod_main([*argv, "--leave-one-out", "--loo-images", "3"]) == 0
     assert (out / "leave_one_out.md").read_text() == text

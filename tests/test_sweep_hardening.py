@@ -261,7 +261,7 @@ def test_the_libraries_configurations_refuse_a_method_with_its_own_cost_too():
     from amod.dense.frontier import DenseFrontierConfig
     from amod.experiments.arms import Arm
     from amod.experiments.compare import CompareConfig
-    from amod.experiments.finetune_study_plan import FinetuneConfig
+    from amod.experiments.finetune_study.plan import FinetuneConfig
     from amod.experiments.frontier import FrontierConfig
     from amod.tome.merging import TokenMerging
     from amod.tome.pitome import PiToMe
@@ -368,7 +368,7 @@ def test_a_former_flag_name_still_works_with_a_warning_line_naming_the_new_one(c
     hold either name."""
     from amod.cli import _config
     from amod.detect.config import DetectConfig, DetectStudyConfig
-    from amod.experiments.finetune_study_plan import FinetuneConfig
+    from amod.experiments.finetune_study.plan import FinetuneConfig
     from amod.flags import build, load_yaml_config
 
     parser, sub = _parser(command)

@@ -155,8 +155,8 @@ def test_every_library_loader_refuses_a_crafted_file(crafted, tmp_path):
 def test_the_finetune_study_refuses_a_crafted_run_state(crafted, tmp_path):
     """The study's own resume path (``OUT/runs/.../state.pt``): ``finetune_run`` reads it before anything else."""
     from amod.experiments.finetune_study import finetune_run
-    from amod.experiments.finetune_study_plan import ARMS, FinetuneConfig, Planned
-    from amod.experiments.finetune_study_rows import EvalRows
+    from amod.experiments.finetune_study.plan import ARMS, FinetuneConfig, Planned
+    from amod.experiments.finetune_study.rows import EvalRows
     from amod.methods import Dense
 
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=28, patch_size=7, depth=1,

@@ -153,7 +153,7 @@ def _config(where: str) -> type:
 
 
 def _study_flags(p: argparse.ArgumentParser) -> None:
-    from .experiments.finetune_study_plan import FinetuneConfig
+    from .experiments.finetune_study.plan import FinetuneConfig
     from .experiments.router_study import StudyConfig
 
     S = argparse.SUPPRESS  # a flag of one study is left out unless given: _study refuses it for the other
@@ -179,7 +179,7 @@ def _distill_flags(g: argparse._ArgumentGroup, teacher_help: str, suppress: bool
 
 
 def _study(args: argparse.Namespace) -> int:
-    from .experiments.finetune_study_plan import FINETUNE_STUDY, ROUTER_STUDY, FinetuneConfig, study_for
+    from .experiments.finetune_study.plan import FINETUNE_STUDY, ROUTER_STUDY, FinetuneConfig, study_for
     from .experiments.router_study import StudyConfig
 
     # the flags (by dest) that only one study takes: given to the other, they are refused
@@ -193,7 +193,7 @@ def _study(args: argparse.Namespace) -> int:
            f"{args.checkpoint or 'the demo model (no --checkpoint)'} has a classifier") + f": {names[mode]} runs"
     refuse_other_mode(args, mode, flags, names, why)
     if mode == FINETUNE_STUDY:
-        from .experiments.finetune_study import run_finetune_study
+        from .experiments.finetune_study.study import run_finetune_study
         from .train.distill import Distillation
 
         ft = build(FinetuneConfig, args, distillation=build(Distillation, args, prefix="distill-"))

@@ -1,7 +1,7 @@
 """`amod study --checkpoint BACKBONE --leave-one-out`: the review's objections 3 and 4 on the finetune study's models.
 
 Objection 3: do a router's scores rank the tokens as their removal at that block of the *trained MoD model* would?
-At each cost of ``FinetuneConfig.loo_costs`` it judges the finetuned model (seed 0; ``finetune_study`` keeps its
+At each cost of ``FinetuneConfig.loo_costs`` it judges the finetuned model (seed 0; ``study`` keeps its
 weights) of each arm of ``LOO_ARMS``, and the dense model (the backbone with the probe's head, zero training: the
 paper's protocol, which measures importance in the dense model) with MoD blocks at capacity 1.0 where the paper's
 A-MoD has them. In each, at each MoD block, every patch token of the first ``loo_images`` test images skips that block
@@ -29,15 +29,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..analysis import attention_stats, skip_importance
-from ..cost import same_cost
-from ..checkpoint import load
-from ..errors import UserError
-from ..files import atomic_write, write_json, write_text
-from ..mod.convert import MoD
-from ..stats import bootstrap_mean_ci, spearman, spearman_ci
-from ..train.rundir import run_dir_name
-from .finetune_study_plan import LOO_ARMS, REFERENCE, FinetuneConfig, Planned
+from ...analysis import attention_stats, skip_importance
+from ...cost import same_cost
+from ...checkpoint import load
+from ...errors import UserError
+from ...files import atomic_write, write_json, write_text
+from ...mod.convert import MoD
+from ...stats import bootstrap_mean_ci, spearman, spearman_ci
+from ...train.rundir import run_dir_name
+from .plan import LOO_ARMS, REFERENCE, FinetuneConfig, Planned
 
 log = logging.getLogger("amod")
 
@@ -231,7 +231,7 @@ def report(cfg: FinetuneConfig, results: list[tuple[Judged, dict[int, dict[str, 
 
 def figure(results: list[tuple[Judged, dict[int, dict[str, Any]]]], concentration: dict[str, Any], path: Path) -> Path:
     """Router ρ per block with CIs, one panel per cost, and the attention scores' ρ against the top token's share."""
-    from . import plots  # (matplotlib, set up for files)
+    from .. import plots  # (matplotlib, set up for files)
 
     costs = list(dict.fromkeys(j.cost for j, _ in results))
     fig, axes = plots.plt.subplots(1, len(costs) + 1, figsize=(5.5 * (len(costs) + 1), 4.2))

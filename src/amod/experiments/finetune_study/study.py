@@ -18,8 +18,8 @@ Beyond the paper's methods: the frontier's calibrated fold, distillation from a 
 run of seed 0, kept; ``amod.train.distill``), one any-cost model per seed (``amod.train.any_cost``) and 4x longer
 runs (``ARMS``).
 
-This module runs the study; its arms and plan are ``finetune_study_plan``, its rows ``finetune_study_rows``, its report
-``finetune_study_report``.
+This module runs the study; its arms and plan are ``plan``, its rows ``rows``, its report ``report``, its
+leave-one-out ``loo`` (the modules beside it in ``amod.experiments.finetune_study``).
 """
 from __future__ import annotations
 
@@ -38,31 +38,30 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..cost import same_cost
-from ..checkpoint import check_dense_file, load, load_weightless, save
-from ..family import family_of
-from ..files import UnreadableFileError, load_torch
-from ..methods import Dense, Method
-from ..mod.calibrate import Calibrated
-from ..mod.convert import MoD
-from ..mod.convert import set_capacity
-from ..train import engine
-from ..train.any_cost import AnyCost
-from ..train.data import DataInfo, TensorImages, build_datasets, collate_checked
-from ..train.distill import Distillation, Teacher, TeacherOutputs, classifiers_of, training_loss
-from ..train.models import fit_to_data
-from ..train.resume import restore_training_state, save_training_state, training_state
-from ..train.rundir import run_dir_name
-from .bench import TimingRounds, same_setting_as, time_models, timing_key
-from .calibrate_command import CalibrationCache, calibration_grid
-from .features import dense_features, dense_probe, features_key
-from .finetune_study_plan import (CALIBRATION_IMAGES, DENSE, LOO_ARMS, TEACHER, Arm, FinetuneConfig, Planned, label,
-                                  plan)
-from .finetune_study_report import write_report
-from .finetune_study_rows import EvalRows, pack
-from .presets import check_trainable, run_in_directory
-from .probe import LinearProbe, probe_images
-from ..errors import UserError
+from ...cost import same_cost
+from ...checkpoint import check_dense_file, load, load_weightless, save
+from ...family import family_of
+from ...files import UnreadableFileError, load_torch
+from ...methods import Dense, Method
+from ...mod.calibrate import Calibrated
+from ...mod.convert import MoD
+from ...mod.convert import set_capacity
+from ...train import engine
+from ...train.any_cost import AnyCost
+from ...train.data import DataInfo, TensorImages, build_datasets, collate_checked
+from ...train.distill import Distillation, Teacher, TeacherOutputs, classifiers_of, training_loss
+from ...train.models import fit_to_data
+from ...train.resume import restore_training_state, save_training_state, training_state
+from ...train.rundir import run_dir_name
+from ..bench import TimingRounds, same_setting_as, time_models, timing_key
+from ..calibrate_command import CalibrationCache, calibration_grid
+from ..features import dense_features, dense_probe, features_key
+from .plan import CALIBRATION_IMAGES, DENSE, LOO_ARMS, TEACHER, Arm, FinetuneConfig, Planned, label, plan
+from .report import write_report
+from .rows import EvalRows, pack
+from ..presets import check_trainable, run_in_directory
+from ..probe import LinearProbe, probe_images
+from ...errors import UserError
 
 log = logging.getLogger("amod")
 
@@ -410,7 +409,7 @@ def _run_study(cfg: FinetuneConfig, root: Path) -> Path:
                 _run_one(cfg, prep, root, device, p, seed, amp, also, distilled if p.arm.distill else None)
         planned = plan(cfg, prep.start, calibrated, prep.rows)
     if cfg.leave_one_out:
-        from .finetune_study_loo import run_leave_one_out
+        from .loo import run_leave_one_out
 
         loo = run_leave_one_out(cfg, prep.start, planned, lambda p: kept_model_path(root, p, 0, cfg.amp), prep.digest,
                                 weights_digest, prep.test_loader.dataset, root)
@@ -507,7 +506,7 @@ def study_teacher(cfg: FinetuneConfig, prep: Prepared, root: Path, device: torch
 CALIBRATION_NAME = "finetune start"  # the calibrations of the study's calibrated arms (all share them), as kept
 
 
-STUDY_CALIBRATED = Calibrated(protects=(0.0,))  # the method of the study's calibrated arms (``finetune_study_plan.ARMS``)
+STUDY_CALIBRATED = Calibrated(protects=(0.0,))  # the method of the study's calibrated arms (``plan.ARMS``)
 
 
 def calibrations(root: Path, prep: Prepared, device: torch.device) -> Callable[[float, Method], Method]:

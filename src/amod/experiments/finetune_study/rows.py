@@ -9,8 +9,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..cost import COST_DIGITS
-from ..train.resume import Journal
+from ...cost import COST_DIGITS
+from ...train.resume import Journal
 
 log = logging.getLogger("amod")
 

@@ -1,6 +1,6 @@
 """The finetune study's arms, settings and plan: what ``amod study --checkpoint`` runs at each cost
-(``ARMS``, ``FinetuneConfig``) and each arm's matched setting (``plan``). Running them is ``finetune``; the
-report is ``finetune_study_report``."""
+(``ARMS``, ``FinetuneConfig``) and each arm's matched setting (``plan``). Running them is ``study``; the
+report is ``report``."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 from torch import nn
 
-from ..checkpoint import load_weightless
-from ..cost import misses_cost, same_cost, validate_cost
-from ..family import family_of
-from ..methods import Dense, Method
-from ..mod.calibrate import Calibrated
-from ..mod.convert import MoD
-from ..mod.isoflop import IsoFLOP
-from ..tome.merging import TokenMerging
-from ..train.distill import Distillation
-from .arms import Arm, refuse_own_costs, select
-from ..errors import UserError
-from ..flags import flag, flag_of, positive_int
+from ...checkpoint import load_weightless
+from ...cost import misses_cost, same_cost, validate_cost
+from ...family import family_of
+from ...methods import Dense, Method
+from ...mod.calibrate import Calibrated
+from ...mod.convert import MoD
+from ...mod.isoflop import IsoFLOP
+from ...tome.merging import TokenMerging
+from ...train.distill import Distillation
+from ..arms import Arm, refuse_own_costs, select
+from ...errors import UserError
+from ...flags import flag, flag_of, positive_int
 
 if TYPE_CHECKING:
-    from .finetune_study_rows import EvalRows
+    from .rows import EvalRows
 
 
 REFERENCE = "A-MoD (paper)"
@@ -42,7 +42,7 @@ HYBRID, HYBRID_STE = "hybrid", "hybrid unscaled (STE)"
 # A-MoD. These arms give the router's parameters a rate of their own (the rest keeps the study's).
 ROUTER_LR = 1e-3
 STANDARD_FAST, HYBRID_STE_FAST = (f"{name}, router lr {ROUTER_LR:g}" for name in ("standard MoD", HYBRID_STE))
-# the arms whose finetuned models leave-one-out judges (``finetune_study_loo``): their seed-0 weights are kept
+# the arms whose finetuned models leave-one-out judges (``loo``): their seed-0 weights are kept
 LOO_ARMS = (REFERENCE, "standard MoD", HYBRID, HYBRID_STE, STANDARD_FAST, HYBRID_STE_FAST, "random")
 CALIBRATION_IMAGES = 256  # the first of the probe's training images (labels unread)
 # The study's arms (``arms.Arm``), in the report's order (``--methods`` picks some by name).

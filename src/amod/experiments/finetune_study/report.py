@@ -9,13 +9,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..files import write_json, write_text
-from ..stats import mean_std, paired_bootstrap_ci
-from ..train.distill import Distillation
-from .finetune_study_plan import ARMS, DENSE, LONG_STEPS, REFERENCE, Arm, FinetuneConfig, Planned, label
-from .finetune_study_rows import EvalRows, unpack
-from .plots import Figure, save_figure, steps_figure
-from .probe import LinearProbe
+from ...files import write_json, write_text
+from ...stats import mean_std, paired_bootstrap_ci
+from ...train.distill import Distillation
+from .plan import ARMS, DENSE, LONG_STEPS, REFERENCE, Arm, FinetuneConfig, Planned, label
+from .rows import EvalRows, unpack
+from ..plots import Figure, save_figure, steps_figure
+from ..probe import LinearProbe
 
 
 def summarise(cfg: FinetuneConfig, planned: list[Planned], rows: EvalRows, n_test: int) -> list[dict[str, Any]]:
