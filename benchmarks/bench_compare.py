@@ -19,7 +19,7 @@ import torch
 from _common import ensure_tunables, machine
 
 from amod.cost import flops
-from amod.experiments.bench import make_bench_model, time_models
+from amod.tools.bench import make_bench_model, time_models
 from amod.experiments.compare import COMPARED
 
 

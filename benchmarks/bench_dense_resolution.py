@@ -30,7 +30,7 @@ from _common import ensure_tunables, machine
 
 from amod.checkpoint import open_model
 from amod.cost import flops
-from amod.experiments.bench import peak_memory_mb, time_callables
+from amod.tools.bench import peak_memory_mb, time_callables
 from amod.dense.frontier import DENSE_FRONTIER_METHODS
 from amod.dense.segmentation import SegmentationCanvases
 from amod.patch_grid import patch_features

@@ -24,7 +24,7 @@ import torch
 from _common import ensure_tunables, machine
 
 import amod
-from amod.experiments.bench import make_bench_model, paired_ratios, time_callables
+from amod.tools.bench import make_bench_model, paired_ratios, time_callables
 from amod.hf import from_timm
 
 PAIRS = {"deit": ("deit_small_distilled_patch16_224", "DeiTForImageClassificationWithTeacher"),

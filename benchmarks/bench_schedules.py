@@ -18,7 +18,7 @@ import torch
 from _common import ensure_tunables, machine
 
 import amod
-from amod.experiments.bench import paired_ratios, time_callables
+from amod.tools.bench import paired_ratios, time_callables
 from amod.mod.calibrate import DEFAULT_TILTS, tilt_shape
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _common import ensure_tunables, machine
 from timm.layers import Attention
 
-from amod.experiments.bench import DEVICES, peak_memory_mb, resolve_device, time_callables
+from amod.tools.bench import DEVICES, peak_memory_mb, resolve_device, time_callables
 from amod.mod.block import ScoreHandoff, ScoringAttention
 from amod.ops import attention_with_scores
 

@@ -21,8 +21,8 @@ import torch
 from _common import ensure_tunables, machine
 
 import amod
-from amod.experiments.bench import (make_bench_model, onnx_sessions, paired_ratios, session_callable,
-                                    time_callables)
+from amod.tools.bench import (make_bench_model, onnx_sessions, paired_ratios, session_callable,
+                              time_callables)
 
 RUNTIMES = ("torch", "onnxruntime", "compile")
 VARIANTS = "dense,attention@0.5,attention@0.125,standard@0.5,standard@0.125"

@@ -205,7 +205,7 @@ def test_study_honours_an_explicit_out_that_is_the_other_studys_default(checkpoi
 
 def test_export_checks_a_batch_larger_than_the_validation_set_on_random_images(checkpoints, tmp_path, monkeypatch,
                                                                                capsys):
-    import amod.experiments.export_command as export_command
+    import amod.tools.export_command as export_command
 
     seen = {}
 

@@ -24,7 +24,7 @@ ort = pytest.importorskip("onnxruntime", reason="the export check needs the onnx
 pytest.importorskip("onnxscript", reason="the dynamo exporter needs the onnx extra: pip install 'amod[onnx]'")
 
 from amod.deploy import onnx_session, op_counts, run_session  # noqa: E402
-from amod.experiments.bench import run_bench  # noqa: E402
+from amod.tools.bench import run_bench  # noqa: E402
 
 MODELS = {  # name: (convert kwargs, or "tome", or None for dense; depth: an export costs ~2 s a block here)
     "dense": (None, 2),
@@ -115,7 +115,7 @@ def test_the_check_runs_on_the_images_it_is_given(tmp_path):
     with pytest.raises(ValueError, match="holds 5 images; a fixed batch of 6"):
         amod.export(model, tmp_path / "n.onnx", batch=6, check_images=x)
     assert not (tmp_path / "n.onnx").exists()
-    from amod.experiments.export_command import fashion_mnist_images
+    from amod.tools.export_command import fashion_mnist_images
 
     assert fashion_mnist_images(model, 4) is None  # three channels: not a Fashion-MNIST model
 
@@ -192,7 +192,7 @@ def test_the_check_reports_its_flip_rate_and_refuses_an_export_that_differs_on_m
     check = amod.export(model, tmp_path / "m.onnx")["check"]
     assert (check["flipped"], check["images"], check["flip_rate"], check["same_top1"]) == (2, 11, 2 / 11, True)
     assert check["max_abs_diff"] == pytest.approx(0.5, abs=1e-4)
-    from amod.experiments.export_command import format_export
+    from amod.tools.export_command import format_export
 
     line = format_export({"path": "m.onnx", "bytes": 1, "method": "dense", "img_size": (32, 32), "batch": "dynamic",
                           "opset": 18, "exporter": "dynamo", "ops": {}, "check": {**check, "inputs": "flat-region"}})
@@ -259,7 +259,7 @@ def test_cli_export_refuses_its_own_checkpoint_and_replaces_a_file_only_with_for
 
 def test_cli_export_refuses_a_read_only_directory_before_any_work(tmp_path, capsys, monkeypatch):
     import amod.deploy as deploy
-    import amod.experiments.export_command as exporting
+    import amod.tools.export_command as exporting
 
     ckpt = amod.save(make_model("vit", depth=1), tmp_path / "model.safetensors")
     locked = tmp_path / "ro"
@@ -305,7 +305,7 @@ def test_sigterm_during_an_export_leaves_no_temporary_file(tmp_path):
 
 def small_bench_models(monkeypatch):
     """run_bench on two-block models: the benchmark's plumbing, not its numbers."""
-    import amod.experiments.bench as bench
+    import amod.tools.bench as bench
 
     def make(name, img_size, method):
         model = make_model("vit", depth=2)

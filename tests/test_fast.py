@@ -50,7 +50,7 @@ def test_bench_json_has_the_promised_keys(capsys, device):
     assert refused.returncode == 2 and "--capacity does not apply to tome:cost=0.5" in refused.stderr
 
 
-# a reducing block's operations beyond a dense block's (amod.experiments.opcount; batch 1): the matching, one gather
+# a reducing block's operations beyond a dense block's (amod.tools.opcount; batch 1): the matching, one gather
 # and one scatter-add of features and sizes, the bias, and 2 per decision for its key (amod.tokens.decision_key);
 # PiToMe adds its energy (43; 52 in its first half of blocks, which also rank every A token's best match and put set A
 # in that order), fold's protection the class row
@@ -59,7 +59,7 @@ EXTRA_OPS = {"tome": 31, "fold, nothing protected": 31, "pitome": 43, "fold": 55
 
 @pytest.mark.parametrize("family", ["vit", "dinov2_reg"])
 def test_a_reducing_block_dispatches_a_handful_of_operations_more_than_a_dense_one(family):
-    from amod.experiments.opcount import count_ops
+    from amod.tools.opcount import count_ops
 
     def make():
         return make_model(family, depth=4, img_size=64 if family == "vit" else 56)

@@ -217,7 +217,7 @@ def test_torn_lines_of_the_sweeps_files_are_named_in_a_warning(tmp_path, caplog)
 # ---------------------------------------------------------------- speed-ups faster than the MACs allow
 
 def test_a_speed_up_beyond_the_macs_is_flagged_and_the_frontier_leaves_it_out(recwarn):
-    from amod.experiments.bench import IMPLAUSIBLE_NOTE, implausible_speedup, speedup_text
+    from amod.tools.bench import IMPLAUSIBLE_NOTE, implausible_speedup, speedup_text
     from amod.experiments.frontier import flag_implausible, readings
 
     # make demo's busy machine: 7.46x at cost 0.56 and 10.13x at 0.40; 1.3x at 0.56 is a measurement

@@ -3,10 +3,10 @@ imports inside functions and those for type hints only, between modules or betwe
 bottom, ``errors``, ``files``, ``arch``, ``kernels``, ``hf.common`` and the families' registry ``family``, imports
 nothing of amod but ``errors``; nothing below the model families imports ``amod.families``), and the library (every module but the application and
 ``amod.__main__``, read from the source tree: the root package, routing, token merging, PPT, ops, costs, checkpoints,
-weights, kernels, methods, files, export, the model families, analyses...) never imports the application (``amod.cli`` and what docs/architecture.md's package
-layout lists below it: ``amod.train``, ``amod.experiments``, ``amod.detect``, ``amod.dense``, ...), not even lazily
-inside a function. No family's name appears outside its adapter module and the
-registry."""
+weights, kernels, methods, files, export, the model families, analyses...) never imports the application
+(``amod.cli`` and what docs/architecture.md's package layout lists below it: ``amod.train``, ``amod.tools``,
+``amod.experiments``, ``amod.detect``, ``amod.dense``, ...), not even lazily inside a function. No family's name
+appears outside its adapter module and the registry."""
 from __future__ import annotations
 
 import ast
@@ -160,7 +160,7 @@ def test_the_application_is_read_from_the_architecture_page():
     """A guard against a reader that finds nothing: the application's packages, each a module of the tree, and the
     library's bottom not among them."""
     assert APPLICATION[0] == "amod.cli"
-    assert {"amod.train", "amod.experiments", "amod.detect", "amod.dense"} <= set(APPLICATION)
+    assert {"amod.train", "amod.tools", "amod.experiments", "amod.detect", "amod.dense"} <= set(APPLICATION)
     assert all(a in MODULES for a in APPLICATION), APPLICATION
     assert not set(APPLICATION) & {"amod.methods", "amod.mod", "amod.families", *BOTTOM}
 
@@ -252,7 +252,10 @@ def test_the_library_does_not_import_training_or_experiments(layer):
                                   "amod.experiments.stats", "amod.experiments.finetune", "amod.experiments.study",
                                   "amod.hf.weights", "amod.detect.segmentation", "amod.detect.dense_frontier",
                                   "amod.experiments.finetune_study_plan", "amod.experiments.finetune_study_rows",
-                                  "amod.experiments.finetune_study_report", "amod.experiments.finetune_study_loo"])
+                                  "amod.experiments.finetune_study_report", "amod.experiments.finetune_study_loo",
+                                  "amod.experiments.bench", "amod.experiments.evaluate",
+                                  "amod.experiments.export_command", "amod.experiments.flops_command",
+                                  "amod.experiments.opcount"])
 def test_removed_modules_are_gone(name):
     """0.1.0 has no release: the deprecated alias and the old module paths were removed, not kept (a module moved to
     the room its name says, ``amod.detect.segmentation`` to ``amod.dense.segmentation``, leaves no alias behind)."""

@@ -331,7 +331,7 @@ def test_every_mod_default_is_mod_configs():
     assert converted[0].amod_config.capacity == MoDConfig.capacity
     flops = build_parser().parse_args(["flops", "vit_tiny_patch16_224"])  # (its rows: the shorthand's method)
     assert (flops.router, flops.skipped) == (None, None) and method_from_shorthand({"router": MoDConfig.router}) == MoD()
-    from amod.experiments.bench import BenchConfig
+    from amod.tools.bench import BenchConfig
     from amod.flags import build
 
     bench = build(BenchConfig, build_parser().parse_args(["bench"]))  # (an MoD spec: MoD's own defaults but capacity)

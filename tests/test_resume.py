@@ -143,7 +143,7 @@ def test_a_finetune_study_run_killed_by_the_former_version_resumes_with_the_same
 
 
 def test_the_former_versions_records_of_finished_work_are_read_and_skip_that_work(tmp_path):
-    from amod.experiments.bench import TimingRounds
+    from amod.tools.bench import TimingRounds
     from amod.experiments.calibrate_command import CalibrationCache
     from amod.experiments.features import finished_probe_rows
 

@@ -80,7 +80,7 @@ def test_a_single_output_file_has_one_writer_and_never_replaces_the_input(comman
     run directory's) from its checks to its write, and a second one started meanwhile, even with --force, is refused
     in one line naming it. A lock file left by a killed process blocks nobody, and none is left behind."""
     import amod.experiments.calibrate_command as calibration
-    import amod.experiments.export_command as export
+    import amod.tools.export_command as export
 
     _skip_without_extras(command)
     source, out = tmp_path / (name + ".tmp"), tmp_path / name

@@ -373,7 +373,7 @@ def test_a_former_flag_name_still_works_with_a_warning_line_naming_the_new_one(c
 
     parser, sub = _parser(command)
     lead = {"dense-frontier": ["--checkpoint", "c"], "study": ["--checkpoint", "c"], "detect": ["train"]}.get(command, [])
-    config = {"bench": _config("experiments.bench:BenchConfig"),
+    config = {"bench": _config("tools.bench:BenchConfig"),
               "dense-frontier": _config("dense.frontier:DenseFrontierConfig"), "study": FinetuneConfig,
               "detect": DetectConfig}[command]
     capsys.readouterr()

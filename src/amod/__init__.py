@@ -10,9 +10,9 @@ Sub-packages: ``amod.mod`` (routers, MoD and fold blocks, conversion), ``amod.to
 the baseline), ``amod.families`` (the model families: timm, Hugging Face ViT/DeiT/DINOv2, CLIP, SigLIP, DETR),
 ``amod.kernels`` (Triton score kernels), ``amod.weights`` (real pretrained weights), ``amod.analysis`` and
 ``amod.stats`` (leave-one-out, routing and attention analyses; bootstrap CIs); the application:
-``amod.train`` (data, engine, run configurations, runs), ``amod.experiments`` (demo, compare, study,
-export, benchmarks), ``amod.detect`` (DETR on detection canvases), ``amod.dense`` (segmentation of patch features on
-the same canvases), ``amod.cli``. ``amod.methods`` names what a model runs; ``amod.cost`` prices it;
+``amod.train`` (data, engine, run configurations, runs), ``amod.tools`` (eval, export, flops, bench: one model
+measured or converted), ``amod.experiments`` (demo, compare, study, frontier), ``amod.detect`` (DETR on detection
+canvases), ``amod.dense`` (segmentation of patch features on the same canvases), ``amod.cli``. ``amod.methods`` names what a model runs; ``amod.cost`` prices it;
 ``amod.ops`` is attention with A-MoD's scores; ``amod.deploy`` exports a model to ONNX (``amod.export``)
 and checks it in ONNX Runtime; ``amod.fast`` is the compiled (and CUDA-graph) inference path (``amod.compile``); ``amod.checkpoint`` saves and loads models (``amod.save``,
 ``amod.load``); ``amod.arch`` holds a ViT's architecture arguments and ``set_input_size``; ``amod.patch_features``

@@ -1,7 +1,7 @@
 """The ``amod`` command line: each command, declared once in ``COMMANDS``, parses its flags into a library
 configuration and calls one library function; a user's error is one line and exit status 2 (``--debug``: the
-traceback). A command imports its own modules (``amod.experiments``, ``amod.train``, ``amod.detect``, ``amod.dense``) only
-when its flags are built or it runs: ``amod --help`` costs the library's import alone."""
+traceback). A command imports its own modules (``amod.experiments``, ``amod.tools``, ``amod.train``, ``amod.detect``,
+``amod.dense``) only when its flags are built or it runs: ``amod --help`` costs the library's import alone."""
 from __future__ import annotations
 
 import argparse
@@ -85,7 +85,7 @@ FLOPS_MOD_OPTIONS = ("router", "layers", "skipped")  # the MoD setup of amod flo
 
 
 def _flops(args: argparse.Namespace) -> int:
-    from .experiments.flops_command import flops_report
+    from .tools.flops_command import flops_report
 
     given = {k: getattr(args, k) for k in FLOPS_MOD_OPTIONS if getattr(args, k) is not None}
     mod = method_from_shorthand({"router": MoDConfig.router, **given})
@@ -319,13 +319,13 @@ COMMANDS: tuple[Command, ...] = (
             lambda p: _run_flags(p, False), _train),
     Command("finetune", "reduce a pretrained timm ViT (MoD, ToMe, PiToMe, isoFLOP, or dense) and train it",
             lambda p: _run_flags(p, True), lambda args: _train(args, finetune=True)),
-    Command("eval", "accuracy, loss, cost and speed of a saved model", "experiments.evaluate:EvalConfig",
-            "experiments.evaluate:eval_command", json=True),
+    Command("eval", "accuracy, loss, cost and speed of a saved model", "tools.evaluate:EvalConfig",
+            "tools.evaluate:eval_command", json=True),
     Command("bench", "images/s and peak memory: a timm or Hugging Face model vs its MoD conversion, interleaved",
-            "experiments.bench:BenchConfig", "experiments.bench:bench_command", json=True,
+            "tools.bench:BenchConfig", "tools.bench:bench_command", json=True,
             shorthand=("router", "capacity", "layers")),
     Command("export", "export a saved model to ONNX (dynamic batch by default), checked in ONNX Runtime",
-            "experiments.export_command:ExportConfig", "experiments.export_command:export_command", json=True),
+            "tools.export_command:ExportConfig", "tools.export_command:export_command", json=True),
     Command("analyze", "leave-one-out importance, routing pictures or attention statistics",
             "experiments.analyze_command:AnalyzeConfig", "experiments.analyze_command:analyze_command"),
     Command("study", "a backbone: every method finetuned at matched cost, with seeds and CIs; a model with a "

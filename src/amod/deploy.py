@@ -17,7 +17,7 @@ keep their generator in a graph: the exported model reuses the draws of one call
 
 ``onnx``, ``onnxscript`` and ``onnxruntime`` are the optional extra ``amod[onnx]``; they are imported
 only when needed. ``amod export`` (a checkpoint file in, real check images where the data is at hand)
-is ``amod.experiments.export_command``.
+is ``amod.tools.export_command``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A small ViT's forward on a GPU is a few milliseconds, and in eager PyTorch each of its operations costs a kernel
 launch and the Python and dispatcher work around it; a model that reduces tokens runs about twice as many operations
-as the dense one (``amod.experiments.opcount``), so in eager mode it is bound by launches, not by its MACs. Compiled
+as the dense one (``amod.tools.opcount``), so in eager mode it is bound by launches, not by its MACs. Compiled
 as one graph with static shapes (``torch.compile(fullgraph=True, dynamic=False)``), the reduction's small operations
 fuse with their neighbours; replayed as a CUDA graph (``mode="reduce-overhead"``), a forward costs its kernels alone.
 ``mode="cuda-graphs"`` records the eager forward as a CUDA graph without compiling (``CapturedGraph``): built in the

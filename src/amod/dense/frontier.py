@@ -39,8 +39,8 @@ from ..patch_grid import patch_features
 from ..train.models import fit_to_data
 from ..train.rundir import check_output_dir
 from ..experiments.arms import Arm, refuse_own_costs, select
-from ..experiments.bench import (DEVICES, IMPLAUSIBLE_NOTE, TimingRounds, resolve_device, same_setting_as,
-                                  speedup_text, time_callables, timing_key)
+from ..tools.bench import (DEVICES, IMPLAUSIBLE_NOTE, TimingRounds, resolve_device, same_setting_as,
+                          speedup_text, time_callables, timing_key)
 from ..experiments.calibrate_command import CalibrationCache
 from ..experiments.features import features_key, finished_probe_rows
 from ..experiments.frontier import flag_implausible, readings, speedup_figure, sweep_points
@@ -232,8 +232,8 @@ def _measure(cfg: DenseFrontierConfig, root: Path, key: str, probe: PatchProbe, 
 def _time(cfg: DenseFrontierConfig, root: Path, models: dict[str, torch.nn.Module], same: dict[str, str],
           device: torch.device) -> dict[str, dict[str, Any]]:
     """Each model's speed-up over dense on ``amod.patch_features`` (the forward and the unmerging) at ``--speed-batch``,
-    all interleaved in the same rounds (``bench.time_callables`` with dense the reference); kept rounds are saved, so
-    a killed timing goes on where it stopped."""
+    all interleaved in the same rounds (``tools.bench.time_callables`` with dense the reference); kept rounds are
+    saved, so a killed timing goes on where it stopped."""
     x = torch.randn(cfg.batch, 3, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(0)).to(device)
 
     def call(model: torch.nn.Module):

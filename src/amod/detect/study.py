@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import files
-from ..experiments.bench import time_callables
+from ..tools.bench import time_callables
 from ..stats import mean_std, paired_bootstrap_ci
 from ..train.engine import read_metrics
 from ..train.rundir import RunDirectory

@@ -46,7 +46,7 @@ from ..train.models import fit_to_data
 from ..train.config import RunConfig
 from ..train.rundir import check_output_dir, run_dir_name
 from .arms import FOLD_CONTROLS, Arm, refuse_own_costs, select
-from .bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
+from ..tools.bench import IMPLAUSIBLE_NOTE, speedup_text, time_models, warn_implausible
 from .plots import accuracy_vs_cost_panels
 from .presets import BASE, QUICK, check_settings, demo_skeleton, run_in_directory, run_once, starting_checkpoint
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows

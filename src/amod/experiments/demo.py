@@ -24,7 +24,7 @@ import torch
 
 from ..files import write_json, write_text
 from ..flags import flag
-from .bench import IMPLAUSIBLE_NOTE, speedup_text, warn_implausible
+from ..tools.bench import IMPLAUSIBLE_NOTE, speedup_text, warn_implausible
 from .finetune_study.study import check_study_inputs, finetune_run, prepare, speeds_of, zero_training
 from .finetune_study.plan import ARMS, DENSE, REFERENCE, FinetuneConfig, Planned, label, plan
 from .presets import run_in_directory

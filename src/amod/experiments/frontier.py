@@ -46,7 +46,8 @@ from ..train.rundir import check_output_dir
 from ..fast import compile as fast_compile, warm_up
 from ..train.engine import AMP_MODES
 from .arms import FOLD_CONTROLS, Arm, refuse_own_costs, select
-from .bench import DEVICES, IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models, warn_implausible
+from ..tools.bench import (DEVICES, IMPLAUSIBLE_NOTE, resolve_device, same_setting_as, speedup_text, time_models,
+                          warn_implausible)
 from .calibrate_command import CalibrationCache, calibration_grid
 from .compare import check_inputs
 from .features import dense_features, dense_probe, feature_model, features_key, finished_probe_rows
@@ -266,8 +267,8 @@ def sweep_points(methods: Sequence[Arm], costs: Sequence[float], dense: torch.nn
                  calibrations: CalibrationCache, settings: dict[str, str]) -> Iterator[SweepPoint]:
     """Every method at every cost, in order: `amod frontier`'s and `amod dense-frontier`'s sweep. A method that
     ``needs_images`` is calibrated through ``calibrations`` (kept, so a resumed sweep reuses it). Each point's setting
-    is recorded in ``settings`` (``"name @ cost"``: the method's repr, for ``bench.same_setting_as``); a cost whose
-    closest setting the method already has at an earlier cost is logged and not yielded (measured once)."""
+    is recorded in ``settings`` (``"name @ cost"``: the method's repr, for ``tools.bench.same_setting_as``); a cost
+    whose closest setting the method already has at an earlier cost is logged and not yielded (measured once)."""
     pairs = [(entry, cost) for entry in methods for cost in costs]
     seen: set[tuple[str, str]] = set()
     for number, (entry, cost) in enumerate(pairs, start=1):
@@ -293,7 +294,7 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
              ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Every (method, cost) point's accuracy, each appended to a file as it finishes (a killed sweep resumes
     after the last one); returns the rows with their models (``model``), for timing, and for every point the point
-    whose setting it has (``bench.same_setting_as``: timed once). A cost whose closest setting is one the method
+    whose setting it has (``tools.bench.same_setting_as``: timed once). A cost whose closest setting is one the method
     already has at another cost is not measured twice: it has no row."""
     loader = engine.make_loader(val, 128, False, 0, 0, engine.Dist(device=device))
     done_path = root / f"frontier_rows_{key}_{probe.l2:g}.jsonl"
@@ -322,9 +323,9 @@ def _measure(cfg: FrontierConfig, root: Path, key: str, probe: LinearProbe, dens
 def _time(cfg: FrontierConfig, models: dict[str, torch.nn.Module],
           device: torch.device) -> dict[str, dict[str, Any]]:
     """Images/s of every model at each batch size, all interleaved in the same rounds, and each model's
-    speed-up over dense: the median over rounds of the mean of the two dense runs around it (``bench.time_models``
-    with dense the reference: it runs after every few models) over its own time, so that a slow minute of a shared
-    machine touches both sides of a ratio."""
+    speed-up over dense: the median over rounds of the mean of the two dense runs around it
+    (``tools.bench.time_models`` with dense the reference: it runs after every few models) over its own time, so that a
+    slow minute of a shared machine touches both sides of a ratio."""
     first = next(iter(models.values()))
     speeds: dict[str, dict[str, Any]] = {name: {} for name in models}
     for batch in cfg.speed_batches:

@@ -25,7 +25,7 @@ from ..mod.isoflop import IsoFLOP
 from ..train import engine
 from ..checkpoint import load
 from ..train.config import RunConfig
-from .bench import time_models
+from ..tools.bench import time_models
 from .plots import accuracy_vs_cost, accuracy_vs_epoch
 from .presets import BASE, CAPACITIES, FINETUNE, QUICK, pretrain_dense, run_in_directory, run_once
 

@@ -53,7 +53,7 @@ from ...train.distill import Distillation, Teacher, TeacherOutputs, classifiers_
 from ...train.models import fit_to_data
 from ...train.resume import restore_training_state, save_training_state, training_state
 from ...train.rundir import run_dir_name
-from ..bench import TimingRounds, same_setting_as, time_models, timing_key
+from ...tools.bench import TimingRounds, same_setting_as, time_models, timing_key
 from ..calibrate_command import CalibrationCache, calibration_grid
 from ..features import dense_features, dense_probe, features_key
 from .plan import CALIBRATION_IMAGES, DENSE, LOO_ARMS, TEACHER, Arm, FinetuneConfig, Planned, label, plan

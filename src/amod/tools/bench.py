@@ -290,7 +290,7 @@ def peak_memory_mb(spec: dict[str, Any]) -> float:
     peak; the figure is the rise of the resident-set high-water mark during the call.
     """
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    res = subprocess.run([sys.executable, "-c", "from amod.experiments.bench import _probe_main; _probe_main()"],
+    res = subprocess.run([sys.executable, "-c", "from amod.tools.bench import _probe_main; _probe_main()"],
                          input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=600)
     if res.returncode != 0:
         raise RuntimeError(f"memory probe failed: {res.stderr.strip().splitlines()[-1:]}")
