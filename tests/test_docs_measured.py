@@ -65,13 +65,13 @@ KNOWN_STALE: dict[str, Union[str, tuple[str, ...]]] = {
         "`evals.jsonl` it reuses these rows), and the benchmark named beside each speed table."),
     "docs/fold_selection.md": (
         "These numbers were measured at amod 8833d51, before the near-tie grid (52c60d6) changed how fold and "
-        "ToMe choose tokens; rerun: `python benchmarks/fold_selection.py --img-size 112` and `python "
-        "benchmarks/fold_selection.py --img-size 224 --protect 0 0.25`."),
+        "ToMe choose tokens; rerun: `python studies/fold_selection.py --img-size 112` and `python "
+        "studies/fold_selection.py --img-size 224 --protect 0 0.25`."),
     "docs/frontier.md": (
         "The sections after the first were measured at amod 10668eb and 0ca6106, before the near-tie grid "
         "(52c60d6) changed how MoD, ToMe and PiToMe choose tokens (the 112 and 224 px tables also before "
         "838defc made PiToMe match the public algorithm); rerun: the `amod frontier`, `python "
-        "benchmarks/bench_schedules.py` and `python benchmarks/bench_pitome_probe.py --methods PiToMe ToMe` "
+        "benchmarks/bench_schedules.py` and `python studies/pitome_probe.py --methods PiToMe ToMe` "
         "commands on this page."),
     "docs/frontier_dinov2_112.md": (
         "These numbers were measured at amod 10668eb, before PiToMe matched the public algorithm (838defc) "

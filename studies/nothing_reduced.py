@@ -7,7 +7,7 @@ MoD with the attention router at capacity 1.0 is the one that is not bit for bit
 computes its attention through ``amod.ops.attention_with_scores`` (the output and the scores the router reads from the
 same tiles of the softmax), not timm's fused attention, so it rounds differently. Usage:
 
-    python benchmarks/nothing_reduced.py [--img-size 224] [--images 4]
+    python studies/nothing_reduced.py [--img-size 224] [--images 4]
 """
 from __future__ import annotations
 

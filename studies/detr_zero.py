@@ -1,6 +1,6 @@
 """Zero-training COCO AP of a dense DETR converted at matched encoder cost, every router (docs/detr.md).
 
-    python benchmarks/detr_zero.py [DETECTOR] [--out runs/detect/zero.json]
+    python studies/detr_zero.py [DETECTOR] [--out runs/detect/zero.json]
 
 DETECTOR: an ``amod detect train`` run's model.safetensors (default runs/detect/dense/model.safetensors).
 MoD on encoder layers 1-5, the capacity whose encoder MACs are closest to 0.5 and 0.25 of dense; AP on the
