@@ -9,7 +9,7 @@ method's step without distillation (the issue's budget: at most 1.35x). The weig
 --checkpoint names a backbone (speed does not depend on them).
 Usage:
     python benchmarks/bench_distill_speed.py [--checkpoint PATH] [--img-size 112] [--batch-size 32]
-        [--rounds 10] [--warmup 2] [--cost 0.56 0.40] [--out benchmarks/results/distill_speed.json]
+        [--rounds 10] [--warmup 2] [--cost 0.56 0.40] [--out docs/results/distill_speed.json]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ MODES = ("plain", "live teacher", "kept outputs")
 
 def main() -> None:
     ensure_tunables()
-    args = training_speed_args(__doc__, rounds=10, warmup=2, out="benchmarks/results/distill_speed.json",
+    args = training_speed_args(__doc__, rounds=10, warmup=2, out="docs/results/distill_speed.json",
                                several_costs=True).parse_args()
 
     dense = build(args.checkpoint, args.img_size)

@@ -8,7 +8,7 @@ of each method interleaved with dense (warm-ups thrown away, medians, speed-ups 
 operations one batch-1 inference forward dispatches on each path (``amod.tools.opcount``, under
 ``torch.inference_mode``).
 
-    python benchmarks/bench_key_bias.py --out benchmarks/results/key_bias_cpu.json     # about 10 minutes on 2 cores
+    python benchmarks/bench_key_bias.py --out docs/results/key_bias_cpu.json     # about 10 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--rounds-batch32", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calibration-images", type=int, default=64)
-    p.add_argument("--out", default="benchmarks/results/key_bias_cpu.json")
+    p.add_argument("--out", default="docs/results/key_bias_cpu.json")
     args = p.parse_args()
     ensure_tunables()
     report: dict[str, Any] = {"machine": machine(), "cost": args.cost, "sizes": {}, "args": vars(args)}

@@ -12,9 +12,9 @@ image size this script:
 3. with ``--compile``, also every model compiled by ``amod.compile`` (one graph, static shapes): the seconds each
    compile took and the compiled models' speed-ups over compiled dense, in the same rounds as the eager ones.
 
-    python benchmarks/bench_overhead.py --out benchmarks/results/overhead_cpu.json     # about 10 minutes on 2 cores
+    python benchmarks/bench_overhead.py --out docs/results/overhead_cpu.json     # about 10 minutes on 2 cores
     python benchmarks/bench_overhead.py --img-sizes 224 --methods ToMe "A-MoD calibrated" \
-        "calibrated, nothing protected" --compile --out benchmarks/results/compile_cpu.json   # about 15 minutes
+        "calibrated, nothing protected" --compile --out docs/results/compile_cpu.json   # about 15 minutes
 
 The JSON report (and a Markdown table beside it) is rewritten after every image size.
 """
@@ -209,7 +209,7 @@ def main() -> None:
     p.add_argument("--calibration-images", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="also time every model compiled by amod.compile")
-    p.add_argument("--out", default="benchmarks/results/overhead_cpu.json")
+    p.add_argument("--out", default="docs/results/overhead_cpu.json")
     args = p.parse_args()
     if "dense" not in args.methods:
         args.methods = ["dense", *args.methods]

@@ -6,7 +6,7 @@ rounds discarded); the report gives the median images/s of each and the median o
 dense fp32. The weights are random unless --checkpoint names a backbone (speed does not depend on them).
 Usage:
     python benchmarks/bench_train_speed.py [--checkpoint PATH] [--img-size 112] [--batch-size 32]
-        [--rounds 12] [--warmup 3] [--cost 0.56] [--out benchmarks/results/train_speed.json]
+        [--rounds 12] [--warmup 3] [--cost 0.56] [--out docs/results/train_speed.json]
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def training_speed_args(doc: str, rounds: int, warmup: int, out: str,
 
 def main() -> None:
     ensure_tunables()
-    args = training_speed_args(__doc__, rounds=12, warmup=3, out="benchmarks/results/train_speed.json").parse_args()
+    args = training_speed_args(__doc__, rounds=12, warmup=3, out="docs/results/train_speed.json").parse_args()
 
     dense = build(args.checkpoint, args.img_size)
     with warnings.catch_warnings():

@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py, the GPU check's orchestrator: its tiny plan run for real on the CPU, and its GPU plan with
 every command replaced by one that writes what the real command writes (benchmarks/bench_methods.py's result, a junit
-report, bench_scores.py's report of benchmarks/results/scores_cpu.json, `amod bench --json`): each target read off the
+report, bench_scores.py's report of docs/results/scores_cpu.json, `amod bench --json`): each target read off the
 numbers, and the report written whatever a step does (times out with half its output, fails, writes no result or a
 malformed one, is skipped for want of time), with an exit status that says which."""
 from __future__ import annotations
@@ -129,7 +129,7 @@ class FakeCommands:
         if "benchmarks/bench_methods.py" in argv:
             out_file.write_text(json.dumps(speed_result(argv, self.speed, graph_errors=self.graph_errors)))
         elif "benchmarks/bench_scores.py" in argv:
-            shutil.copy(ROOT / "benchmarks" / "results" / "scores_cpu.json", out_file)
+            shutil.copy(ROOT / "docs" / "results" / "scores_cpu.json", out_file)
         else:  # amod bench --json
             assert argv[2:4] == ["amod", "bench"] and stdout != log
             stdout.write_text(json.dumps({
@@ -190,7 +190,7 @@ def test_every_target_of_the_gpu_plan_is_read_from_its_step(gpu_check, tmp_path)
     assert (t[TESTS]["value"], t[TESTS]["met"]) == (0, True)
     efficiency = t["A-MoD C=0.125, ViT-B/16, batch 256, bf16, eager: efficiency (speed-up x cost) >= 0.9"]
     assert efficiency["value"] == pytest.approx(1.3 * 0.567) and efficiency["met"] is False
-    overhead = json.loads((ROOT / "benchmarks" / "results" / "scores_cpu.json").read_text())["n197"]["kernel_overhead"]
+    overhead = json.loads((ROOT / "docs" / "results" / "scores_cpu.json").read_text())["n197"]["kernel_overhead"]
     assert t[SCORES]["value"] == pytest.approx(overhead) and t[SCORES]["met"] is (overhead <= 0.1)
     assert all(x["met"] is not None for x in report["targets"])
     # the page: the summary of every speed step, each step's table, the dense kernel, the compile times
