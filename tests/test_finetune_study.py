@@ -259,7 +259,7 @@ def test_the_demo_on_a_backbone_and_a_killed_demo_goes_on_where_it_stopped(backb
     """The whole demo; then one killed in its timing and again in its finetune (a state saved after every step in
     --quick) and run on: the second sitting times only the round the first did not save, the third times nothing and
     goes on from step 3, and every evaluation, down to each image and the training loss, is the uninterrupted run's."""
-    from amod.experiments import bench
+    from amod.tools import bench
     from amod.train import engine
 
     calls, starts, kill = collections.Counter(), [], {}

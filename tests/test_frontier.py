@@ -88,7 +88,7 @@ def test_compile_times_every_model_compiled_and_says_how_long_each_took(backbone
 def test_points_of_one_setting_are_timed_once_and_share_one_speed_up(backbone_path, tmp_path, capsys, monkeypatch):
     """ToMe and the registered tome are one method: at each cost they resolve to one model, timed once, one speed-up
     for both rows. ToMe at 0.48 and 0.5 reach the same r on this backbone: measured once, and the report says so."""
-    from amod.experiments import bench
+    from amod.tools import bench
 
     timed, time_callables = [], bench.time_callables
     monkeypatch.setattr(bench, "time_callables", lambda fns, *a, **k: timed.append(list(fns)) or time_callables(
@@ -131,7 +131,7 @@ def test_each_speed_up_is_taken_against_the_dense_runs_around_it(monkeypatch):
     """A fake clock and a slow spell of the machine in the middle of a round: model "a" and the dense runs on either
     side of it take twice as long. Its ratio pairs it with those dense runs, so the spell cancels out; a ratio to a
     dense run at the start of the round would halve it."""
-    from amod.experiments import bench
+    from amod.tools import bench
 
     clock, calls, seconds = [0.0], [], {"dense": 1.0, "a": 0.5, "b": 0.25, "c": 0.5, "d": 0.5, "e": 1.0}
 
