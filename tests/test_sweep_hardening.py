@@ -426,7 +426,7 @@ SLOW_STEPS = {
     "frontier": [("amod.experiments.frontier", "open_model", "loading the dense model"),
                  ("amod.experiments.features", "features", "dense features of"),
                  ("amod.experiments.probe", "fit_probe", "fitting the linear probe"),
-                 ("amod.methods", "calibrate", "calibrating calibrated:tilts=[0] at cost"),
+                 ("amod.mod.calibrate", "calibrate", "calibrating calibrated:tilts=[0] at cost"),
                  ("amod.experiments.frontier", "time_models", "timing ")],
     "compare": [("amod.experiments.compare", "open_model", "loading the dense model"),
                 ("amod.experiments.features", "features", "dense features of"),
@@ -436,7 +436,7 @@ SLOW_STEPS = {
                        ("amod.dense.frontier", "SegmentationCanvases", "drawing 12 training and 6 test canvases"),
                        ("amod.dense.frontier", "grid_features", "dense patch features of 12 training"),
                        ("amod.dense.frontier", "fit_patch_probe", "fitting the patch probe"),
-                       ("amod.methods", "calibrate", "calibrating calibrated:tilts=[0] at cost"),
+                       ("amod.mod.calibrate", "calibrate", "calibrating calibrated:tilts=[0] at cost"),
                        ("amod.dense.frontier", "time_callables", "timing ")],
 }
 SWEEPS = {

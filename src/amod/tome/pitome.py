@@ -22,7 +22,7 @@ Where this version differs from the public code:
 
 - proportional attention: the public timm block never passes the sizes to its attention, so there a merged token
   counts once; amod weighs it by its size, as ToMe does. DINOv2 ViT-S/14 at 224 px, cost 0.56, 500 Fashion-MNIST test
-  images (``docs/frontier.md``, ``benchmarks/bench_pitome_probe.py``): probe top-1 79.2 % with it, 74.0 % without;
+  images (``docs/frontier.md``, ``studies/pitome_probe.py``): probe top-1 79.2 % with it, 74.0 % without;
 - prefix tokens (class, distillation, registers) never merge and take no part in the energy (the public code sets
   aside the class token only);
 - the energy's cosine matrix is priced in the MACs (``amod.flops``, checked against FlopCounterMode): n² · head_dim
