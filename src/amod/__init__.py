@@ -28,15 +28,13 @@ from .deploy import export
 from .errors import UserError
 from .fast import compile
 from .methods import Dense, Method, method_of
-from .mod.convert import MoD
-from .mod.isoflop import IsoFLOP
 from .tome.merging import TokenMerging
-from .tome.pitome import PiToMe
 from .tome import pitome
+from .tome.pitome import PiToMe
 from .mod.config import MoDConfig
-from .mod.convert import (capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
+from .mod.convert import (MoD, capacity_for_cost, convert, get_config, lowest_capacity, mod_blocks, set_capacity,
                            set_recording)
-from .mod.isoflop import isoflop_baseline
+from .mod.isoflop import IsoFLOP, isoflop_baseline
 from .mod.calibrate import Calibrated, calibrate
 from .checkpoint import load, save
 from .patch_grid import patch_features

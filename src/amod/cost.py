@@ -114,8 +114,8 @@ def closest_setting(cost: float, candidates: Iterable[Setting], ratio: Callable[
     ratio; of equally close ones, the first. The one search behind every method's setting for a cost
     (``Method.at_cost`` through ``capacity_for_cost``, ``tome.schedule_for_cost``, ``pitome.keep_for_cost``,
     ``ppt.r_for_cost``): each gives its candidates, in the order that breaks its ties, and its price. With a
-    ``tolerance`` (relative), a closest candidate that misses ``cost`` by more is refused: a UserError whose text is
-    ``missed(candidate, ratio)``."""
+    ``tolerance`` (relative) and the words of a refusal ``missed(candidate, ratio)``, a closest candidate that misses
+    ``cost`` by more is refused with a UserError of those words."""
     best: Optional[tuple[Setting, float]] = None
     for candidate in candidates:
         r = ratio(candidate)
@@ -124,8 +124,7 @@ def closest_setting(cost: float, candidates: Iterable[Setting], ratio: Callable[
     if best is None:
         raise RuntimeError("closest_setting: no candidate")  # (every caller gives at least one)
     if tolerance is not None and abs(best[1] - cost) / cost > tolerance:
-        raise UserError(missed(*best) if missed is not None else f"no setting comes within {tolerance:.0%} of "
-                        f"{cost:.3f} of dense: the closest costs {best[1]:.3f}")
+        raise UserError(missed(*best))
     return best
 
 

@@ -592,6 +592,7 @@ def check_method_file(meta: dict[str, str], source: str) -> None:
         raise UserError(f"{source} holds a {cls.kind} model of behaviour version {version}, newer than this amod's "
                         f"{cls.kind} (version {cls.behaviour}): upgrade {owner} to open it")
 
+
 @dataclass(frozen=True)
 class Dense(Method):
     """The dense model as it is: no settings, no metadata entry of its own (a file of it names ``dense``)."""
@@ -611,9 +612,11 @@ class Dense(Method):
 
 
 METHOD_CLASSES[Dense.kind] = Dense  # the one method without settings or a metadata entry (register_method asks one)
+
 # what the near-tie grid changed, in every method that chooses tokens on scores
 NEAR_TIE_GRID = ("every choice made on scores rounded to a grid, near-ties broken by position "
                  "(amod.tokens.decision_key, amod 52c60d6)")
+
 
 def refuse_both(kind: str, method: Method, names: tuple[str, str], meanings: tuple[str, str]) -> None:
     """Refuse ``method`` where both of the fields ``names`` (one setting, two ways) are given."""

@@ -20,9 +20,8 @@ from ..checkpoint import check_dense_file, load, load_weightless, save
 from ..cost import validate_cost
 from ..files import check_output_file
 from ..methods import parse_method
-from ..mod.calibrate import Calibrated
+from ..mod.calibrate import Calibrated, calibrate
 from ..mod.convert import MoD
-from ..mod.calibrate import calibrate
 from ..train.data import DataInfo, build_datasets
 from ..train.models import fit_to_data
 from ..train.resume import Journal

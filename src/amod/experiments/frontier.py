@@ -33,12 +33,11 @@ from ..cost import flops, misses_cost, tolerance_text, validate_cost
 from ..files import write_json, write_text
 from ..hf.loading import hf_source
 from ..methods import Method
-from ..mod.calibrate import Calibrated
 from ..mod.convert import MoD
 from ..shorthand import setting_text_of
 from ..tome.merging import TokenMerging
 from ..tome.pitome import PiToMe
-from ..mod.calibrate import CHOSEN_COLUMNS, chosen_cells
+from ..mod.calibrate import CHOSEN_COLUMNS, Calibrated, chosen_cells
 from ..train import engine
 from ..train.data import build_datasets
 from ..train.models import fit_to_data

@@ -9,8 +9,7 @@ import torch
 from ..files import dumps
 from ..cost import flops
 from ..methods import method_of
-from ..mod.convert import MoD
-from ..mod.convert import set_capacity
+from ..mod.convert import MoD, set_capacity
 from ..checkpoint import open_model
 from ..families import family_of
 from ..hf.loading import hf_source

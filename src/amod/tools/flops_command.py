@@ -15,10 +15,9 @@ from ..cost import CostReport, flops, img_size_of
 from ..checkpoint import open_model
 from ..hf.loading import hf_source
 from ..methods import Dense, Method, method_of
-from ..mod.convert import MoD
 from ..tome.merging import TokenMerging
 from ..mod.config import validate_capacity
-from ..mod.convert import lowest_capacity
+from ..mod.convert import MoD, lowest_capacity
 from ..mod.modes import skipped_mode
 from ..mod.routers import router_class
 from ..tome import schedule_for_cost

@@ -9,8 +9,7 @@ from torch import nn
 
 from ..cost import COST_TOLERANCE, flops
 from ..methods import method_of
-from ..mod.convert import MoD
-from ..mod.convert import capacity_for_cost, set_capacity
+from ..mod.convert import MoD, capacity_for_cost, set_capacity
 from ..errors import UserError
 
 GRID = 12  # costs drawn from, evenly spaced over the range

@@ -216,8 +216,8 @@ def _matches(value: Any, tp: Any) -> bool:
 
 def check_types(values: Any, source: str) -> None:
     """Raise a ValueError when a RunConfig field (of a RunConfig or a dict of fields) has the wrong type."""
-    hints = {name: hint for name, hint in typing.get_type_hints(RunConfig).items()
-             if name in {f.name for f in dataclasses.fields(RunConfig)}}
+    fields = {f.name for f in dataclasses.fields(RunConfig)}  # (not the ClassVars of HoldsMethod)
+    hints = {name: hint for name, hint in typing.get_type_hints(RunConfig).items() if name in fields}
     items = values.items() if isinstance(values, dict) else ((f, getattr(values, f)) for f in hints)
     for name, value in items:
         if name in hints and not _matches(value, hints[name]):

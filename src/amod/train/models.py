@@ -17,10 +17,9 @@ from torch import nn
 
 from .. import files
 from ..families import claimed, family_of
-from ..methods import apply_found, Dense, Method, method_from_metadata, method_of
-from ..mod.convert import MoD
+from ..methods import Dense, Method, apply_found, method_from_metadata, method_of
 from ..arch import set_input_size
-from ..mod.convert import set_capacity
+from ..mod.convert import MoD, set_capacity
 from ..checkpoint import load as load_amod, load_weightless, read_metadata
 from ..errors import UserError
 

@@ -44,8 +44,7 @@ from ...family import family_of
 from ...files import UnreadableFileError, load_torch
 from ...methods import Dense, Method
 from ...mod.calibrate import Calibrated
-from ...mod.convert import MoD
-from ...mod.convert import set_capacity
+from ...mod.convert import MoD, set_capacity
 from ...train import engine
 from ...train.any_cost import AnyCost
 from ...train.data import DataInfo, TensorImages, build_datasets, collate_checked
