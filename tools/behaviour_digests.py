@@ -63,6 +63,32 @@ def jsonl(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_all(w: Path, methods: list[str]) -> None:
+    """The runs the digests are of, into the empty directory ``w``."""
+    amod("train", *TINY, *SHORT, "--out", str(w / "dense"))
+    amod("train", *TINY, *SHORT, "--router", "attention", "--capacity", "0.5", "--out", str(w / "mod"))
+    dense = w / "dense" / "model.safetensors"
+    amod("finetune", *TINY, *SHORT, "--checkpoint", str(dense), "--tome-r", "2", "--out", str(w / "ft_tome"))
+    amod("finetune", *TINY, *SHORT, "--checkpoint", str(dense), "--router", "attention", "--capacity", "0.5",
+         "--skipped", "fold", "--out", str(w / "ft_fold"))
+    amod("frontier", "--checkpoint", str(dense), "--img-size", "28", "--cost", "0.5", "0.8", "--probe-train", "200",
+         "--val-limit", "128", "--speed-batch", "2", "--speed-repeats", "1", "--calibration-images", "16",
+         "--methods", *methods, "--device", "cpu", "--out", str(w / "frontier"))
+
+
+def digests(w: Path) -> dict[str, str]:
+    """Each result in ``w`` (``run_all``'s) by name, its digest."""
+    results = {}
+    for run in ("dense", "mod", "ft_tome", "ft_fold"):
+        results[f"{run} model"] = model_digest(w / run / "model.safetensors")
+        metrics = w / run / "metrics.jsonl"
+        if metrics.exists():
+            results[f"{run} metrics"] = digest(without_times(jsonl(metrics)))
+    for row in json.loads((w / "frontier" / "frontier.json").read_text())["rows"]:
+        results[f"frontier {row['method']} @{row['cost_target']}"] = digest(without_times(row))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="a directory for the runs (emptied first)")
@@ -70,33 +96,11 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ToMe", "PiToMe", "ppt", "A-MoD fold", "A-MoD calibrated"],
                         help="the frontier sweep's methods (default: %(default)s)")
     args = parser.parse_args()
-    w = args.work
-    if args.digest_only:
-        global amod
-        amod = lambda *argv: None  # noqa: E731
-    else:
-        shutil.rmtree(w, ignore_errors=True)
-        w.mkdir(parents=True)
-    results = {}
-    amod("train", *TINY, *SHORT, "--out", str(w / "dense"))
-    amod("train", *TINY, *SHORT, "--router", "attention", "--capacity", "0.5", "--out", str(w / "mod"))
-    dense = w / "dense" / "model.safetensors"
-    amod("finetune", *TINY, *SHORT, "--checkpoint", str(dense), "--tome-r", "2", "--out", str(w / "ft_tome"))
-    amod("finetune", *TINY, *SHORT, "--checkpoint", str(dense), "--router", "attention", "--capacity", "0.5",
-         "--skipped", "fold", "--out", str(w / "ft_fold"))
-    for run in ("dense", "mod", "ft_tome", "ft_fold"):
-        results[f"{run} model"] = model_digest(w / run / "model.safetensors")
-        metrics = w / run / "metrics.jsonl"
-        if metrics.exists():
-            results[f"{run} metrics"] = digest(without_times(jsonl(metrics)))
-    amod("frontier", "--checkpoint", str(dense), "--img-size", "28", "--cost", "0.5", "0.8", "--probe-train", "200",
-         "--val-limit", "128", "--speed-batch", "2", "--speed-repeats", "1", "--calibration-images", "16",
-         "--methods", *args.methods, "--device", "cpu",
-         "--out", str(w / "frontier"))
-    rows = json.loads((w / "frontier" / "frontier.json").read_text())["rows"]
-    for row in rows:
-        results[f"frontier {row['method']} @{row['cost_target']}"] = digest(without_times(row))
-    for name, value in results.items():
+    if not args.digest_only:
+        shutil.rmtree(args.work, ignore_errors=True)
+        args.work.mkdir(parents=True)
+        run_all(args.work, args.methods)
+    for name, value in digests(args.work).items():
         print(f"{name:34s} {value}")
 
 
